@@ -1,0 +1,26 @@
+"""The codelab's values: MLP 784-256-128-10, AdamW(3e-3, wd 1e-4), batch 512, 400 steps.
+
+Run it:
+    python main.py --config=configs/default.py --steps=400
+Override any field with --config.FIELD=VALUE or the shorthand flags (--steps, --compute_dtype...).
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.seed = 0  # data shuffle and parameter init
+    config.data_dir = ""  # "" searches the cache, Debian's directory, then downloads
+    config.batch_size = 512  # train and evaluation batches; every step has this shape
+    config.steps = 400  # optimizer updates, cycling through the fixed batches
+    config.log_every = 25  # metrics reach the host only at these steps (and the first and last)
+    config.compute_dtype = "float32"  # float32 | bfloat16; params always stay float32
+
+    config.model = ml_collections.ConfigDict()
+    config.model.hidden = (256, 128)  # hidden layer widths between 784 inputs and 10 classes
+
+    config.optimizer = ml_collections.ConfigDict()
+    config.optimizer.learning_rate = 3e-3  # AdamW
+    config.optimizer.weight_decay = 1e-4  # AdamW's decoupled weight decay
+    return config

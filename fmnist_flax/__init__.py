@@ -1,0 +1,1 @@
+"""Flax NNX training template: the JAX GPU codelab's Fashion-MNIST MLP, stage by stage."""

@@ -1,0 +1,78 @@
+"""The command line: flags -> config -> `train_and_evaluate`; user mistakes exit with one line."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+from collections.abc import Sequence
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from fmnist_flax import train
+from fmnist_flax.errors import UserError
+
+DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py"
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", str(DEFAULT_CONFIG), "Config file; override fields with --config.FIELD=VALUE."
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Directory for the run's outputs; default: a fresh directory under runs/."
+)
+
+# Shorthand flags of the design card -> the config field each one overrides.
+SHORTHANDS = {
+    "compute_dtype": "compute_dtype",
+    "steps": "steps",
+    "batch_size": "batch_size",
+    "learning_rate": "optimizer.learning_rate",
+    "seed": "seed",
+    "log_every": "log_every",
+    "data_dir": "data_dir",
+}
+flags.DEFINE_string("compute_dtype", None, "float32 or bfloat16 (params stay float32).")
+flags.DEFINE_integer("steps", None, "Number of optimizer updates.")
+flags.DEFINE_integer("batch_size", None, "Examples per training and evaluation batch.")
+flags.DEFINE_float("learning_rate", None, "AdamW learning rate.")
+flags.DEFINE_integer("seed", None, "Seed for the data shuffle and parameter init.")
+flags.DEFINE_integer("log_every", None, "Pull metrics to the host every this many steps.")
+flags.DEFINE_string("data_dir", None, "Directory holding the four Fashion-MNIST .gz files.")
+
+
+def fail(message: str, code: int) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+    """absl's parser, with a bad flag reported in one line instead of a usage dump."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as exc:
+        fail(f"{exc} (see --helpfull)", 2)
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        fail(f"unexpected arguments {' '.join(argv[1:])}; flags look like --steps=400", 2)
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # keep JAX's start-up INFO lines out of the tables
+    config = _CONFIG.value
+    for flag, field in SHORTHANDS.items():
+        value = flags.FLAGS[flag].value
+        if value is not None:
+            *groups, leaf = field.split(".")
+            target = config
+            for group in groups:
+                target = target[group]
+            target[leaf] = value
+    try:
+        train.train_and_evaluate(config, _WORKDIR.value)
+    except UserError as exc:
+        fail(str(exc), 1)
+
+
+def run() -> None:
+    """Entry point of `main.py` and the `fmnist-flax` console script."""
+    app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,29 @@
+"""Check a run's config before any data is read or anything compiles."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from fmnist_flax.errors import UserError
+from fmnist_flax.model import COMPUTE_DTYPES
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Raise UserError naming the first field whose value cannot work."""
+    if config.compute_dtype not in COMPUTE_DTYPES:
+        raise UserError(
+            f"--compute_dtype={config.compute_dtype!r} is not supported; "
+            f"use one of {', '.join(COMPUTE_DTYPES)}"
+        )
+    for name in ("steps", "batch_size", "log_every"):
+        if config[name] < 1:
+            raise UserError(f"--{name}={config[name]} must be a positive whole number")
+    if not config.optimizer.learning_rate > 0:
+        raise UserError(f"--learning_rate={config.optimizer.learning_rate} must be positive")
+    if config.optimizer.weight_decay < 0:
+        raise UserError(f"--config.optimizer.weight_decay={config.optimizer.weight_decay} must be >= 0")
+    hidden = tuple(config.model.hidden)
+    if not hidden or any(not isinstance(h, int) or h < 1 for h in hidden):
+        raise UserError(
+            f"--config.model.hidden={hidden} must be a tuple of positive widths, e.g. '(256, 128)'"
+        )

@@ -1,0 +1,63 @@
+"""The codelab's tables as plain data: built once, printed in the terminal, reused by reports."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """A titled table of already formatted cells; numeric columns are right-aligned."""
+
+    title: str
+    headers: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+
+    @classmethod
+    def of(cls, title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+        return cls(title, tuple(headers), tuple(tuple(str(c) for c in row) for row in rows))
+
+    def format(self) -> str:
+        columns = list(zip(self.headers, *self.rows, strict=True))
+        widths = [max(len(c) for c in col) for col in columns]
+        right = [bool(self.rows) and all(map(_numeric, col[1:])) for col in columns]
+
+        def line(cells: Sequence[str]) -> str:
+            return "  ".join(
+                c.rjust(w) if r else c.ljust(w)
+                for c, w, r in zip(cells, widths, right, strict=True)
+            ).rstrip()
+
+        rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
+        return "\n".join([self.title, rule, line(self.headers), rule, *map(line, self.rows), ""])
+
+
+def _numeric(cell: str) -> bool:
+    return cell.replace(",", "").replace(".", "").replace("%", "").lstrip("-").isdigit()
+
+
+def devices_of(tree: Any) -> str:
+    """The devices a PyTree's arrays live on, e.g. 'cpu:0' or 'cuda:0'."""
+    devices = {d for leaf in jax.tree.leaves(tree) for d in leaf.devices()}
+    return ", ".join(sorted(f"{d.platform}:{d.id}" for d in devices))
+
+
+def path_name(path: tuple) -> str:
+    """('layers', 0, 'kernel') -> 'layers.0.kernel'."""
+    return ".".join(str(p) for p in path)
+
+
+def params_table(model: nnx.Module) -> Table:
+    """Section 5: every parameter leaf, its shape, dtype and device, and the total count."""
+    params = nnx.state(model, nnx.Param)
+    flat = nnx.to_flat_state(params)
+    total = sum(v.size for _, v in flat)
+    rows = [(path_name(p), tuple(v.shape), v.dtype, devices_of(v[...])) for p, v in flat]
+    return Table.of(
+        f"MLP parameters: {total:,} trainable values", ("Parameter", "Shape", "Dtype", "Device"), rows
+    )

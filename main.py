@@ -1,0 +1,6 @@
+"""Train and evaluate the Flax NNX MLP on Fashion-MNIST: `python main.py --steps=400`."""
+
+from fmnist_flax import cli
+
+if __name__ == "__main__":
+    cli.run()
