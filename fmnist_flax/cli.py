@@ -59,14 +59,13 @@ def main(argv: Sequence[str]) -> None:
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # keep JAX's start-up INFO lines out of the tables
     config = _CONFIG.value
-    for flag, field in SHORTHANDS.items():
-        value = flags.FLAGS[flag].value
-        if value is not None:
-            *groups, leaf = field.split(".")
-            target = config
-            for group in groups:
-                target = target[group]
-            target[leaf] = value
+    config.update_from_flattened_dict(
+        {
+            field: flags.FLAGS[flag].value
+            for flag, field in SHORTHANDS.items()
+            if flags.FLAGS[flag].value is not None
+        }
+    )
     try:
         train.train_and_evaluate(config, _WORKDIR.value)
     except UserError as exc:

@@ -21,7 +21,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if not config.optimizer.learning_rate > 0:
         raise UserError(f"--learning_rate={config.optimizer.learning_rate} must be positive")
     if config.optimizer.weight_decay < 0:
-        raise UserError(f"--config.optimizer.weight_decay={config.optimizer.weight_decay} must be >= 0")
+        raise UserError(
+            f"--config.optimizer.weight_decay={config.optimizer.weight_decay} must be >= 0"
+        )
     hidden = tuple(config.model.hidden)
     if not hidden or any(not isinstance(h, int) or h < 1 for h in hidden):
         raise UserError(

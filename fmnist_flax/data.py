@@ -9,10 +9,11 @@ import pathlib
 import struct
 import urllib.error
 import urllib.request
+from typing import NamedTuple
 
 import jax
-from absl import logging
 import numpy as np
+from absl import logging
 
 from fmnist_flax.errors import UserError
 
@@ -68,7 +69,18 @@ TEST_LABELS = IdxFile(
     "bb300cfdad3c16e7a12a480ee83cd310",
     "15d484375f8d13e6eb1aabb0c3f46965",
 )
-FILES = (TRAIN_IMAGES, TRAIN_LABELS, TEST_IMAGES, TEST_LABELS)
+
+
+class DatasetFiles(NamedTuple):
+    """The four files of an MNIST-format dataset; another dataset of the format swaps these."""
+
+    train_images: IdxFile
+    train_labels: IdxFile
+    test_images: IdxFile
+    test_labels: IdxFile
+
+
+FASHION_MNIST = DatasetFiles(TRAIN_IMAGES, TRAIN_LABELS, TEST_IMAGES, TEST_LABELS)
 
 CACHE_DIR = pathlib.Path.home() / ".cache" / "fmnist-flax"
 SYSTEM_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")
@@ -78,7 +90,7 @@ GZIP_MAGIC = b"\x1f\x8b"
 
 HOW_TO_GET_DATA = (
     "install Debian's package (apt-get install dataset-fashion-mnist), "
-    f"pass --data_dir=DIR holding the four files ({', '.join(f.gz_name for f in FILES)}), "
+    f"pass --data_dir=DIR holding the four files ({', '.join(f.gz_name for f in FASHION_MNIST)}), "
     f"or allow the download from {BASE_URL} into {CACHE_DIR}"
 )
 
@@ -214,6 +226,7 @@ def parse_idx(payload: bytes, name: str, *, images: bool) -> np.ndarray:
 def load_dataset(
     data_dir: str | pathlib.Path | None = None,
     *,
+    files: DatasetFiles = FASHION_MNIST,
     cache_dir: pathlib.Path = CACHE_DIR,
     system_dir: pathlib.Path = SYSTEM_DIR,
     base_url: str | None = BASE_URL,
@@ -223,23 +236,21 @@ def load_dataset(
         data_dir = pathlib.Path(data_dir).expanduser()
         if not data_dir.is_dir():
             raise UserError(f"--data_dir {data_dir} is not a directory; " + HOW_TO_GET_DATA)
-    arrays, sources = {}, {}
-    for spec in FILES:
-        payload, sources[spec.stem] = find_payload(spec, data_dir, cache_dir, system_dir, base_url)
-        arrays[spec] = parse_idx(payload, sources[spec.stem], images="images" in spec.stem)
-    for images, labels in ((TRAIN_IMAGES, TRAIN_LABELS), (TEST_IMAGES, TEST_LABELS)):
+    arrays, sources = [], {}
+    for spec in files:
+        payload, source = find_payload(spec, data_dir, cache_dir, system_dir, base_url)
+        sources[spec.stem] = source
+        arrays.append(
+            parse_idx(payload, source, images=spec in (files.train_images, files.test_images))
+        )
+    for images, labels in ((0, 1), (2, 3)):
         if len(arrays[images]) != len(arrays[labels]):
             raise UserError(
-                f"{sources[images.stem]} has {len(arrays[images])} images but "
-                f"{sources[labels.stem]} has {len(arrays[labels])} labels; the files do not pair"
+                f"{sources[files[images].stem]} has {len(arrays[images])} images but "
+                f"{sources[files[labels].stem]} has {len(arrays[labels])} labels; "
+                "the files do not pair"
             )
-    return Dataset(
-        arrays[TRAIN_IMAGES],
-        arrays[TRAIN_LABELS],
-        arrays[TEST_IMAGES],
-        arrays[TEST_LABELS],
-        sources,
-    )
+    return Dataset(*arrays, sources)
 
 
 def prepare_images(images: np.ndarray) -> np.ndarray:

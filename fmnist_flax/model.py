@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -40,7 +41,7 @@ class MLP(nnx.Module):
                 bias_init=nnx.initializers.zeros,
                 rngs=rngs,
             )
-            for fan_in, fan_out in zip(sizes[:-1], sizes[1:], strict=True)
+            for fan_in, fan_out in itertools.pairwise(sizes)
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -64,7 +64,10 @@ def sgd_step(params: Params, batch: Batch, learning_rate: float) -> tuple[Params
 
 
 def make_train_step(optimizer: optax.GradientTransformation, compute_dtype: jnp.dtype):
-    """The codelab's jitted Optax step: (params, opt_state, batch) -> (params, opt_state, metrics)."""
+    """The codelab's jitted Optax step: (params, opt_state, batch) -> (params, opt_state, metrics).
+
+    Built per optimizer and dtype, as the codelab closes over them.
+    """
 
     @jax.jit
     def train_step(params, opt_state, batch):
@@ -72,7 +75,7 @@ def make_train_step(optimizer: optax.GradientTransformation, compute_dtype: jnp.
             params, batch, compute_dtype
         )
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        metrics = {"loss": loss, "accuracy": aux["accuracy"], "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "accuracy": aux["accuracy"], "grad_norm": optax.tree.norm(grads)}
         return optax.apply_updates(params, updates), opt_state, metrics
 
     return train_step

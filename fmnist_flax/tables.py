@@ -59,5 +59,7 @@ def params_table(model: nnx.Module) -> Table:
     total = sum(v.size for _, v in flat)
     rows = [(path_name(p), tuple(v.shape), v.dtype, devices_of(v[...])) for p, v in flat]
     return Table.of(
-        f"MLP parameters: {total:,} trainable values", ("Parameter", "Shape", "Dtype", "Device"), rows
+        f"MLP parameters: {total:,} trainable values",
+        ("Parameter", "Shape", "Dtype", "Device"),
+        rows,
     )

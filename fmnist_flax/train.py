@@ -16,7 +16,8 @@ from absl import logging
 from flax import nnx
 
 from fmnist_flax import config as config_lib
-from fmnist_flax import data, evaluate, reference, tables, workdir as workdir_lib
+from fmnist_flax import data, evaluate, reference, tables
+from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
 from fmnist_flax.model import create_model
 from fmnist_flax.tables import Table
@@ -49,23 +50,28 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, x: jax.Array, y: jax
     """One AdamW update in place; returns loss, batch accuracy and the gradient's L2 norm."""
     (loss, aux), grads = nnx.value_and_grad(loss_with_metrics, has_aux=True)(model, x, y)
     optimizer.update(model, grads)
-    return {"loss": loss, "accuracy": aux["accuracy"], "grad_norm": optax.global_norm(grads)}
+    return {"loss": loss, "accuracy": aux["accuracy"], "grad_norm": optax.tree.norm(grads)}
 
 
 def gradient_check(
     model: nnx.Module, x: jax.Array, y: jax.Array, learning_rate: float
 ) -> tuple[Table, dict[str, Any]]:
-    """Section 6: `nnx.grad` and `nnx.value_and_grad` agree and mirror the parameter tree."""
-    grads_only = nnx.grad(loss_fn)(model, x, y)
-    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+    """Section 6: `nnx.grad` and `nnx.value_and_grad` agree and mirror the parameter tree.
+
+    Both are compiled: the codelab runs them eagerly, which here costs seconds of op-by-op
+    compilation and shows nothing more.
+    """
+    grads_only = nnx.jit(nnx.grad(loss_fn))(model, x, y)
+    loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model, x, y)
     params = nnx.state(model, nnx.Param)
-    difference = optax.global_norm(jax.tree.map(jnp.subtract, grads, grads_only))
+    difference = optax.tree.norm(jax.tree.map(jnp.subtract, grads, grads_only))
     # The codelab's hand-written SGD step, on the pure-PyTree twin: a new tree, old one untouched.
-    _, sgd_loss = reference.sgd_step(reference.params_from_model(model), (x, y), learning_rate)
+    sgd_step = jax.jit(reference.sgd_step, static_argnames="learning_rate")
+    _, sgd_loss = sgd_step(reference.params_from_model(model), (x, y), learning_rate=learning_rate)
     check = {
         "trees_match": jax.tree.structure(grads) == jax.tree.structure(params),
         "loss": float(loss),
-        "grad_norm": float(optax.global_norm(grads)),
+        "grad_norm": float(optax.tree.norm(grads)),
         "grad_vs_value_and_grad": float(difference),
         "sgd_step_loss": float(sgd_loss),
     }
@@ -142,8 +148,7 @@ def setup_table(device: jax.Device) -> Table:
 def batches_table(batches: data.Batches) -> Table:
     """Section 4: the device-resident batch arrays."""
     rows = [
-        (name, tuple(a.shape), a.dtype, tables.devices_of(a))
-        for name, a in vars(batches).items()
+        (name, tuple(a.shape), a.dtype, tables.devices_of(a)) for name, a in vars(batches).items()
     ]
     return Table.of("Fixed-size batches on the device", ("Array", "Shape", "Dtype", "Device"), rows)
 
@@ -154,17 +159,18 @@ def show(table: Table) -> None:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -> dict[str, Any]:
     """Every stage of the codelab for one config; writes summary.json and metrics.jsonl."""
-    config_lib.validate(config)
     wall_start = time.perf_counter()
+    # Everything a user can get wrong is checked before anything is printed or compiled.
+    config_lib.validate(config)
+    dataset = data.load_dataset(config.data_dir or None)
+    device = jax.devices()[0]
+    batches = data.make_batches(dataset, config.batch_size, config.seed, device)
     workdir = workdir_lib.prepare_workdir(workdir)
     print(f"workdir: {workdir}", flush=True)
 
-    device = jax.devices()[0]
     show(setup_table(device))
     if device.platform != "gpu":
         logging.warning("No GPU found: running on %s. Install '.[cuda12]' on a GPU host.", device)
-
-    dataset = data.load_dataset(config.data_dir or None)
     show(
         Table.of(
             "Fashion-MNIST loaded from IDX files",
@@ -172,15 +178,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
             [
                 (split, f"{len(images):,}", images.shape[1:], f"{len(labels):,}", source)
                 for split, images, labels, source in (
-                    ("train", dataset.train_images, dataset.train_labels,
-                     dataset.sources[data.TRAIN_IMAGES.stem]),
-                    ("test", dataset.test_images, dataset.test_labels,
-                     dataset.sources[data.TEST_IMAGES.stem]),
+                    (
+                        "train",
+                        dataset.train_images,
+                        dataset.train_labels,
+                        dataset.sources[data.TRAIN_IMAGES.stem],
+                    ),
+                    (
+                        "test",
+                        dataset.test_images,
+                        dataset.test_labels,
+                        dataset.sources[data.TEST_IMAGES.stem],
+                    ),
                 )
             ],
         )
     )
-    batches = data.make_batches(dataset, config.batch_size, config.seed, device)
     show(batches_table(batches))
 
     model = create_model(config)
@@ -212,8 +225,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
             f"Training metrics, {examples_per_sec:,.0f} examples/sec",
             ("Step", "Loss", "Accuracy", "Grad norm"),
             [
-                (h["step"], f"{h['loss']:.4f}", f"{100 * h['accuracy']:.1f}%",
-                 f"{h['grad_norm']:.3f}")
+                (
+                    h["step"],
+                    f"{h['loss']:.4f}",
+                    f"{100 * h['accuracy']:.1f}%",
+                    f"{h['grad_norm']:.3f}",
+                )
                 for h in history
             ],
         )
@@ -229,12 +246,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
             "Evaluation after training",
             ("Split", "Loss", "Accuracy", "Examples evaluated"),
             [
-                ("last train batch", f"{last['loss']:.4f}", f"{100 * last['accuracy']:.2f}%",
-                 config.batch_size),
-                ("test, codelab (whole batches only)", f"{codelab_eval['loss']:.4f}",
-                 f"{100 * codelab_eval['accuracy']:.2f}%", f"{codelab_eval['examples']:,}"),
-                ("test, full (last batch padded, masked)", f"{full_eval['loss']:.4f}",
-                 f"{100 * full_eval['accuracy']:.2f}%", f"{full_eval['examples']:,}"),
+                (
+                    "last train batch",
+                    f"{last['loss']:.4f}",
+                    f"{100 * last['accuracy']:.2f}%",
+                    config.batch_size,
+                ),
+                (
+                    "test, codelab (whole batches only)",
+                    f"{codelab_eval['loss']:.4f}",
+                    f"{100 * codelab_eval['accuracy']:.2f}%",
+                    f"{codelab_eval['examples']:,}",
+                ),
+                (
+                    "test, full (last batch padded, masked)",
+                    f"{full_eval['loss']:.4f}",
+                    f"{100 * full_eval['accuracy']:.2f}%",
+                    f"{full_eval['examples']:,}",
+                ),
             ],
         )
     )

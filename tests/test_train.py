@@ -1,0 +1,82 @@
+"""The compiled step, the gradient check and short real-data training runs."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from fmnist_flax import data, train
+from fmnist_flax.errors import UserError
+from fmnist_flax.model import MLP
+
+
+def read_metrics(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_100_step_real_data_run_learns_and_writes_its_outputs(quick_config, tmp_path):
+    summary = train.train_and_evaluate(quick_config, tmp_path / "run")
+    assert summary["test_accuracy"] >= 0.80
+    assert summary["test_examples"] == 10_000
+    assert summary["codelab_test_examples"] == 9_728
+    assert summary["train_examples_per_sec"] > 0
+    on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for key in (
+        "test_accuracy", "test_loss", "test_examples", "train_examples_per_sec", "steps",
+        "batch_size", "compute_dtype", "backend", "num_devices", "versions",
+    ):  # fmt: skip
+        assert on_disk[key] == summary[key]
+    assert set(on_disk["versions"]) == {"jax", "flax", "optax"}
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 25, 50, 75, 100]
+    assert set(rows[0]) == {"step", "loss", "accuracy", "grad_norm"}
+    assert rows[-1]["loss"] < rows[0]["loss"] / 2
+    assert summary["gradient_check"]["trees_match"]
+    assert summary["gradient_check"]["grad_vs_value_and_grad"] == 0.0
+
+
+def test_same_seed_gives_bitwise_identical_runs(quick_config, tmp_path):
+    quick_config.steps = 30
+    quick_config.log_every = 10
+    first = train.train_and_evaluate(quick_config, tmp_path / "a")
+    second = train.train_and_evaluate(quick_config, tmp_path / "b")
+    assert first["final_train_loss"] == second["final_train_loss"]
+    assert read_metrics(tmp_path / "a") == read_metrics(tmp_path / "b")
+    quick_config.seed = 1
+    other = train.train_and_evaluate(quick_config, tmp_path / "c")
+    assert other["final_train_loss"] != first["final_train_loss"]
+
+
+def test_first_adamw_step_is_near_chance_and_returns_grad_norm(real_dataset, quick_config):
+    batches = data.make_batches(real_dataset, 512, seed=0, device=jax.devices()[0])
+    model = MLP(rngs=nnx.Rngs(2))
+    metrics = train.train_step(
+        model, train.create_optimizer(model, quick_config), batches.train_x[0], batches.train_y[0]
+    )
+    assert 0.0 <= float(metrics["accuracy"]) < 0.3  # the codelab's "~10% on a fresh model"
+    assert float(metrics["grad_norm"]) > 0
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_gradient_check_reports_matching_trees(quick_config):
+    model = MLP(rngs=nnx.Rngs(0))
+    x = jnp.ones((4, 784))
+    y = jnp.arange(4)
+    table, check = train.gradient_check(model, x, y, quick_config.optimizer.learning_rate)
+    assert check["trees_match"] and check["grad_vs_value_and_grad"] == 0.0
+    assert [row[0] for row in table.rows][-1] == "layers.2.kernel"
+    assert check["sgd_step_loss"] == pytest.approx(check["loss"])
+
+
+def test_non_finite_loss_stops_with_the_step(quick_config, tmp_path):
+    quick_config.steps = 10
+    quick_config.log_every = 1
+    quick_config.optimizer.learning_rate = 1e30
+    with pytest.raises(UserError, match=r"the loss became nan at step \d+") as exc:
+        train.train_and_evaluate(quick_config, tmp_path / "run")
+    assert "\n" not in str(exc.value)
