@@ -16,6 +16,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.steps = 400  # optimizer updates, cycling through the fixed batches
     config.log_every = 25  # metrics reach the host only at these steps (and the first and last)
     config.compute_dtype = "float32"  # float32 | bfloat16; params always stay float32
+    config.checkpoint_every = 100  # Orbax saves every this many steps, at the end and on SIGTERM
+    config.max_to_keep = 3  # newest checkpoints kept in <workdir>/checkpoints
 
     config.model = ml_collections.ConfigDict()
     config.model.hidden = (256, 128)  # hidden layer widths between 784 inputs and 10 classes

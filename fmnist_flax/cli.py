@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from fmnist_flax import train
+from fmnist_flax import inference, train
 from fmnist_flax.errors import UserError
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py"
@@ -20,6 +20,16 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory for the run's outputs; default: a fresh directory under runs/."
 )
+_MODE = flags.DEFINE_enum(
+    "mode",
+    "train",
+    ["train", "eval", "predict"],
+    "train (resumes from --workdir's checkpoints), eval (full test set -> eval.json) or "
+    "predict (classify --images).",
+)
+_IMAGES = flags.DEFINE_list("images", [], "predict: PNG files or .npy arrays (28x28 or Nx28x28).")
+_OUTPUT = flags.DEFINE_string("output", None, "predict: also write the predictions to this JSON.")
+_STEP = flags.DEFINE_integer("step", None, "eval/predict: checkpoint step; default the newest.")
 
 # Shorthand flags of the design card -> the config field each one overrides.
 SHORTHANDS = {
@@ -30,6 +40,7 @@ SHORTHANDS = {
     "seed": "seed",
     "log_every": "log_every",
     "data_dir": "data_dir",
+    "checkpoint_every": "checkpoint_every",
 }
 flags.DEFINE_string("compute_dtype", None, "float32 or bfloat16 (params stay float32).")
 flags.DEFINE_integer("steps", None, "Number of optimizer updates.")
@@ -38,6 +49,7 @@ flags.DEFINE_float("learning_rate", None, "AdamW learning rate.")
 flags.DEFINE_integer("seed", None, "Seed for the data shuffle and parameter init.")
 flags.DEFINE_integer("log_every", None, "Pull metrics to the host every this many steps.")
 flags.DEFINE_string("data_dir", None, "Directory holding the four Fashion-MNIST .gz files.")
+flags.DEFINE_integer("checkpoint_every", None, "Save a checkpoint every this many steps.")
 
 
 def fail(message: str, code: int) -> None:
@@ -67,9 +79,33 @@ def main(argv: Sequence[str]) -> None:
         }
     )
     try:
-        train.train_and_evaluate(config, _WORKDIR.value)
+        if _MODE.value == "train":
+            train.train_and_evaluate(config, _WORKDIR.value)
+        elif not _WORKDIR.value:
+            fail(f"--mode={_MODE.value} needs --workdir=DIR of a training run", 2)
+        elif _MODE.value == "eval":
+            inference.run_eval(
+                _WORKDIR.value,
+                step=_STEP.value,
+                compute_dtype=flags.FLAGS.compute_dtype,
+                data_dir=flags.FLAGS.data_dir,
+            )
+        else:
+            _, errors = inference.run_predict(
+                _WORKDIR.value,
+                _IMAGES.value,
+                step=_STEP.value,
+                compute_dtype=flags.FLAGS.compute_dtype,
+                output=_OUTPUT.value,
+            )
+            for line in errors:
+                print(f"error: {line}", file=sys.stderr)
+            if errors:
+                sys.exit(1)
     except UserError as exc:
-        fail(str(exc), 1)
+        fail(str(exc), getattr(exc, "exit_code", 1))
+    except KeyboardInterrupt:
+        fail("interrupted before training started; nothing was saved", 130)
 
 
 def run() -> None:

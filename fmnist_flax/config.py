@@ -15,7 +15,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"--compute_dtype={config.compute_dtype!r} is not supported; "
             f"use one of {', '.join(COMPUTE_DTYPES)}"
         )
-    for name in ("steps", "batch_size", "log_every"):
+    for name in ("steps", "batch_size", "log_every", "checkpoint_every", "max_to_keep"):
         if config[name] < 1:
             raise UserError(f"--{name}={config[name]} must be a positive whole number")
     if not config.optimizer.learning_rate > 0:

@@ -57,3 +57,25 @@ def evaluate(
         "examples": int(result["examples"]),
         "predictions": result["predictions"].reshape(-1)[real],
     }
+
+
+def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> np.ndarray:
+    """counts[true, predicted] over every evaluated example."""
+    counts = np.zeros((num_classes, num_classes), np.int64)
+    np.add.at(counts, (np.asarray(labels), np.asarray(predictions)), 1)
+    return counts
+
+
+@nnx.jit
+def _probabilities(model: nnx.Module, x: jax.Array) -> jax.Array:
+    return jax.nn.softmax(model(x), axis=-1)
+
+
+def predict(model: nnx.Module, images: np.ndarray) -> np.ndarray:
+    """Class probabilities (N, 10) for images shaped (N, 28, 28) or (N, 784).
+
+    uint8 pixels are scaled to [0, 1]; float pixels are taken as already in [0, 1].
+    """
+    images = np.asarray(images)
+    x = images.astype(np.float32) / 255.0 if images.dtype == np.uint8 else images
+    return np.asarray(_probabilities(model, jnp.asarray(x, jnp.float32).reshape(len(x), -1)))

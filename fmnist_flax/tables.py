@@ -63,3 +63,62 @@ def params_table(model: nnx.Module) -> Table:
         ("Parameter", "Shape", "Dtype", "Device"),
         rows,
     )
+
+
+def setup_table(versions: dict[str, str], device: Any) -> Table:
+    """Section 1: versions, backend and devices."""
+    rows = [(name, version) for name, version in versions.items()]
+    rows += [
+        ("Default backend", jax.default_backend()),
+        ("Devices", ", ".join(str(d) for d in jax.devices())),
+        ("Using", str(device)),
+    ]
+    return Table.of("Set-up", ("Item", "Value"), rows)
+
+
+def splits_table(splits: Sequence[tuple[str, Any, Any, str]]) -> Table:
+    """Section 2: (split, images, labels, source) -> counts and image shape."""
+    rows = [
+        (split, f"{len(images):,}", images.shape[1:], f"{len(labels):,}", source)
+        for split, images, labels, source in splits
+    ]
+    return Table.of(
+        "Fashion-MNIST loaded from IDX files",
+        ("Split", "Images", "Image shape", "Labels", "Source"),
+        rows,
+    )
+
+
+def arrays_table(title: str, arrays: dict[str, Any]) -> Table:
+    """Section 4: named device arrays with shape, dtype and device."""
+    rows = [(name, tuple(a.shape), a.dtype, devices_of(a)) for name, a in arrays.items()]
+    return Table.of(title, ("Array", "Shape", "Dtype", "Device"), rows)
+
+
+def training_log_table(history: Sequence[dict[str, float]], examples_per_sec: float) -> Table:
+    """Section 9: the metrics pulled to the host at logging points."""
+    rows = [
+        (h["step"], f"{h['loss']:.4f}", f"{100 * h['accuracy']:.1f}%", f"{h['grad_norm']:.3f}")
+        for h in history
+    ]
+    return Table.of(
+        f"Training metrics, {examples_per_sec:,.0f} examples/sec",
+        ("Step", "Loss", "Accuracy", "Grad norm"),
+        rows,
+    )
+
+
+def evaluation_table(results: dict[str, dict[str, Any]]) -> Table:
+    """Section 10: loss, accuracy and example count per evaluated split."""
+    rows = [
+        (name, f"{r['loss']:.4f}", f"{100 * r['accuracy']:.2f}%", f"{r['examples']:,}")
+        for name, r in results.items()
+    ]
+    return Table.of("Evaluation", ("Split", "Loss", "Accuracy", "Examples evaluated"), rows)
+
+
+def placement_table(trees: dict[str, Any]) -> Table:
+    """Section 14: where every part of the training state lives."""
+    return Table.of(
+        "Device placement", ("What", "Device"), [(k, devices_of(v)) for k, v in trees.items()]
+    )

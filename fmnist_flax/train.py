@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +16,7 @@ import optax
 from absl import logging
 from flax import nnx
 
+from fmnist_flax import checkpoint as checkpoint_lib
 from fmnist_flax import config as config_lib
 from fmnist_flax import data, evaluate, reference, tables
 from fmnist_flax import workdir as workdir_lib
@@ -91,120 +93,213 @@ def gradient_check(
     return table, check
 
 
+class Interrupted(UserError):
+    """SIGINT or SIGTERM stopped training after a checkpoint of the current step was saved."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StopSignals:
+    """While active, SIGINT and SIGTERM only set `signum`; the loop saves and stops cleanly."""
+
+    def __init__(self):
+        self.signum = 0
+        self._previous = {}
+
+    def __enter__(self) -> StopSignals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+@jax.jit
+def all_finite(tree: Any) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def progress_of(step: int, num_batches: int, config: ml_collections.ConfigDict) -> dict[str, int]:
+    """Where the data order stands after `step` updates: epoch, index of the next batch."""
+    return {
+        "step": step,
+        "epoch": step // num_batches,
+        "index": step % num_batches,
+        "num_batches": num_batches,
+        "batch_size": config.batch_size,
+        "seed": config.seed,
+    }
+
+
 def train(
     model: nnx.Module,
     optimizer: nnx.Optimizer,
     batches: data.Batches,
-    steps: int,
-    log_every: int,
+    config: ml_collections.ConfigDict,
+    *,
+    start_step: int,
+    checkpoints: checkpoint_lib.Checkpoints,
     on_log: Callable[[dict[str, float]], None],
 ) -> tuple[list[dict[str, float]], float]:
-    """Run `steps` updates cycling through the fixed batches; returns the log and examples/sec.
+    """Run updates start_step+1..config.steps cycling through the fixed batches.
 
     Metrics reach the host only at step 1, every `log_every` steps and the last step. The clock
     starts after the first (compiling) step and stops at `block_until_ready` on the final state.
+    Checkpoints are saved every `checkpoint_every` steps, at the end and on SIGINT/SIGTERM.
     """
     num_batches, batch_size = batches.train_y.shape
     history = []
+    last_finite = start_step
 
     def log(step: int, metrics: Metrics) -> None:
+        nonlocal last_finite
         row = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
         if not np.isfinite(row["loss"]):
-            raise UserError(
-                f"the loss became {row['loss']} at step {step}; lower --learning_rate and retry"
-            )
+            stop_non_finite(f"the loss became {row['loss']} between steps {last_finite} and {step}")
+        last_finite = step
         history.append(row)
         on_log(row)
 
-    log(1, train_step(model, optimizer, batches.train_x[0], batches.train_y[0]))
-    start = time.perf_counter()
-    for step in range(2, steps + 1):
-        i = (step - 1) % num_batches
-        metrics = train_step(model, optimizer, batches.train_x[i], batches.train_y[i])
-        if step % log_every == 0 or step == steps:
-            log(step, metrics)
+    def stop_non_finite(what: str) -> None:
+        checkpoints.wait()
+        kept = checkpoints.steps()
+        raise UserError(
+            f"{what}; training stopped, the last good checkpoint is "
+            f"{kept[-1] if kept else 'none'}; lower --learning_rate and retry"
+        )
+
+    def save(step: int) -> None:
+        if not all_finite(nnx.state(model, nnx.Param)):
+            stop_non_finite(
+                f"the parameters became non-finite between steps {last_finite} and {step}"
+            )
+        checkpoints.save(step, model, optimizer, progress_of(step, num_batches, config), config)
+
+    clock = None
+    with StopSignals() as signals:
+        for step in range(start_step + 1, config.steps + 1):
+            i = (step - 1) % num_batches
+            metrics = train_step(model, optimizer, batches.train_x[i], batches.train_y[i])
+            if clock is None:  # the first step compiled; time the rest
+                jax.block_until_ready(metrics)
+                clock = time.perf_counter(), step
+            if step == 1 or step % config.log_every == 0 or step == config.steps:
+                log(step, metrics)
+            if step % config.checkpoint_every == 0 or step == config.steps or signals.signum:
+                save(step)
+            if signals.signum:
+                checkpoints.wait()
+                name = signal.Signals(signals.signum).name
+                raise Interrupted(
+                    f"{name} at step {step}: checkpoint {step} saved in {checkpoints.directory}; "
+                    "resume by running the same command with the same --workdir",
+                    signals.signum,
+                )
     jax.block_until_ready(nnx.state((model, optimizer)))
-    elapsed = time.perf_counter() - start
-    examples_per_sec = (steps - 1) * batch_size / elapsed if steps > 1 else float("nan")
+    timed_steps = config.steps - clock[1]
+    elapsed = time.perf_counter() - clock[0]
+    examples_per_sec = timed_steps * batch_size / elapsed if timed_steps else float("nan")
     return history, examples_per_sec
 
 
-def setup_table(device: jax.Device) -> Table:
-    """Section 1: versions, backend and devices."""
-    return Table.of(
-        "Set-up",
-        ("Item", "Value"),
-        [
-            ("JAX", jax.__version__),
-            ("Flax", flax.__version__),
-            ("Optax", optax.__version__),
-            ("Default backend", jax.default_backend()),
-            ("Devices", ", ".join(str(d) for d in jax.devices())),
-            ("Using", str(device)),
-        ],
+def resume(
+    checkpoints: checkpoint_lib.Checkpoints,
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    config: ml_collections.ConfigDict,
+    num_batches: int,
+) -> int:
+    """Restore the newest intact checkpoint into model and optimizer; returns its step (0: none)."""
+    restored = checkpoints.restore(
+        {"model": nnx.state(model), "optimizer": nnx.state(optimizer), "progress": None}
     )
-
-
-def batches_table(batches: data.Batches) -> Table:
-    """Section 4: the device-resident batch arrays."""
-    rows = [
-        (name, tuple(a.shape), a.dtype, tables.devices_of(a)) for name, a in vars(batches).items()
-    ]
-    return Table.of("Fixed-size batches on the device", ("Array", "Shape", "Dtype", "Device"), rows)
+    if restored is None:
+        return 0
+    step, saved = restored["step"], restored["progress"]
+    expected = progress_of(step, num_batches, config)
+    for key in ("batch_size", "seed", "num_batches"):
+        if saved[key] != expected[key]:
+            raise UserError(
+                f"{checkpoints.directory} was trained with {key}={saved[key]}, this run has "
+                f"{expected[key]}; resume with the same value or use a new --workdir"
+            )
+    nnx.update(model, restored["model"])
+    nnx.update(optimizer, restored["optimizer"])
+    return step
 
 
 def show(table: Table) -> None:
     print(table.format(), flush=True)
 
 
+def versions() -> dict[str, str]:
+    return {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__}
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -> dict[str, Any]:
-    """Every stage of the codelab for one config; writes summary.json and metrics.jsonl."""
+    """Every stage of the codelab for one config; resumes from the workdir's checkpoints.
+
+    Writes summary.json, metrics.jsonl and checkpoints/ in the workdir and returns the summary.
+    """
     wall_start = time.perf_counter()
     # Everything a user can get wrong is checked before anything is printed or compiled.
     config_lib.validate(config)
+    workdir = workdir_lib.prepare_workdir(workdir)
     dataset = data.load_dataset(config.data_dir or None)
     device = jax.devices()[0]
     batches = data.make_batches(dataset, config.batch_size, config.seed, device)
-    workdir = workdir_lib.prepare_workdir(workdir)
-    print(f"workdir: {workdir}", flush=True)
+    checkpoints = checkpoint_lib.Checkpoints(workdir, max_to_keep=config.max_to_keep)
+    try:
+        return _run(config, workdir, dataset, batches, checkpoints, device, wall_start)
+    finally:
+        checkpoints.wait()
+        checkpoints.close()
 
-    show(setup_table(device))
+
+def _run(config, workdir, dataset, batches, checkpoints, device, wall_start) -> dict[str, Any]:
+    model = create_model(config)
+    optimizer = create_optimizer(model, config)
+    start_step = resume(checkpoints, model, optimizer, config, batches.train_y.shape[0])
+    summary_path = workdir / workdir_lib.SUMMARY_FILE
+    if start_step >= config.steps:
+        print(
+            f"workdir {workdir} already holds step {start_step}; nothing to do for "
+            f"--steps={config.steps} (pass a larger --steps to continue)",
+            flush=True,
+        )
+        return workdir_lib.read_json(summary_path)
+    print(f"workdir: {workdir}", flush=True)
+    if start_step:
+        print(f"resuming from checkpoint {start_step} in {checkpoints.directory}", flush=True)
+
+    show(tables.setup_table({n.capitalize(): v for n, v in versions().items()}, device))
     if device.platform != "gpu":
         logging.warning("No GPU found: running on %s. Install '.[cuda12]' on a GPU host.", device)
     show(
-        Table.of(
-            "Fashion-MNIST loaded from IDX files",
-            ("Split", "Images", "Image shape", "Labels", "Source"),
+        tables.splits_table(
             [
-                (split, f"{len(images):,}", images.shape[1:], f"{len(labels):,}", source)
-                for split, images, labels, source in (
-                    (
-                        "train",
-                        dataset.train_images,
-                        dataset.train_labels,
-                        dataset.sources[data.TRAIN_IMAGES.stem],
-                    ),
-                    (
-                        "test",
-                        dataset.test_images,
-                        dataset.test_labels,
-                        dataset.sources[data.TEST_IMAGES.stem],
-                    ),
-                )
-            ],
+                ("train", dataset.train_images, dataset.train_labels,
+                 dataset.sources[data.TRAIN_IMAGES.stem]),
+                ("test", dataset.test_images, dataset.test_labels,
+                 dataset.sources[data.TEST_IMAGES.stem]),
+            ]
         )
-    )
-    show(batches_table(batches))
-
-    model = create_model(config)
+    )  # fmt: skip
+    show(tables.arrays_table("Fixed-size batches on the device", vars(batches)))
     show(tables.params_table(model))
     grad_table, grad_check = gradient_check(
         model, batches.train_x[0], batches.train_y[0], config.optimizer.learning_rate
     )
     show(grad_table)
 
-    optimizer = create_optimizer(model, config)
-    metrics_log = workdir_lib.MetricsLog(workdir / workdir_lib.METRICS_FILE)
+    metrics_log = workdir_lib.MetricsLog(workdir / workdir_lib.METRICS_FILE, keep_until=start_step)
 
     def on_log(row: dict[str, float]) -> None:
         metrics_log.write(row)
@@ -216,25 +311,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
 
     try:
         history, examples_per_sec = train(
-            model, optimizer, batches, config.steps, config.log_every, on_log
-        )
+            model, optimizer, batches, config,
+            start_step=start_step, checkpoints=checkpoints, on_log=on_log,
+        )  # fmt: skip
     finally:
         metrics_log.close()
-    show(
-        Table.of(
-            f"Training metrics, {examples_per_sec:,.0f} examples/sec",
-            ("Step", "Loss", "Accuracy", "Grad norm"),
-            [
-                (
-                    h["step"],
-                    f"{h['loss']:.4f}",
-                    f"{100 * h['accuracy']:.1f}%",
-                    f"{h['grad_norm']:.3f}",
-                )
-                for h in history
-            ],
-        )
-    )
+    show(tables.training_log_table(history, examples_per_sec))
 
     codelab_eval = evaluate.evaluate(model, batches.test_x, batches.test_y)
     full_eval = evaluate.evaluate(
@@ -242,44 +324,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
     )
     last = history[-1]
     show(
-        Table.of(
-            "Evaluation after training",
-            ("Split", "Loss", "Accuracy", "Examples evaluated"),
-            [
-                (
-                    "last train batch",
-                    f"{last['loss']:.4f}",
-                    f"{100 * last['accuracy']:.2f}%",
-                    config.batch_size,
-                ),
-                (
-                    "test, codelab (whole batches only)",
-                    f"{codelab_eval['loss']:.4f}",
-                    f"{100 * codelab_eval['accuracy']:.2f}%",
-                    f"{codelab_eval['examples']:,}",
-                ),
-                (
-                    "test, full (last batch padded, masked)",
-                    f"{full_eval['loss']:.4f}",
-                    f"{100 * full_eval['accuracy']:.2f}%",
-                    f"{full_eval['examples']:,}",
-                ),
-            ],
+        tables.evaluation_table(
+            {
+                "last train batch": {**last, "examples": config.batch_size},
+                "test, codelab (whole batches only)": codelab_eval,
+                "test, full (last batch padded, masked)": full_eval,
+            }
         )
     )
     show(
-        Table.of(
-            "Device placement",
-            ("What", "Device"),
-            [
-                ("params", tables.devices_of(nnx.state(model, nnx.Param))),
-                ("optimizer state", tables.devices_of(nnx.state(optimizer, nnx.OptState))),
-                ("train batches", tables.devices_of((batches.train_x, batches.train_y))),
-                ("test batches", tables.devices_of((batches.test_x, batches.test_y))),
-            ],
+        tables.placement_table(
+            {
+                "params": nnx.state(model, nnx.Param),
+                "optimizer state": nnx.state(optimizer, nnx.OptState),
+                "train batches": (batches.train_x, batches.train_y),
+                "test batches": (batches.test_x, batches.test_y),
+            }
         )
     )
-
     summary = {
         "test_accuracy": full_eval["accuracy"],
         "test_loss": full_eval["loss"],
@@ -291,6 +353,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
         "final_train_accuracy": last["accuracy"],
         "train_examples_per_sec": examples_per_sec,
         "steps": config.steps,
+        "resumed_from_step": start_step,
         "batch_size": config.batch_size,
         "compute_dtype": config.compute_dtype,
         "seed": config.seed,
@@ -298,10 +361,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
         "num_devices": jax.device_count(),
         "gradient_check": grad_check,
         "wall_seconds": time.perf_counter() - wall_start,
-        "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
+        "versions": versions(),
         "config": config.to_dict(),
     }
-    workdir_lib.write_json(workdir / workdir_lib.SUMMARY_FILE, summary)
+    workdir_lib.write_json(summary_path, summary)
     print(
         f"test accuracy {full_eval['accuracy']:.4f} on {full_eval['examples']:,} examples "
         f"({codelab_eval['accuracy']:.4f} on the codelab's {codelab_eval['examples']:,})\n"

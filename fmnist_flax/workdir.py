@@ -18,7 +18,8 @@ METRICS_FILE = "metrics.jsonl"
 def prepare_workdir(workdir: str | os.PathLike | None) -> pathlib.Path:
     """Create the run's directory; without one, a fresh `runs/<date>-<time>` is made.
 
-    A directory that already holds a finished run is refused so its outputs are not overwritten.
+    A directory with checkpoints is resumed; one that holds a finished run without checkpoints
+    is refused so its outputs are not overwritten.
     """
     if workdir:
         path = pathlib.Path(workdir).expanduser()
@@ -28,17 +29,19 @@ def prepare_workdir(workdir: str | os.PathLike | None) -> pathlib.Path:
         while path.exists():
             path = path.with_name(f"{path.name.split('.')[0]}.{suffix}")
             suffix += 1
-    if (path / SUMMARY_FILE).exists():
+    if (path / SUMMARY_FILE).exists() and not (path / "checkpoints").is_dir():
         raise UserError(
-            f"--workdir {path} already holds a finished run ({SUMMARY_FILE}); "
+            f"--workdir {path} already holds a finished run ({SUMMARY_FILE}) and no checkpoints; "
             "pass a new --workdir or move that one away"
         )
     try:
         path.mkdir(parents=True, exist_ok=True)
+        (path / ".write-test").touch()
+        (path / ".write-test").unlink()
     except OSError as exc:
-        raise UserError(f"cannot create --workdir {path}: {exc.strerror}") from None
-    if not os.access(path, os.W_OK):
-        raise UserError(f"--workdir {path} is not writable; pick a directory you can write to")
+        raise UserError(
+            f"--workdir {path} is not writable ({exc.strerror}); pick a directory you can write to"
+        ) from None
     return path
 
 
@@ -49,11 +52,27 @@ def write_json(path: pathlib.Path, value: dict[str, Any]) -> None:
     partial.replace(path)
 
 
-class MetricsLog:
-    """metrics.jsonl: one JSON object per logged step, flushed as it is written."""
+def read_json(path: pathlib.Path) -> dict[str, Any]:
+    """A JSON file written by `write_json`, or {} when there is none."""
+    return json.loads(path.read_text()) if path.exists() else {}
 
-    def __init__(self, path: pathlib.Path):
+
+class MetricsLog:
+    """metrics.jsonl: one JSON object per logged step, flushed as it is written.
+
+    A resumed run keeps the rows up to the step it resumes from and drops later ones (logged
+    by a run that died before its next checkpoint), so each step appears once.
+    """
+
+    def __init__(self, path: pathlib.Path, keep_until: int = 0):
+        kept = []
+        if keep_until and path.exists():
+            kept = [
+                line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= keep_until
+            ]  # fmt: skip
         self._file = path.open("w")
+        self._file.writelines(line + "\n" for line in kept)
 
     def write(self, row: dict[str, Any]) -> None:
         self._file.write(json.dumps(row) + "\n")

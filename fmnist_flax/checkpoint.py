@@ -1,0 +1,219 @@
+"""Orbax checkpoints: save asynchronously, resume exactly, restore for inference, survive faults.
+
+Each step directory under `<workdir>/checkpoints` holds four items: `model` and `optimizer`
+(array trees, tensorstore/OCDBT), `progress` (step and data position, JSON) and `config` (the
+config that built the model, JSON). Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+from typing import Any
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+from absl import logging
+from flax import nnx
+
+from fmnist_flax import model as model_lib
+from fmnist_flax.errors import UserError
+from fmnist_flax.tables import path_name
+
+CHECKPOINT_DIR = "checkpoints"
+DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never deleted
+
+
+def checkpoint_dir(workdir: str | os.PathLike) -> pathlib.Path:
+    return pathlib.Path(workdir).expanduser().absolute() / CHECKPOINT_DIR
+
+
+def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """{'layers.0.kernel': (784, 256), ...} for a state or a checkpoint's metadata tree."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
+    shapes = {}
+    for path, leaf in leaves:
+        keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
+        if keys and keys[-1] == "value":  # nnx.Variable's own field, not part of the name
+            keys = keys[:-1]
+        shapes[path_name(tuple(keys))] = tuple(leaf.shape)
+    return shapes
+
+
+def check_shapes(target: Any, stored: Any, what: str) -> None:
+    """Raise one line naming the first parameter whose shape differs, or that one side lacks."""
+    want, have = _flat_shapes(target), _flat_shapes(stored)
+    for name in sorted(want.keys() | have.keys()):
+        if want.get(name) != have.get(name):
+            saved = have.get(name, "nothing (not in the checkpoint)")
+            built = want.get(name, "nothing (not in the model)")
+            raise UserError(
+                f"{what}: parameter {name} has shape {saved} in the checkpoint but {built} in the "
+                "model being restored; use the config the checkpoint was trained with"
+            )
+
+
+class Checkpoints:
+    """An Orbax CheckpointManager for one workdir, with the project's fault handling."""
+
+    def __init__(self, workdir: str | os.PathLike, *, max_to_keep: int = 3, create: bool = True):
+        self.directory = checkpoint_dir(workdir)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            create=create,
+            cleanup_tmp_directories=True,  # half-written saves of a killed process go away
+            enable_async_checkpointing=True,
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=options,
+            item_handlers={
+                "model": ocp.StandardCheckpointHandler(),
+                "optimizer": ocp.StandardCheckpointHandler(),
+                "progress": ocp.JsonCheckpointHandler(),
+                "config": ocp.JsonCheckpointHandler(),
+            },
+        )
+
+    def steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def save(
+        self,
+        step: int,
+        model: nnx.Module,
+        optimizer: nnx.Optimizer,
+        progress: dict[str, Any],
+        config: ml_collections.ConfigDict,
+    ) -> None:
+        """Start an asynchronous save; training goes on while it is written."""
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                model=ocp.args.StandardSave(nnx.state(model)),
+                optimizer=ocp.args.StandardSave(nnx.state(optimizer)),
+                progress=ocp.args.JsonSave(progress),
+                config=ocp.args.JsonSave(config.to_dict()),
+            ),
+            force=True,
+        )
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def _restore_step(self, step: int, targets: dict[str, Any]) -> dict[str, Any]:
+        metadata = self._manager.item_metadata(step)
+        for name in ("model", "optimizer"):
+            if name in targets:
+                stored = metadata[name]
+                if stored is None:
+                    raise ValueError(f"item {name} has no metadata")
+                check_shapes(targets[name], getattr(stored, "tree", stored), f"checkpoint {step}")
+        args = {
+            name: ocp.args.StandardRestore(target)
+            if name in ("model", "optimizer")
+            else ocp.args.JsonRestore()
+            for name, target in targets.items()
+        }
+        return self._manager.restore(step, args=ocp.args.Composite(**args))
+
+    def _set_aside(self, step: int, exc: Exception) -> None:
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        damaged = self.directory.parent / DAMAGED_DIR / str(step)
+        damaged.parent.mkdir(exist_ok=True)
+        shutil.rmtree(damaged, ignore_errors=True)
+        shutil.move(self.directory / str(step), damaged)
+        self._manager.reload()
+        logging.warning(
+            "checkpoint %d is damaged (%s); moved it to %s and using an older one",
+            step, reason, damaged,
+        )  # fmt: skip
+
+    def restore(self, targets: dict[str, Any], step: int | None = None) -> dict[str, Any] | None:
+        """Restore the named items of `step` (default: the newest intact one), or None if none.
+
+        A damaged step is moved aside with a one-line warning and the next older one is tried;
+        a shape mismatch is the user's to fix and is raised, not skipped.
+        """
+        candidates = [step] if step is not None else self.steps()[::-1]
+        if step is not None and step not in self.steps():
+            raise UserError(
+                f"no checkpoint for step {step} in {self.directory}; it has {self.steps()}"
+            )
+        for candidate in candidates:
+            try:
+                restored = self._restore_step(candidate, targets)
+            except UserError:
+                raise
+            except Exception as exc:  # Orbax and tensorstore raise many types for a bad file
+                if step is not None:
+                    raise UserError(
+                        f"checkpoint {step} in {self.directory} is damaged: "
+                        f"{str(exc).splitlines()[0][:200]}"
+                    ) from None
+                self._set_aside(candidate, exc)
+                continue
+            return {**{name: restored[name] for name in targets}, "step": candidate}
+        return None
+
+
+def saved_config(directory: pathlib.Path, step: int) -> ml_collections.ConfigDict:
+    """The config a checkpoint step was trained with, read from its JSON item."""
+    path = directory / str(step) / "config" / "metadata"
+    try:
+        return ml_collections.ConfigDict(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read the saved config {path}: {exc}") from None
+
+
+def restore_model(
+    workdir: str | os.PathLike, step: int | None = None, compute_dtype: str | None = None
+) -> tuple[nnx.Module, int, ml_collections.ConfigDict]:
+    """Rebuild a workdir's model from its saved config and restore only its parameters.
+
+    Returns the model, the step it was restored from and the config (with `compute_dtype`
+    applied). Every problem is a one-line UserError, raised before anything compiles.
+    """
+    path = pathlib.Path(workdir).expanduser()
+    if not path.is_dir():
+        raise UserError(f"--workdir {path} does not exist; pass the directory of a training run")
+    if not checkpoint_dir(path).is_dir():
+        raise UserError(f"--workdir {path} has no checkpoints; train there first")
+    checkpoints = Checkpoints(path, create=False)
+    try:
+        steps = checkpoints.steps()
+        if not steps:
+            raise UserError(f"--workdir {path} has no checkpoints; train there first")
+        config = saved_config(checkpoints.directory, steps[-1] if step is None else step)
+        if compute_dtype is not None:
+            config.compute_dtype = compute_dtype
+        if config.compute_dtype not in model_lib.COMPUTE_DTYPES:
+            raise UserError(
+                f"--compute_dtype={config.compute_dtype!r} is not supported; "
+                f"use one of {', '.join(model_lib.COMPUTE_DTYPES)}"
+            )
+        model = model_lib.create_model(config)
+        restored = checkpoints.restore({"model": nnx.state(model)}, step)
+        if restored is None:
+            raise UserError(f"--workdir {path}: every checkpoint is damaged")
+        nnx.update(model, restored["model"])
+    finally:
+        checkpoints.close()
+    return model, restored["step"], config
+
+
+def load_model(
+    workdir: str | os.PathLike, step: int | None = None, compute_dtype: str | None = None
+) -> nnx.Module:
+    """The trained model of a workdir (newest checkpoint by default), ready for `predict`.
+
+    Only parameters are read, no optimizer state; `compute_dtype` ('float32' or 'bfloat16')
+    overrides the dtype it was trained in.
+    """
+    return restore_model(workdir, step, compute_dtype)[0]

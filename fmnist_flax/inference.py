@@ -1,0 +1,139 @@
+"""Use a trained workdir: evaluate it on the full test set, or classify a user's images."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from fmnist_flax import checkpoint, data, evaluate, tables
+from fmnist_flax import workdir as workdir_lib
+from fmnist_flax.errors import UserError
+
+EVAL_FILE = "eval.json"
+
+
+def run_eval(
+    workdir: str | os.PathLike,
+    *,
+    step: int | None = None,
+    compute_dtype: str | None = None,
+    data_dir: str | None = None,
+) -> dict[str, Any]:
+    """Restore parameters only and evaluate all 10,000 test images; writes eval.json."""
+    model, step, config = checkpoint.restore_model(workdir, step, compute_dtype)
+    dataset = data.load_dataset(data_dir or config.data_dir or None)
+    x = data.prepare_images(dataset.test_images)
+    result = evaluate.evaluate(
+        model, *data.padded_batches(x, dataset.test_labels, config.batch_size)
+    )
+    counts = evaluate.confusion_matrix(dataset.test_labels, result["predictions"], data.NUM_CLASSES)
+    report = {
+        "step": step,
+        "compute_dtype": config.compute_dtype,
+        "test_accuracy": result["accuracy"],
+        "test_loss": result["loss"],
+        "test_examples": result["examples"],
+        "class_names": list(data.CLASS_NAMES),
+        "confusion_matrix": counts.tolist(),
+    }
+    print(
+        tables.evaluation_table(
+            {f"test, checkpoint {step} ({config.compute_dtype})": result}
+        ).format(),
+        tables.Table.of(
+            "Confusion matrix (rows: true class, columns: predicted)",
+            ("", *(name[:7] for name in data.CLASS_NAMES)),
+            [(name, *row) for name, row in zip(data.CLASS_NAMES, counts, strict=True)],
+        ).format(),
+        sep="\n",
+    )
+    workdir_lib.write_json(pathlib.Path(workdir) / EVAL_FILE, report)
+    return report
+
+
+def read_images(path: pathlib.Path) -> tuple[list[tuple[str, np.ndarray]], list[str]]:
+    """(name, 28x28 float32 in [0, 1]) for each image in a PNG/JPEG or .npy file, and notes.
+
+    PNGs of another size are resized and colour ones converted to grayscale, with a note;
+    .npy arrays must be (28, 28) or (N, 28, 28). Raises UserError when the file can't be used.
+    """
+    name, notes = str(path), []
+    if path.suffix.lower() == ".npy":
+        try:
+            array = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{name}: cannot read it as a .npy array ({exc})") from None
+        if array.shape == data.IMAGE_SHAPE:
+            array = array[None]
+        if array.ndim != 3 or array.shape[1:] != data.IMAGE_SHAPE:
+            raise UserError(f"{name}: array shape {array.shape}; expected (28, 28) or (N, 28, 28)")
+        if not np.issubdtype(array.dtype, np.number):
+            raise UserError(f"{name}: array dtype {array.dtype} is not numeric")
+        scale = 255.0 if array.dtype == np.uint8 or array.max() > 1 else 1.0
+        images = (array.astype(np.float32) / scale).clip(0, 1)
+        names = [name] if len(images) == 1 else [f"{name}[{i}]" for i in range(len(images))]
+        return list(zip(names, images, strict=True)), notes
+    try:
+        with Image.open(path) as image:
+            if image.mode != "L":
+                notes.append(f"{name}: converted from {image.mode} to grayscale")
+                image = image.convert("L")
+            if image.size != data.IMAGE_SHAPE[::-1]:
+                notes.append(f"{name}: resized from {image.size[0]}x{image.size[1]} to 28x28")
+                image = image.resize(data.IMAGE_SHAPE[::-1], Image.Resampling.BILINEAR)
+            pixels = np.asarray(image, np.float32) / 255.0
+    except (OSError, UnidentifiedImageError) as exc:
+        raise UserError(f"{name}: cannot read it as an image ({exc})") from None
+    return [(name, pixels)], notes
+
+
+def run_predict(
+    workdir: str | os.PathLike,
+    paths: Sequence[str],
+    *,
+    step: int | None = None,
+    compute_dtype: str | None = None,
+    output: str | None = None,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Classify each image; unreadable ones get one line each and the rest are still classified.
+
+    Returns the predictions and the error lines.
+    """
+    if not paths:
+        raise UserError("--mode=predict needs --images=a.png,b.npy,...")
+    if output and not pathlib.Path(output).expanduser().absolute().parent.is_dir():
+        raise UserError(f"--output {output}: its directory does not exist")
+    model = checkpoint.load_model(workdir, step, compute_dtype)
+    named, errors = [], []
+    for path in paths:
+        try:
+            images, notes = read_images(pathlib.Path(path))
+        except UserError as exc:
+            errors.append(str(exc))
+            continue
+        named += images
+        for note in notes:
+            print(f"note: {note}")
+    predictions = []
+    if named:
+        probabilities = evaluate.predict(model, np.stack([image for _, image in named]))
+        for (name, _), probs in zip(named, probabilities, strict=True):
+            best = int(np.argmax(probs))
+            predictions.append(
+                {
+                    "image": name,
+                    "class": data.CLASS_NAMES[best],
+                    "class_index": best,
+                    "probability": float(probs[best]),
+                    "probabilities": [float(p) for p in probs],
+                }
+            )
+            print(f"{name}: {data.CLASS_NAMES[best]} ({100 * probs[best]:.1f}%)")
+    if output:
+        workdir_lib.write_json(pathlib.Path(output), {"predictions": predictions, "errors": errors})
+    return predictions, errors
