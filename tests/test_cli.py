@@ -29,13 +29,14 @@ def assert_one_line_error(result, expected):
 
 
 def test_main_trains_with_shorthand_flags_and_config_overrides(tmp_path):
-    result = run_main(
+    args = (
         "--compute_dtype=bfloat16",
         "--steps=12",
         "--log_every=5",
         "--config.model.hidden=(64,32)",
         f"--workdir={tmp_path / 'w'}",
     )
+    result = run_main(*args)
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "w" / "summary.json").read_text())
     assert summary["compute_dtype"] == "bfloat16"
@@ -44,10 +45,10 @@ def test_main_trains_with_shorthand_flags_and_config_overrides(tmp_path):
     assert "Training metrics" in result.stdout and "Device placement" in result.stdout
     steps = [json.loads(r)["step"] for r in (tmp_path / "w" / "metrics.jsonl").open()]
     assert steps == [1, 5, 10, 12]
-    # The same workdir again: refused, and the finished run is left as it was.
+    # The same command again: nothing to do, and the finished run is left as it was.
     before = (tmp_path / "w" / "summary.json").read_bytes()
-    again = run_main("--steps=12", f"--workdir={tmp_path / 'w'}")
-    assert_one_line_error(again, "already holds a finished run")
+    again = run_main(*args)
+    assert again.returncode == 0 and "nothing to do" in again.stdout
     assert (tmp_path / "w" / "summary.json").read_bytes() == before
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fmnist_flax import data, train
+from fmnist_flax import checkpoint, data, load_model, train
 from fmnist_flax.errors import UserError
 from fmnist_flax.model import MLP
 
@@ -73,10 +73,17 @@ def test_gradient_check_reports_matching_trees(quick_config):
     assert check["sgd_step_loss"] == pytest.approx(check["loss"])
 
 
-def test_non_finite_loss_stops_with_the_step(quick_config, tmp_path):
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(quick_config, tmp_path):
     quick_config.steps = 10
+    quick_config.checkpoint_every = 10
+    train.train_and_evaluate(quick_config, tmp_path / "run")
+    quick_config.steps = 30
     quick_config.log_every = 1
-    quick_config.optimizer.learning_rate = 1e30
-    with pytest.raises(UserError, match=r"the loss became nan at step \d+") as exc:
+    quick_config.optimizer.learning_rate = 1e30  # diverges at once
+    with pytest.raises(UserError, match=r"the loss became nan between steps 1\d and 1\d") as exc:
         train.train_and_evaluate(quick_config, tmp_path / "run")
     assert "\n" not in str(exc.value)
+    assert "the last good checkpoint is 10" in str(exc.value)
+    assert checkpoint.Checkpoints(tmp_path / "run").steps() == [10]
+    model = load_model(tmp_path / "run")
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(nnx.state(model)))

@@ -1,0 +1,226 @@
+"""Checkpoints: exact resume, restore for inference, and the faults a real run meets."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import REPO
+
+from fmnist_flax import checkpoint, load_model, train
+from fmnist_flax.errors import UserError
+
+
+def params_of(workdir, step=None):
+    model = load_model(workdir, step)
+    return jax.tree.leaves(jax.tree.map(np.asarray, model.layers))
+
+
+def metric_rows(workdir):
+    return [json.loads(r) for r in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 200-step run with checkpoints at 100 and 200, shared read-only by several tests."""
+    from configs import default
+
+    config = default.get_config()
+    config.steps = 200
+    workdir = tmp_path_factory.mktemp("trained") / "w"
+    summary = train.train_and_evaluate(config, workdir)
+    return workdir, summary
+
+
+def test_400_steps_equal_200_then_resume_to_400_bit_for_bit(quick_config, tmp_path):
+    quick_config.steps = 400
+    train.train_and_evaluate(quick_config, tmp_path / "one")
+    quick_config.steps = 200
+    train.train_and_evaluate(quick_config, tmp_path / "two")
+    quick_config.steps = 400
+    resumed = train.train_and_evaluate(quick_config, tmp_path / "two")
+    assert resumed["resumed_from_step"] == 200
+    for a, b in zip(params_of(tmp_path / "one"), params_of(tmp_path / "two"), strict=True):
+        np.testing.assert_array_equal(a, b)
+    one, two = metric_rows(tmp_path / "one"), metric_rows(tmp_path / "two")
+    assert one == two  # every row, 200..400 included, and no duplicates
+    assert checkpoint.Checkpoints(tmp_path / "two").steps() == [200, 300, 400]  # max_to_keep=3
+
+
+def test_steps_not_beyond_the_saved_step_is_nothing_to_do(trained, capsys):
+    from configs import default
+
+    workdir, summary = trained
+    config = default.get_config()
+    config.steps = 150
+    before = (workdir / "metrics.jsonl").read_bytes()
+    result = train.train_and_evaluate(config, workdir)
+    assert result == json.loads((workdir / "summary.json").read_text())
+    assert result["test_accuracy"] == summary["test_accuracy"]
+    assert "nothing to do" in capsys.readouterr().out
+    assert (workdir / "metrics.jsonl").read_bytes() == before
+
+
+def test_checkpoint_holds_progress_and_config_as_json_and_no_pickle(trained):
+    workdir, _ = trained
+    step_dir = workdir / "checkpoints" / "200"
+    progress = json.loads((step_dir / "progress" / "metadata").read_text())
+    assert progress == {
+        "step": 200, "epoch": 1, "index": 83, "num_batches": 117, "batch_size": 512, "seed": 0,
+    }  # fmt: skip
+    config = json.loads((step_dir / "config" / "metadata").read_text())
+    assert config["model"]["hidden"] == [256, 128]
+    for path in workdir.rglob("*"):
+        if path.is_file():
+            head = path.read_bytes()[:2]
+            assert not (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
+    sources = "".join(p.read_text() for p in (REPO / "fmnist_flax").glob("*.py"))
+    assert re.search(r"import pickle|allow_pickle=True", sources) is None
+
+
+def test_load_model_restores_params_only_in_any_dtype(trained):
+    workdir, _ = trained
+    model = load_model(workdir)
+    assert model.compute_dtype == np.float32
+    bf16 = load_model(workdir, compute_dtype="bfloat16")
+    assert bf16.compute_dtype == jax.numpy.bfloat16
+    np.testing.assert_array_equal(model.layers[0].kernel[...], bf16.layers[0].kernel[...])
+    older = load_model(workdir, step=100)
+    assert not np.array_equal(model.layers[0].kernel[...], older.layers[0].kernel[...])
+
+
+def test_damaged_latest_checkpoint_falls_back_with_one_warning(trained, tmp_path, caplog):
+    workdir = tmp_path / "w"
+    shutil.copytree(trained[0], workdir)
+    (data_file,) = [
+        p for p in (workdir / "checkpoints" / "200" / "model" / "d").iterdir() if p.is_file()
+    ][:1]
+    data_file.write_bytes(data_file.read_bytes()[:10])
+    _, step, _ = checkpoint.restore_model(workdir)
+    assert step == 100
+    assert (workdir / "damaged_checkpoints" / "200").is_dir()  # kept, not deleted
+    warnings = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(warnings) == 1 and "checkpoint 200 is damaged" in warnings[0]
+    assert "\n" not in warnings[0]
+    assert checkpoint.Checkpoints(workdir).steps() == [100]
+
+
+def test_deleted_data_file_is_detected_too(trained, tmp_path):
+    workdir = tmp_path / "w"
+    shutil.copytree(trained[0], workdir)
+    for path in (workdir / "checkpoints" / "200" / "optimizer" / "d").iterdir():
+        path.unlink()
+    from configs import default
+
+    config = default.get_config()
+    config.steps = 210
+    summary = train.train_and_evaluate(config, workdir)
+    assert summary["resumed_from_step"] == 100
+
+
+def test_restoring_into_another_architecture_names_the_parameter(trained):
+    from configs import default
+
+    config = default.get_config()
+    config.steps = 300
+    config.model.hidden = (512, 128)
+    with pytest.raises(UserError) as exc:
+        train.train_and_evaluate(config, trained[0])
+    message = str(exc.value)
+    assert "\n" not in message
+    assert "parameter layers.0.bias has shape (256,) in the checkpoint but (512,)" in message
+    config.model.hidden = (256,)  # a missing layer
+    with pytest.raises(UserError, match=r"layers\.1\.bias has shape \(128,\) .* but \(10,\)"):
+        train.train_and_evaluate(config, trained[0])
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda tmp: tmp / "missing", "does not exist"),
+        (lambda tmp: tmp, "has no checkpoints"),
+    ],
+)
+def test_eval_workdir_problems_are_one_line(make, expected, tmp_path):
+    with pytest.raises(UserError, match=expected):
+        load_model(make(tmp_path))
+
+
+def test_unwritable_training_workdir_is_one_line(quick_config, tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="is not writable"):
+        train.train_and_evaluate(quick_config, tmp_path / "file" / "run")
+
+
+def start_training(workdir, *flags):
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "main.py"), f"--workdir={workdir}", *flags],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for(condition, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_saves_the_current_step_and_says_how_to_resume(signum, tmp_path):
+    workdir = tmp_path / "w"
+    process = start_training(
+        workdir, "--steps=1000000", "--checkpoint_every=1000000", "--log_every=1000000"
+    )
+    wait_for(
+        lambda: (workdir / "metrics.jsonl").exists() and (workdir / "metrics.jsonl").stat().st_size
+    )
+    time.sleep(0.5)
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signum
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "resume by running the same command" in lines[0]
+    (saved,) = checkpoint.Checkpoints(workdir).steps()
+    assert saved > 1 and f"at step {saved}:" in lines[0]
+
+
+def test_sigkill_resumes_from_the_last_complete_checkpoint(tmp_path):
+    workdir = tmp_path / "w"
+    process = start_training(workdir, "--steps=1000000", "--checkpoint_every=20")
+    checkpoints_dir = workdir / "checkpoints"
+    wait_for(
+        lambda: (
+            checkpoints_dir.is_dir()
+            and len([p for p in checkpoints_dir.iterdir() if p.name.isdigit()]) >= 2
+        )
+    )
+    process.kill()
+    process.wait()
+    complete = checkpoint.Checkpoints(workdir).steps()
+    # A save interrupted half-way leaves a temporary directory; make sure there is one.
+    shutil.copytree(
+        checkpoints_dir / str(complete[-1]),
+        checkpoints_dir / f"{complete[-1] + 20}.orbax-checkpoint-tmp-1",
+    )
+    steps = complete[-1] + 5
+    result = subprocess.run(
+        [sys.executable, str(REPO / "main.py"), f"--workdir={workdir}", f"--steps={steps}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"resuming from checkpoint {complete[-1]}" in result.stdout
+    assert not [p for p in checkpoints_dir.iterdir() if "tmp" in p.name]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["resumed_from_step"] == complete[-1]
