@@ -41,6 +41,7 @@ SHORTHANDS = {
     "log_every": "log_every",
     "data_dir": "data_dir",
     "checkpoint_every": "checkpoint_every",
+    "report": "report",
 }
 flags.DEFINE_string("compute_dtype", None, "float32 or bfloat16 (params stay float32).")
 flags.DEFINE_integer("steps", None, "Number of optimizer updates.")
@@ -50,6 +51,7 @@ flags.DEFINE_integer("seed", None, "Seed for the data shuffle and parameter init
 flags.DEFINE_integer("log_every", None, "Pull metrics to the host every this many steps.")
 flags.DEFINE_string("data_dir", None, "Directory holding the four Fashion-MNIST .gz files.")
 flags.DEFINE_integer("checkpoint_every", None, "Save a checkpoint every this many steps.")
+flags.DEFINE_string("report", None, "full | basic (skip the timing comparisons) | none.")
 
 
 def fail(message: str, code: int) -> None:

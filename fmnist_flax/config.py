@@ -7,6 +7,8 @@ import ml_collections
 from fmnist_flax.errors import UserError
 from fmnist_flax.model import COMPUTE_DTYPES
 
+REPORT_CHOICES = ("full", "basic", "none")
+
 
 def validate(config: ml_collections.ConfigDict) -> None:
     """Raise UserError naming the first field whose value cannot work."""
@@ -15,6 +17,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"--compute_dtype={config.compute_dtype!r} is not supported; "
             f"use one of {', '.join(COMPUTE_DTYPES)}"
         )
+    if config.report not in REPORT_CHOICES:
+        raise UserError(f"--report={config.report!r} is not one of {', '.join(REPORT_CHOICES)}")
     for name in ("steps", "batch_size", "log_every", "checkpoint_every", "max_to_keep"):
         if config[name] < 1:
             raise UserError(f"--{name}={config[name]} must be a positive whole number")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -122,3 +123,34 @@ def placement_table(trees: dict[str, Any]) -> Table:
     return Table.of(
         "Device placement", ("What", "Device"), [(k, devices_of(v)) for k, v in trees.items()]
     )
+
+
+class ProgressBar:
+    """A training progress bar redrawn only at logging points (no host sync of its own).
+
+    On a terminal it redraws one line in place; in a log file each update is its own line.
+    """
+
+    WIDTH = 30
+
+    def __init__(self, total: int, stream=None):
+        self.total = total
+        self.stream = stream or sys.stdout
+        self.in_place = self.stream.isatty()
+        self._drawn = False
+
+    def update(self, row: dict[str, float]) -> None:
+        done = int(self.WIDTH * row["step"] / self.total)
+        line = (
+            f"[{'#' * done}{'.' * (self.WIDTH - done)}] {row['step']:>{len(str(self.total))}}"
+            f"/{self.total}  loss {row['loss']:.4f}  accuracy {row['accuracy']:.3f}  "
+            f"grad norm {row['grad_norm']:.3f}"
+        )
+        self.stream.write(("\r" + line) if self.in_place else line + "\n")
+        self.stream.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        if self.in_place and self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -16,9 +16,9 @@ import optax
 from absl import logging
 from flax import nnx
 
+from fmnist_flax import benchmark, data, evaluate, reference, report, tables
 from fmnist_flax import checkpoint as checkpoint_lib
 from fmnist_flax import config as config_lib
-from fmnist_flax import data, evaluate, reference, tables
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
 from fmnist_flax.model import create_model
@@ -47,12 +47,19 @@ def loss_fn(model: nnx.Module, x: jax.Array, y: jax.Array) -> jax.Array:
     return loss_with_metrics(model, x, y)[0]
 
 
-@nnx.jit
-def train_step(model: nnx.Module, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> Metrics:
-    """One AdamW update in place; returns loss, batch accuracy and the gradient's L2 norm."""
+def train_step_eager(
+    model: nnx.Module, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array
+) -> Metrics:
+    """One AdamW update in place; returns loss, batch accuracy and the gradient's L2 norm.
+
+    Called as is, every operation is dispatched from Python (the codelab's eager baseline).
+    """
     (loss, aux), grads = nnx.value_and_grad(loss_with_metrics, has_aux=True)(model, x, y)
     optimizer.update(model, grads)
     return {"loss": loss, "accuracy": aux["accuracy"], "grad_norm": optax.tree.norm(grads)}
+
+
+train_step = nnx.jit(train_step_eager)  # the same step, compiled once for fixed shapes
 
 
 def gradient_check(
@@ -235,10 +242,6 @@ def resume(
     return step
 
 
-def show(table: Table) -> None:
-    print(table.format(), flush=True)
-
-
 def versions() -> dict[str, str]:
     return {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__}
 
@@ -279,10 +282,17 @@ def _run(config, workdir, dataset, batches, checkpoints, device, wall_start) -> 
     if start_step:
         print(f"resuming from checkpoint {start_step} in {checkpoints.directory}", flush=True)
 
-    show(tables.setup_table({n.capitalize(): v for n, v in versions().items()}, device))
+    shown: dict[str, Table] = {}
+
+    def show(key: str, table: Table) -> None:
+        shown[key] = table
+        print(table.format(), flush=True)
+
+    show("setup", tables.setup_table({n.capitalize(): v for n, v in versions().items()}, device))
     if device.platform != "gpu":
         logging.warning("No GPU found: running on %s. Install '.[cuda12]' on a GPU host.", device)
     show(
+        "splits",
         tables.splits_table(
             [
                 ("train", dataset.train_images, dataset.train_labels,
@@ -290,33 +300,29 @@ def _run(config, workdir, dataset, batches, checkpoints, device, wall_start) -> 
                 ("test", dataset.test_images, dataset.test_labels,
                  dataset.sources[data.TEST_IMAGES.stem]),
             ]
-        )
+        ),
     )  # fmt: skip
-    show(tables.arrays_table("Fixed-size batches on the device", vars(batches)))
-    show(tables.params_table(model))
+    show("batches", tables.arrays_table("Fixed-size batches on the device", vars(batches)))
+    show("params", tables.params_table(model))
     grad_table, grad_check = gradient_check(
         model, batches.train_x[0], batches.train_y[0], config.optimizer.learning_rate
     )
-    show(grad_table)
+    show("gradients", grad_table)
 
-    metrics_log = workdir_lib.MetricsLog(workdir / workdir_lib.METRICS_FILE, keep_until=start_step)
-
-    def on_log(row: dict[str, float]) -> None:
-        metrics_log.write(row)
-        print(
-            f"step {row['step']:>6}/{config.steps}  loss {row['loss']:.4f}  "
-            f"accuracy {row['accuracy']:.3f}  grad norm {row['grad_norm']:.3f}",
-            flush=True,
-        )
-
+    metrics_path = workdir / workdir_lib.METRICS_FILE
+    metrics_log = workdir_lib.MetricsLog(metrics_path, keep_until=start_step)
+    progress = tables.ProgressBar(config.steps)
     try:
-        history, examples_per_sec = train(
+        _, examples_per_sec = train(
             model, optimizer, batches, config,
-            start_step=start_step, checkpoints=checkpoints, on_log=on_log,
+            start_step=start_step, checkpoints=checkpoints,
+            on_log=lambda row: (metrics_log.write(row), progress.update(row)),
         )  # fmt: skip
     finally:
         metrics_log.close()
-    show(tables.training_log_table(history, examples_per_sec))
+        progress.close()
+    history = workdir_lib.read_jsonl(metrics_path)  # every logged step, resumed runs included
+    show("training", tables.training_log_table(history, examples_per_sec))
 
     codelab_eval = evaluate.evaluate(model, batches.test_x, batches.test_y)
     full_eval = evaluate.evaluate(
@@ -324,15 +330,17 @@ def _run(config, workdir, dataset, batches, checkpoints, device, wall_start) -> 
     )
     last = history[-1]
     show(
+        "evaluation",
         tables.evaluation_table(
             {
                 "last train batch": {**last, "examples": config.batch_size},
                 "test, codelab (whole batches only)": codelab_eval,
                 "test, full (last batch padded, masked)": full_eval,
             }
-        )
+        ),
     )
     show(
+        "placement",
         tables.placement_table(
             {
                 "params": nnx.state(model, nnx.Param),
@@ -340,8 +348,35 @@ def _run(config, workdir, dataset, batches, checkpoints, device, wall_start) -> 
                 "train batches": (batches.train_x, batches.train_y),
                 "test batches": (batches.test_x, batches.test_y),
             }
-        )
+        ),
     )
+    counts = evaluate.confusion_matrix(
+        dataset.test_labels, full_eval["predictions"], data.NUM_CLASSES
+    )
+    # The codelab's extra comparisons run after training, on fresh models, so they cannot
+    # disturb the training measurement above.
+    dispatch = precision = None
+    checkpoints.wait()  # the final save's writer thread would otherwise share the CPU
+    if config.report == "full":
+        dispatch = benchmark.dispatch_vs_jit(config, batches)
+        precision = benchmark.precision_comparison(config, batches)
+    report_path = None
+    if config.report != "none":
+        report_path = report.write_report(
+            workdir / "report",
+            tables=shown,
+            train_images=dataset.train_images,
+            train_labels=dataset.train_labels,
+            test_images=dataset.test_images,
+            test_labels=dataset.test_labels,
+            test_predictions=full_eval["predictions"],
+            confusion_counts=counts,
+            history=history,
+            examples_per_sec=examples_per_sec,
+            dispatch=dispatch,
+            precision=precision,
+            config=config.to_dict(),
+        )
     summary = {
         "test_accuracy": full_eval["accuracy"],
         "test_loss": full_eval["loss"],
@@ -360,15 +395,30 @@ def _run(config, workdir, dataset, batches, checkpoints, device, wall_start) -> 
         "backend": jax.default_backend(),
         "num_devices": jax.device_count(),
         "gradient_check": grad_check,
+        "confusion_matrix": counts.tolist(),
+        "dispatch_vs_jit": dispatch,
+        "precision": precision,
+        "report": str(report_path) if report_path else None,
         "wall_seconds": time.perf_counter() - wall_start,
         "versions": versions(),
         "config": config.to_dict(),
     }
     workdir_lib.write_json(summary_path, summary)
+    # The key results again at the end, where a person looks first.
+    for key, rows, title in (
+        ("dispatch", dispatch, "Python dispatch vs jitted step"),
+        ("precision", precision, "Mixed-precision timing after warm-up"),
+    ):
+        if rows:
+            print(report.timing_table(title, "mode" if key == "dispatch" else "dtype", rows)
+                  .format())  # fmt: skip
+    print(shown["evaluation"].format())
     print(
         f"test accuracy {full_eval['accuracy']:.4f} on {full_eval['examples']:,} examples "
-        f"({codelab_eval['accuracy']:.4f} on the codelab's {codelab_eval['examples']:,})\n"
+        f"({codelab_eval['accuracy']:.4f} on the codelab's {codelab_eval['examples']:,})",
+        f"report: {report_path}" if report_path else "report: none (--report=none)",
         f"workdir: {workdir}",
+        sep="\n",
         flush=True,
     )
     return summary

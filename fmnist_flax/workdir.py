@@ -57,6 +57,10 @@ def read_json(path: pathlib.Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 class MetricsLog:
     """metrics.jsonl: one JSON object per logged step, flushed as it is written.
 

@@ -35,6 +35,7 @@ def trained(tmp_path_factory):
 
     config = default.get_config()
     config.steps = 200
+    config.report = "none"
     workdir = tmp_path_factory.mktemp("trained") / "w"
     summary = train.train_and_evaluate(config, workdir)
     return workdir, summary
@@ -61,6 +62,7 @@ def test_steps_not_beyond_the_saved_step_is_nothing_to_do(trained, capsys):
     workdir, summary = trained
     config = default.get_config()
     config.steps = 150
+    config.report = "none"
     before = (workdir / "metrics.jsonl").read_bytes()
     result = train.train_and_evaluate(config, workdir)
     assert result == json.loads((workdir / "summary.json").read_text())
@@ -122,6 +124,7 @@ def test_deleted_data_file_is_detected_too(trained, tmp_path):
 
     config = default.get_config()
     config.steps = 210
+    config.report = "none"
     summary = train.train_and_evaluate(config, workdir)
     assert summary["resumed_from_step"] == 100
 

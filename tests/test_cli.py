@@ -34,6 +34,7 @@ def test_main_trains_with_shorthand_flags_and_config_overrides(tmp_path):
         "--steps=12",
         "--log_every=5",
         "--config.model.hidden=(64,32)",
+        "--report=basic",
         f"--workdir={tmp_path / 'w'}",
     )
     result = run_main(*args)
@@ -53,7 +54,7 @@ def test_main_trains_with_shorthand_flags_and_config_overrides(tmp_path):
 
 
 def test_without_workdir_a_fresh_run_directory_is_made_and_printed(tmp_path):
-    result = run_main("--steps=2", cwd=tmp_path)
+    result = run_main("--steps=2", "--report=none", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert result.stdout.count(f"workdir: runs/{run_dir.name}") == 2  # at start and at end
@@ -69,6 +70,8 @@ def test_without_workdir_a_fresh_run_directory_is_made_and_printed(tmp_path):
         ("--batch_size=60001", "is larger than the 60,000 training examples"),
         ("--steps=many", "--steps"),
         ("--no_such_flag=1", "no_such_flag"),
+        ("--report=pretty", "--report='pretty' is not one of full, basic, none"),
+        ("--mode=serve", "--mode"),
         ("--data_dir=/nonexistent/fmnist", "is not a directory"),
     ],
 )

@@ -19,7 +19,8 @@ from fmnist_flax.errors import UserError
 def workdir(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("inference") / "w"
     result = subprocess.run(
-        [sys.executable, str(REPO / "main.py"), "--steps=60", f"--workdir={workdir}"],
+        [sys.executable, str(REPO / "main.py"), "--steps=60", "--report=none",
+         f"--workdir={workdir}"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -1,0 +1,119 @@
+"""The report: every figure and table of the codelab from one run, as files a person opens."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from flax import nnx
+from PIL import Image
+
+from fmnist_flax import data, evaluate, report, train
+from fmnist_flax.model import MLP
+
+TABLE_TITLES = (
+    "Set-up",
+    "Fashion-MNIST loaded from IDX files",
+    "Fixed-size batches on the device",
+    "MLP parameters: 235,146 trainable values",
+    "Gradient tree matches the parameter tree",
+    "Python dispatch vs jitted step",
+    "Training metrics",
+    "Evaluation",
+    "Mixed-precision timing after warm-up",
+    "Device placement",
+    "Throughput in tokens (projection)",
+)
+FIGURE_SIZES = {  # (width, height) in pixels: figsize * DPI
+    "examples_per_class.png": (1000, 440),
+    "training_curve.png": (800, 400),
+    "predictions.png": (1000, 1060),
+    "confusion_matrix.png": (800, 700),
+    "dispatch_vs_jit.png": (800, 260),
+    "precision.png": (800, 260),
+}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    from configs import default
+
+    config = default.get_config()
+    config.steps = 30
+    config.log_every = 10
+    workdir = tmp_path_factory.mktemp("report") / "w"
+    return workdir, train.train_and_evaluate(config, workdir)
+
+
+def test_a_full_run_writes_every_figure_readable_and_not_blank(full_run):
+    workdir, summary = full_run
+    assert sorted(FIGURE_SIZES) == sorted(report.FIGURE_NAMES)
+    for name, size in FIGURE_SIZES.items():
+        with Image.open(workdir / "report" / name) as image:
+            assert image.size == size, name
+            pixels = np.asarray(image.convert("L"), np.float32)
+        assert pixels.std() > 10, f"{name} looks blank"
+    assert summary["report"] == str(workdir / "report" / "report.html")
+
+
+def test_report_html_is_self_contained_with_every_table_figure_and_the_config(full_run):
+    workdir, summary = full_run
+    page = (workdir / "report" / "report.html").read_text()
+    for title in TABLE_TITLES:
+        assert f"<h3>{title}" in page, title
+    for name in report.FIGURE_NAMES:
+        assert f"alt='{name}' src='data:image/png;base64," in page, name
+    assert "235,146" in page
+    assert "Projection, not a measurement" in page
+    assert f"{summary['train_examples_per_sec'] * report.TOKENS_PER_EXAMPLE:,.0f}" in page
+    assert re.search(r"""(src|href)\s*=\s*['"]?\s*(https?:)?//""", page) is None
+    assert "<script" not in page and "<link" not in page and "@import" not in page
+    assert '"steps": 30' in page  # the run's config
+
+
+def test_confusion_rows_sum_to_one_and_count_every_example(full_run):
+    _, summary = full_run
+    counts = np.array(summary["confusion_matrix"])
+    assert counts.sum() == summary["test_examples"] == 10_000
+    np.testing.assert_allclose(report.row_normalise(counts).sum(axis=1), 1.0, rtol=1e-12)
+    assert report.row_normalise(np.zeros((2, 2))).sum() == 0  # empty rows stay finite
+
+
+def test_prediction_grid_marks_a_known_wrong_prediction_red(real_dataset):
+    model = MLP(rngs=nnx.Rngs(0))
+    model.layers[-1].bias[...] = model.layers[-1].bias[...].at[0].set(1e4)  # always "T-shirt"
+    picks = report.sample_indices(len(real_dataset.test_images))
+    images, labels = real_dataset.test_images[picks], real_dataset.test_labels[picks]
+    predictions = evaluate.predict(model, images).argmax(axis=1)
+    assert (predictions == 0).all()
+    fig = report.prediction_grid(images, labels, predictions)
+    for ax, label in zip(fig.axes, labels, strict=True):
+        expected = report.GREEN if label == 0 else report.RED
+        assert ax.title.get_color() == expected
+        assert ax.title.get_text() == f"{data.CLASS_NAMES[0]} / {data.CLASS_NAMES[label]}"
+    assert (labels != 0).any() and (labels == 0).any()  # both colours were exercised
+
+
+def test_basic_report_skips_the_timing_comparisons(quick_config, tmp_path):
+    quick_config.steps = 5
+    quick_config.report = "basic"
+    summary = train.train_and_evaluate(quick_config, tmp_path / "w")
+    names = {p.name for p in (tmp_path / "w" / "report").iterdir()}
+    assert names == set(report.FIGURE_NAMES) - {"dispatch_vs_jit.png", "precision.png"} | {
+        "report.html"
+    }
+    assert summary["dispatch_vs_jit"] is None and summary["precision"] is None
+
+
+def test_progress_bar_redraws_only_when_told(tmp_path):
+    from fmnist_flax.tables import ProgressBar
+
+    with (tmp_path / "log").open("w") as stream:
+        bar = ProgressBar(400, stream)
+        for step in (1, 200, 400):
+            bar.update({"step": step, "loss": 1.0, "accuracy": 0.5, "grad_norm": 2.0})
+        bar.close()
+    lines = (tmp_path / "log").read_text().splitlines()
+    assert len(lines) == 3
+    assert lines[1].startswith("[" + "#" * 15 + "." * 15 + "] 200/400")
