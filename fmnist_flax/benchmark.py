@@ -17,22 +17,30 @@ EAGER_STEPS = 20  # the codelab's sizes
 JIT_STEPS = 100
 PRECISION_STEPS = 100
 COMPARISON_SEED = 10  # fresh models, never the trained one
+DISTINCT_BATCHES = 8  # timed steps cycle through these, gathered before the clock starts
 
 
 def time_steps(
     step_fn: Callable[..., train.Metrics],
     model: nnx.Module,
     optimizer: nnx.Optimizer,
-    batches: data.Batches,
+    device_data: data.DeviceData,
     steps: int,
 ) -> dict[str, float]:
-    """One untimed warm-up step, then `steps` timed ones until the state is ready."""
-    num_batches, batch_size = batches.train_y.shape
-    jax.block_until_ready(step_fn(model, optimizer, batches.train_x[0], batches.train_y[0]))
+    """One untimed warm-up step, then `steps` timed ones until the state is ready.
+
+    Batches come from epoch 0's order, gathered before the clock starts.
+    """
+    batch_size = device_data.batch_size
+    order = data.epoch_order(COMPARISON_SEED, 0, len(device_data.train_labels))
+    batches = [
+        data.batch_at(device_data.train_images, device_data.train_labels, order, i, batch_size)
+        for i in range(min(steps + 1, DISTINCT_BATCHES))
+    ]
+    jax.block_until_ready(step_fn(model, optimizer, *batches[0]))
     start = time.perf_counter()
     for i in range(steps):
-        j = (i + 1) % num_batches
-        metrics = step_fn(model, optimizer, batches.train_x[j], batches.train_y[j])
+        metrics = step_fn(model, optimizer, *batches[(i + 1) % len(batches)])
     jax.block_until_ready((metrics, nnx.state((model, optimizer))))
     seconds = time.perf_counter() - start
     return {
@@ -53,20 +61,20 @@ def _fresh(config: ml_collections.ConfigDict, compute_dtype: str | None = None):
 
 
 def dispatch_vs_jit(
-    config: ml_collections.ConfigDict, batches: data.Batches
+    config: ml_collections.ConfigDict, device_data: data.DeviceData
 ) -> list[dict[str, Any]]:
     """Section 7: the same AdamW step run op by op from Python, and compiled with nnx.jit."""
-    eager = time_steps(train.train_step_eager, *_fresh(config), batches, EAGER_STEPS)
-    jitted = time_steps(train.train_step, *_fresh(config), batches, JIT_STEPS)
+    eager = time_steps(train.train_step_eager, *_fresh(config), device_data, EAGER_STEPS)
+    jitted = time_steps(train.train_step, *_fresh(config), device_data, JIT_STEPS)
     return [{"mode": "Python dispatch", **eager}, {"mode": "jitted step", **jitted}]
 
 
 def precision_comparison(
-    config: ml_collections.ConfigDict, batches: data.Batches
+    config: ml_collections.ConfigDict, device_data: data.DeviceData
 ) -> list[dict[str, Any]]:
     """Section 13: float32 and bfloat16 compute (params stay float32), fresh init each."""
     return [
-        {"dtype": dtype, **time_steps(train.train_step, *_fresh(config, dtype), batches,
+        {"dtype": dtype, **time_steps(train.train_step, *_fresh(config, dtype), device_data,
                                       PRECISION_STEPS)}
         for dtype in ("float32", "bfloat16")
     ]  # fmt: skip

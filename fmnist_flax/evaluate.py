@@ -8,6 +8,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from fmnist_flax import data
+
 
 @nnx.jit
 def evaluate_batches(
@@ -76,6 +78,6 @@ def predict(model: nnx.Module, images: np.ndarray) -> np.ndarray:
 
     uint8 pixels are scaled to [0, 1]; float pixels are taken as already in [0, 1].
     """
-    images = np.asarray(images)
-    x = images.astype(np.float32) / 255.0 if images.dtype == np.uint8 else images
-    return np.asarray(_probabilities(model, jnp.asarray(x, jnp.float32).reshape(len(x), -1)))
+    x = jnp.asarray(np.asarray(images)).reshape(len(images), -1)
+    x = data.normalize(x) if x.dtype == jnp.uint8 else x.astype(jnp.float32)
+    return np.asarray(_probabilities(model, x))

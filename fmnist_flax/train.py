@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import signal
 import time
 from collections.abc import Callable
@@ -145,34 +146,69 @@ def progress_of(step: int, num_batches: int, config: ml_collections.ConfigDict) 
     }
 
 
+@functools.lru_cache(maxsize=8)
+def make_train_chunk(graphdef: nnx.GraphDef, batch_size: int):
+    """Compile `count` AdamW steps into one call: the default, fastest training path.
+
+    Batches are picked from the epoch's order and normalised on the device inside the loop,
+    the state buffers are donated (updated in place), and only the last step's metrics come
+    back. `count` is a traced loop bound, so chunks of any length share one compilation.
+    """
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_chunk(state, images, labels, order, start, count):
+        def body(i, carry):
+            model, optimizer = nnx.merge(graphdef, carry[0])
+            x, y = data.batch_at(images, labels, order, start + i, batch_size)
+            metrics = train_step_eager(model, optimizer, x, y)
+            return nnx.state((model, optimizer)), metrics
+
+        zeros = {name: jnp.zeros((), jnp.float32) for name in ("loss", "accuracy", "grad_norm")}
+        return jax.lax.fori_loop(0, count, body, (state, zeros))
+
+    return train_chunk
+
+
+def is_log_step(step: int, config: ml_collections.ConfigDict) -> bool:
+    return step == 1 or step % config.log_every == 0 or step == config.steps
+
+
+def next_stop(step: int, config: ml_collections.ConfigDict, batches_per_epoch: int) -> int:
+    """The next step where the host must look: a log or checkpoint step, an epoch's end, the end."""
+    if step == 0:
+        return 1  # step 1 is logged (and compiles the chunk)
+    after = [
+        (step // every + 1) * every
+        for every in (config.log_every, config.checkpoint_every, batches_per_epoch)
+    ]
+    return min(*after, config.steps)
+
+
 def train(
     model: nnx.Module,
     optimizer: nnx.Optimizer,
-    batches: data.Batches,
+    device_data: data.DeviceData,
     config: ml_collections.ConfigDict,
     *,
     start_step: int,
     checkpoints: checkpoint_lib.Checkpoints,
     on_log: Callable[[dict[str, float]], None],
-) -> tuple[list[dict[str, float]], float]:
-    """Run updates start_step+1..config.steps cycling through the fixed batches.
+) -> float:
+    """Run updates start_step+1..config.steps in fused chunks; returns examples/sec.
 
     Metrics reach the host only at step 1, every `log_every` steps and the last step. The clock
     starts after the first (compiling) step and stops at `block_until_ready` on the final state.
     Checkpoints are saved every `checkpoint_every` steps, at the end and on SIGINT/SIGTERM.
     """
-    num_batches, batch_size = batches.train_y.shape
-    history = []
+    batch_size, per_epoch = device_data.batch_size, device_data.batches_per_epoch
+    num_examples = len(device_data.train_labels)
+    graphdef, state = nnx.split((model, optimizer))
+    train_chunk = make_train_chunk(graphdef, batch_size)
     last_finite = start_step
 
-    def log(step: int, metrics: Metrics) -> None:
-        nonlocal last_finite
-        row = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
-        if not np.isfinite(row["loss"]):
-            stop_non_finite(f"the loss became {row['loss']} between steps {last_finite} and {step}")
-        last_finite = step
-        history.append(row)
-        on_log(row)
+    def sync_objects() -> None:
+        """Point model and optimizer at the newest (donated-into) state buffers."""
+        nnx.update((model, optimizer), state)
 
     def stop_non_finite(what: str) -> None:
         checkpoints.wait()
@@ -182,22 +218,40 @@ def train(
             f"{kept[-1] if kept else 'none'}; lower --learning_rate and retry"
         )
 
+    def log(step: int, metrics: Metrics) -> None:
+        nonlocal last_finite
+        row = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
+        if not np.isfinite(row["loss"]):
+            stop_non_finite(f"the loss became {row['loss']} between steps {last_finite} and {step}")
+        last_finite = step
+        on_log(row)
+
     def save(step: int) -> None:
+        sync_objects()
         if not all_finite(nnx.state(model, nnx.Param)):
             stop_non_finite(
                 f"the parameters became non-finite between steps {last_finite} and {step}"
             )
-        checkpoints.save(step, model, optimizer, progress_of(step, num_batches, config), config)
+        checkpoints.save(step, model, optimizer, progress_of(step, per_epoch, config), config)
 
     clock = None
+    order_epoch, order = None, None
+    step = start_step
     with StopSignals() as signals:
-        for step in range(start_step + 1, config.steps + 1):
-            i = (step - 1) % num_batches
-            metrics = train_step(model, optimizer, batches.train_x[i], batches.train_y[i])
-            if clock is None:  # the first step compiled; time the rest
+        while step < config.steps:
+            epoch, index = divmod(step, per_epoch)
+            if epoch != order_epoch:
+                order_epoch, order = epoch, data.epoch_order(config.seed, epoch, num_examples)
+            stop = next_stop(step, config, per_epoch)
+            state, metrics = train_chunk(
+                state, device_data.train_images, device_data.train_labels, order,
+                index, stop - step,
+            )  # fmt: skip
+            step = stop
+            if clock is None:  # the first call compiled; time the rest
                 jax.block_until_ready(metrics)
                 clock = time.perf_counter(), step
-            if step == 1 or step % config.log_every == 0 or step == config.steps:
+            if is_log_step(step, config):
                 log(step, metrics)
             if step % config.checkpoint_every == 0 or step == config.steps or signals.signum:
                 save(step)
@@ -209,11 +263,11 @@ def train(
                     "resume by running the same command with the same --workdir",
                     signals.signum,
                 )
-    jax.block_until_ready(nnx.state((model, optimizer)))
+    jax.block_until_ready(state)
+    sync_objects()
     timed_steps = config.steps - clock[1]
     elapsed = time.perf_counter() - clock[0]
-    examples_per_sec = timed_steps * batch_size / elapsed if timed_steps else float("nan")
-    return history, examples_per_sec
+    return timed_steps * batch_size / elapsed if timed_steps else float("nan")
 
 
 def resume(
@@ -257,19 +311,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
     workdir = workdir_lib.prepare_workdir(workdir)
     dataset = data.load_dataset(config.data_dir or None)
     device = jax.devices()[0]
-    batches = data.make_batches(dataset, config.batch_size, config.seed, device)
+    device_data = data.to_device(dataset, config.batch_size, device)
     checkpoints = checkpoint_lib.Checkpoints(workdir, max_to_keep=config.max_to_keep)
     try:
-        return _run(config, workdir, dataset, batches, checkpoints, device, wall_start)
+        return _run(config, workdir, dataset, device_data, checkpoints, device, wall_start)
     finally:
         checkpoints.wait()
         checkpoints.close()
 
 
-def _run(config, workdir, dataset, batches, checkpoints, device, wall_start) -> dict[str, Any]:
+def _run(config, workdir, dataset, device_data, checkpoints, device, wall_start) -> dict[str, Any]:
     model = create_model(config)
     optimizer = create_optimizer(model, config)
-    start_step = resume(checkpoints, model, optimizer, config, batches.train_y.shape[0])
+    start_step = resume(checkpoints, model, optimizer, config, device_data.batches_per_epoch)
     summary_path = workdir / workdir_lib.SUMMARY_FILE
     if start_step >= config.steps:
         print(
@@ -302,19 +356,22 @@ def _run(config, workdir, dataset, batches, checkpoints, device, wall_start) -> 
             ]
         ),
     )  # fmt: skip
-    show("batches", tables.arrays_table("Fixed-size batches on the device", vars(batches)))
+    arrays = {k: v for k, v in vars(device_data).items() if isinstance(v, jax.Array)}
+    show("batches", tables.arrays_table("Data arrays on the device", arrays))
     show("params", tables.params_table(model))
-    grad_table, grad_check = gradient_check(
-        model, batches.train_x[0], batches.train_y[0], config.optimizer.learning_rate
-    )
+    first_batch = data.batch_at(
+        device_data.train_images, device_data.train_labels,
+        data.epoch_order(config.seed, 0, len(device_data.train_labels)), 0, config.batch_size,
+    )  # fmt: skip
+    grad_table, grad_check = gradient_check(model, *first_batch, config.optimizer.learning_rate)
     show("gradients", grad_table)
 
     metrics_path = workdir / workdir_lib.METRICS_FILE
     metrics_log = workdir_lib.MetricsLog(metrics_path, keep_until=start_step)
     progress = tables.ProgressBar(config.steps)
     try:
-        _, examples_per_sec = train(
-            model, optimizer, batches, config,
+        examples_per_sec = train(
+            model, optimizer, device_data, config,
             start_step=start_step, checkpoints=checkpoints,
             on_log=lambda row: (metrics_log.write(row), progress.update(row)),
         )  # fmt: skip
@@ -324,9 +381,10 @@ def _run(config, workdir, dataset, batches, checkpoints, device, wall_start) -> 
     history = workdir_lib.read_jsonl(metrics_path)  # every logged step, resumed runs included
     show("training", tables.training_log_table(history, examples_per_sec))
 
-    codelab_eval = evaluate.evaluate(model, batches.test_x, batches.test_y)
+    whole = device_data.codelab_test_batches
+    codelab_eval = evaluate.evaluate(model, device_data.test_x[:whole], device_data.test_y[:whole])
     full_eval = evaluate.evaluate(
-        model, batches.full_test_x, batches.full_test_y, batches.full_test_mask
+        model, device_data.test_x, device_data.test_y, device_data.test_mask
     )
     last = history[-1]
     show(
@@ -345,8 +403,8 @@ def _run(config, workdir, dataset, batches, checkpoints, device, wall_start) -> 
             {
                 "params": nnx.state(model, nnx.Param),
                 "optimizer state": nnx.state(optimizer, nnx.OptState),
-                "train batches": (batches.train_x, batches.train_y),
-                "test batches": (batches.test_x, batches.test_y),
+                "train data": (device_data.train_images, device_data.train_labels),
+                "test batches": (device_data.test_x, device_data.test_y),
             }
         ),
     )
@@ -358,8 +416,8 @@ def _run(config, workdir, dataset, batches, checkpoints, device, wall_start) -> 
     dispatch = precision = None
     checkpoints.wait()  # the final save's writer thread would otherwise share the CPU
     if config.report == "full":
-        dispatch = benchmark.dispatch_vs_jit(config, batches)
-        precision = benchmark.precision_comparison(config, batches)
+        dispatch = benchmark.dispatch_vs_jit(config, device_data)
+        precision = benchmark.precision_comparison(config, device_data)
     report_path = None
     if config.report != "none":
         report_path = report.write_report(

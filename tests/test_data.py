@@ -193,22 +193,41 @@ def test_download_that_stays_wrong_is_refused_and_not_kept(tmp_path):
     assert list((tmp_path / "cache").iterdir()) == []
 
 
-def test_batches_are_fixed_size_shuffled_and_cover_the_test_set(real_dataset):
-    batches = data.make_batches(real_dataset, 512, seed=0, device=jax.devices()[0])
-    assert batches.train_x.shape == (117, 512, 784)
-    assert batches.train_x.dtype == np.float32
-    assert batches.test_x.shape == (19, 512, 784)  # the codelab's 9,728
-    assert batches.full_test_x.shape == (20, 512, 784)
-    assert float(batches.full_test_mask.sum()) == 10_000
-    assert float(batches.train_x.min()) >= 0.0 and float(batches.train_x.max()) <= 1.0
-    # Seeded shuffle: same order as the codelab's default_rng(0) permutation.
-    order = np.random.default_rng(0).permutation(60_000)
+def test_device_data_keeps_uint8_train_images_and_covers_the_test_set(real_dataset):
+    device_data = data.to_device(real_dataset, 512, jax.devices()[0])
+    assert device_data.train_images.shape == (60_000, 784)
+    assert device_data.train_images.dtype == np.uint8  # normalised inside the step
+    assert device_data.batches_per_epoch == 117
+    assert device_data.test_x.shape == (20, 512, 784)
+    assert device_data.codelab_test_batches == 19  # the codelab's 9,728
+    assert float(device_data.test_mask.sum()) == 10_000
     np.testing.assert_array_equal(
-        np.asarray(batches.train_y[0]), real_dataset.train_labels[order[:512]]
+        np.asarray(device_data.test_y).reshape(-1)[:10_000], real_dataset.test_labels
     )
+
+
+def test_each_epoch_gets_a_fresh_seeded_permutation(real_dataset):
+    device_data = data.to_device(real_dataset, 512, jax.devices()[0])
+    first = np.asarray(data.epoch_order(0, 0, 60_000))
+    np.testing.assert_array_equal(np.sort(first), np.arange(60_000))
+    np.testing.assert_array_equal(first, np.asarray(data.epoch_order(0, 0, 60_000)))
+    assert not np.array_equal(first, np.asarray(data.epoch_order(0, 1, 60_000)))
+    assert not np.array_equal(first, np.asarray(data.epoch_order(1, 0, 60_000)))
+    x, y = data.batch_at(
+        device_data.train_images, device_data.train_labels, jax.numpy.asarray(first), 2, 512
+    )
+    picks = first[1024:1536]
+    np.testing.assert_array_equal(np.asarray(y), real_dataset.train_labels[picks])
     np.testing.assert_array_equal(
-        np.asarray(batches.full_test_y).reshape(-1)[:10_000], real_dataset.test_labels
+        np.asarray(x), data.prepare_images(real_dataset.train_images[picks])
     )
+
+
+def test_codelab_fixed_batches_drop_the_remainder():
+    x = np.arange(10, dtype=np.float32).reshape(5, 2)
+    xb, yb = data.fixed_batches(x, np.arange(5), 2)
+    assert xb.shape == (2, 2, 2) and yb.dtype == np.int32
+    np.testing.assert_array_equal(yb.reshape(-1), [0, 1, 2, 3])
 
 
 def test_batch_larger_than_the_train_set_is_refused(small_dataset_dir, tmp_path_factory):
@@ -218,7 +237,7 @@ def test_batch_larger_than_the_train_set_is_refused(small_dataset_dir, tmp_path_
         directory, files=files, cache_dir=empty, system_dir=empty, base_url=None
     )
     with pytest.raises(UserError, match="--batch_size=65 is larger than the 64 training"):
-        data.make_batches(dataset, 65, seed=0, device=jax.devices()[0])
+        data.to_device(dataset, 65, jax.devices()[0])
 
 
 def test_padded_batches_mask_only_the_padding():

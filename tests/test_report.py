@@ -15,7 +15,7 @@ from fmnist_flax.model import MLP
 TABLE_TITLES = (
     "Set-up",
     "Fashion-MNIST loaded from IDX files",
-    "Fixed-size batches on the device",
+    "Data arrays on the device",
     "MLP parameters: 235,146 trainable values",
     "Gradient tree matches the parameter tree",
     "Python dispatch vs jitted step",

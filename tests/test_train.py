@@ -12,7 +12,7 @@ from flax import nnx
 
 from fmnist_flax import checkpoint, data, load_model, train
 from fmnist_flax.errors import UserError
-from fmnist_flax.model import MLP
+from fmnist_flax.model import MLP, create_model
 
 
 def read_metrics(workdir):
@@ -52,15 +52,64 @@ def test_same_seed_gives_bitwise_identical_runs(quick_config, tmp_path):
     assert other["final_train_loss"] != first["final_train_loss"]
 
 
+def first_batches(real_dataset, count, batch_size=512):
+    device_data = data.to_device(real_dataset, batch_size, jax.devices()[0])
+    order = data.epoch_order(0, 0, 60_000)
+    batches = [
+        data.batch_at(device_data.train_images, device_data.train_labels, order, i, batch_size)
+        for i in range(count)
+    ]
+    return device_data, order, batches
+
+
 def test_first_adamw_step_is_near_chance_and_returns_grad_norm(real_dataset, quick_config):
-    batches = data.make_batches(real_dataset, 512, seed=0, device=jax.devices()[0])
+    _, _, [(x, y)] = first_batches(real_dataset, 1)
     model = MLP(rngs=nnx.Rngs(2))
-    metrics = train.train_step(
-        model, train.create_optimizer(model, quick_config), batches.train_x[0], batches.train_y[0]
-    )
+    metrics = train.train_step(model, train.create_optimizer(model, quick_config), x, y)
     assert 0.0 <= float(metrics["accuracy"]) < 0.3  # the codelab's "~10% on a fresh model"
     assert float(metrics["grad_norm"]) > 0
     assert np.isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_fused_chunks_equal_one_step_per_call(real_dataset, quick_config, compute_dtype):
+    """The default path (K steps per compiled call, on-device batches, donated state) gives
+    the same parameters and metrics as calling the plain nnx.jit step once per batch."""
+    quick_config.compute_dtype = compute_dtype
+    device_data, order, batches = first_batches(real_dataset, 12)
+    plain_model = create_model(quick_config)
+    plain_opt = train.create_optimizer(plain_model, quick_config)
+    for x, y in batches:
+        plain_metrics = train.train_step(plain_model, plain_opt, x, y)
+
+    model = create_model(quick_config)
+    optimizer = train.create_optimizer(model, quick_config)
+    graphdef, state = nnx.split((model, optimizer))
+    chunk = train.make_train_chunk(graphdef, 512)
+    images, labels = device_data.train_images, device_data.train_labels
+    state, _ = chunk(state, images, labels, order, 0, 5)  # chunks of 5, 1 and 6 steps
+    state, _ = chunk(state, images, labels, order, 5, 1)
+    state, metrics = chunk(state, images, labels, order, 6, 6)
+    nnx.update((model, optimizer), state)
+    for a, b in zip(
+        jax.tree.leaves(nnx.state((plain_model, plain_opt))),
+        jax.tree.leaves(nnx.state((model, optimizer))),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    for name in ("loss", "accuracy", "grad_norm"):
+        assert float(metrics[name]) == float(plain_metrics[name])
+
+
+def test_chunks_stop_at_log_checkpoint_and_epoch_boundaries(quick_config):
+    quick_config.log_every, quick_config.checkpoint_every, quick_config.steps = 25, 100, 400
+    stops, step = [], 0
+    while step < quick_config.steps:
+        step = train.next_stop(step, quick_config, 117)
+        stops.append(step)
+    assert stops[:6] == [1, 25, 50, 75, 100, 117]
+    assert 234 in stops and 351 in stops and stops[-1] == 400
+    assert all(s % 25 == 0 or s % 117 == 0 or s == 1 for s in stops)
 
 
 def test_gradient_check_reports_matching_trees(quick_config):
