@@ -1,17 +1,30 @@
-"""Honest step timing (warm up, then `block_until_ready`): the codelab's sections 7 and 13."""
+"""Honest step timing (warm up, then `block_until_ready`): the codelab's sections 7 and 13 and
+the benchmark suite of `--mode=benchmark`, every path measured side by side in one process."""
 
 from __future__ import annotations
 
+import itertools
+import json
+import pathlib
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
+import optax
 from flax import nnx
 
-from fmnist_flax import data, train
-from fmnist_flax.model import create_model
+from fmnist_flax import data, reference, train
+from fmnist_flax import model as model_lib
+from fmnist_flax.errors import UserError
+from fmnist_flax.tables import Table
 
 EAGER_STEPS = 20  # the codelab's sizes
 JIT_STEPS = 100
@@ -56,7 +69,7 @@ def _fresh(config: ml_collections.ConfigDict, compute_dtype: str | None = None):
     config = ml_collections.ConfigDict(config.to_dict())
     if compute_dtype:
         config.compute_dtype = compute_dtype
-    model = create_model(config, seed=COMPARISON_SEED)
+    model = model_lib.create_model(config, seed=COMPARISON_SEED)
     return model, train.create_optimizer(model, config)
 
 
@@ -78,3 +91,272 @@ def precision_comparison(
                                       PRECISION_STEPS)}
         for dtype in ("float32", "bfloat16")
     ]  # fmt: skip
+
+
+# --- The benchmark suite: `python main.py --mode=benchmark` --------------------------------
+
+BENCH_EXAMPLES = 2**17  # examples per timed run; steps = this / batch size
+BENCH_EAGER_STEPS = 10  # Python dispatch is ~100x slower; fewer steps tell the same story
+MATMUL_SIZE = 2048
+
+
+def flops_per_example(sizes: Sequence[int]) -> float:
+    """Forward 2*sum(in*out); backward the same for weight grads plus the activation grads of
+    every layer but the first: ~1.007 MFLOP for 784-256-128-10."""
+    layers = list(itertools.pairwise(sizes))
+    forward = 2 * sum(a * b for a, b in layers)
+    return forward + forward + 2 * sum(a * b for a, b in layers[1:])
+
+
+def matmul_peak_gflops(repeats: int = 10) -> float:
+    """What XLA reaches on a large float32 matmul on this device (best of `repeats`): the
+    roofline the MLP's GFLOP/s are compared with."""
+    a = jax.random.normal(jax.random.key(0), (MATMUL_SIZE, MATMUL_SIZE), jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+    jax.block_until_ready(matmul(a, a))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(matmul(a, a))
+        times.append(time.perf_counter() - start)
+    return 2 * MATMUL_SIZE**3 / min(times) / 1e9
+
+
+def _runners(config: ml_collections.ConfigDict, device_data: data.DeviceData, fixed):
+    """Each training path as `run(steps) -> something to block on`, all from the same start."""
+    dtype = model_lib.COMPUTE_DTYPES[config.compute_dtype]
+    fixed_x, fixed_y = fixed
+    num_fixed = fixed_x.shape[0]
+
+    def codelab():
+        tx = optax.adamw(config.optimizer.learning_rate, weight_decay=config.optimizer.weight_decay)
+        step = reference.make_train_step(tx, dtype)
+        params = reference.init_mlp_params(jax.random.key(COMPARISON_SEED), *config.model.hidden)
+        carry = [params, tx.init(params), 0]
+
+        def run(steps):
+            params, opt_state, i = carry
+            for _ in range(steps):
+                j = i % num_fixed
+                params, opt_state, metrics = step(params, opt_state, (fixed_x[j], fixed_y[j]))
+                i += 1
+            carry[:] = params, opt_state, i
+            return params, metrics
+
+        return run
+
+    def per_step(step_fn):
+        def make():
+            model, optimizer = _fresh(config)
+            counter = [0]
+
+            def run(steps):
+                for _ in range(steps):
+                    j = counter[0] % num_fixed
+                    metrics = step_fn(model, optimizer, fixed_x[j], fixed_y[j])
+                    counter[0] += 1
+                return metrics, nnx.state(model)
+
+            return run
+
+        return make
+
+    def fused():
+        model, optimizer = _fresh(config)
+        graphdef, state = nnx.split((model, optimizer))
+        chunk = train.make_train_chunk(graphdef, device_data.batch_size)
+        order = data.epoch_order(COMPARISON_SEED, 0, len(device_data.train_labels))
+        per_epoch = device_data.batches_per_epoch
+        carry = [state, 0]
+
+        def run(steps):
+            state, i = carry
+            while steps:
+                index = i % per_epoch
+                count = min(config.log_every, steps, per_epoch - index)
+                state, metrics = chunk(state, device_data.train_images,
+                                       device_data.train_labels, order, index, count)  # fmt: skip
+                i, steps = i + count, steps - count
+            carry[:] = state, i
+            return state, metrics
+
+        return run
+
+    return {
+        "codelab loop (reference)": codelab,
+        "nnx.jit step": per_step(train.train_step),
+        "fused (default)": fused,
+        "Python dispatch": per_step(train.train_step_eager),
+    }
+
+
+def _measure(run: Callable[[int], Any], steps: int, repeats: int) -> dict[str, float]:
+    start = time.perf_counter()
+    jax.block_until_ready(run(1))  # compiles
+    compile_seconds = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(run(steps))
+        times.append(time.perf_counter() - start)
+    return {"steps": steps, "seconds": statistics.median(times), "first_call_s": compile_seconds}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory. Linux's VmHWM starts afresh at exec, unlike
+    ru_maxrss, which a child inherits from the process that started it."""
+    try:
+        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _peak_memory_mb() -> dict[str, float | None]:
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return {
+        "device_peak_mb": peak / 2**20 if peak else None,
+        "process_peak_rss_mb": peak_rss_mb(),
+    }
+
+
+def run_suite(
+    config: ml_collections.ConfigDict,
+    dataset: data.Dataset,
+    *,
+    batch_sizes: Sequence[int],
+    dtypes: Sequence[str],
+    steps: int | None,
+    repeats: int,
+) -> dict[str, Any]:
+    """Every path at every batch size and dtype, in one process, ratios to the codelab loop."""
+    device = jax.devices()[0]
+    peak = matmul_peak_gflops()
+    flops = flops_per_example((data.INPUT_DIM, *config.model.hidden, data.NUM_CLASSES))
+    rows = []
+    for batch_size in batch_sizes:
+        device_data = data.to_device(dataset, batch_size, device)
+        x, y = data.shuffle(dataset.train_images, dataset.train_labels, seed=0)
+        fixed = jax.device_put(data.fixed_batches(data.prepare_images(x), y, batch_size), device)
+        n_steps = steps or max(8, BENCH_EXAMPLES // batch_size)
+        for dtype in dtypes:
+            run_config = ml_collections.ConfigDict(config.to_dict())
+            run_config.batch_size, run_config.compute_dtype = batch_size, dtype
+            reference_rate = None
+            for name, make in _runners(run_config, device_data, fixed).items():
+                timed = n_steps if name != "Python dispatch" else min(n_steps, BENCH_EAGER_STEPS)
+                result = _measure(make(), timed, repeats)
+                rate = timed * batch_size / result["seconds"]
+                reference_rate = reference_rate or rate
+                rows.append({
+                    "path": name, "batch_size": batch_size, "dtype": dtype, **result,
+                    "examples_per_sec": rate, "ratio_to_codelab": rate / reference_rate,
+                    "gflops": rate * flops / 1e9, "share_of_matmul_peak": rate * flops / 1e9 / peak,
+                    **_peak_memory_mb(),
+                })  # fmt: skip
+                print(f"  {name:<26} B={batch_size:<5} {dtype:<9} {rate:>12,.0f} examples/s",
+                      flush=True)  # fmt: skip
+        del device_data, fixed
+    print(benchmark_table(rows, peak))
+    return {
+        "device": str(device),
+        "backend": jax.default_backend(),
+        "matmul_peak_gflops": peak,
+        "flops_per_example": flops,
+        "repeats": repeats,
+        "results": rows,
+    }
+
+
+def benchmark_table(rows: Sequence[dict[str, Any]], peak: float) -> str:
+    return Table.of(
+        f"Training step throughput (median of repeats; matmul peak {peak:,.0f} GFLOP/s)",
+        ("Path", "Batch", "Dtype", "Examples/s", "vs codelab", "GFLOP/s", "% of peak",
+         "First call s", "Peak RSS MB"),
+        [
+            (r["path"], r["batch_size"], r["dtype"], f"{r['examples_per_sec']:,.0f}",
+             f"{r['ratio_to_codelab']:.2f}x", f"{r['gflops']:.1f}",
+             f"{100 * r['share_of_matmul_peak']:.0f}%", f"{r['first_call_s']:.2f}",
+             f"{r['process_peak_rss_mb']:,.0f}")
+            for r in rows
+        ],
+    ).format()  # fmt: skip
+
+
+def whole_run(steps: int, tmp: pathlib.Path) -> dict[str, Any]:
+    """Start-to-exit wall time and peak memory of `main.py --report=basic` (with an empty
+    compilation cache, then with the cache that run filled) and of the plain-JAX codelab
+    script doing the same training, as subprocesses side by side."""
+    main_py = pathlib.Path(__file__).resolve().parents[1] / "main.py"
+
+    def main_command(name: str) -> list[str]:
+        return [sys.executable, str(main_py), f"--steps={steps}", "--report=basic",
+                f"--workdir={tmp / name}", f"--compilation_cache={tmp / 'cache'}"]  # fmt: skip
+
+    commands = {
+        "main.py --report=basic, cold cache": main_command("cold"),
+        "main.py --report=basic, warm cache": main_command("warm"),
+        "plain JAX (codelab)": [sys.executable, "-m", "fmnist_flax.reference", str(steps)],
+    }
+    runs = {}
+    for name, command in commands.items():
+        start = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        seconds = time.perf_counter() - start
+        if done.returncode:
+            raise UserError(f"{name} failed: {done.stderr.strip().splitlines()[-1]}")
+        if name.startswith("main.py"):
+            summary = tmp / ("cold" if "cold" in name else "warm") / "summary.json"
+            peak = json.loads(summary.read_text())["peak_rss_mb"]
+        else:
+            peak = json.loads(done.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+        runs[name] = {"wall_seconds": seconds, "peak_rss_mb": peak}
+    cold, warm, plain = (r["wall_seconds"] for r in runs.values())
+    return {"steps": steps, "runs": runs, "wall_ratio_cold": cold / plain,
+            "wall_ratio_warm": warm / plain}  # fmt: skip
+
+
+def run_benchmark(
+    config: ml_collections.ConfigDict,
+    *,
+    batch_sizes: Sequence[int],
+    dtypes: Sequence[str],
+    steps: int | None,
+    repeats: int,
+    whole_run_steps: int,
+    output: str | None,
+) -> dict[str, Any]:
+    """`--mode=benchmark`: the step suite, then the whole-run comparison; prints and saves."""
+    for dtype in dtypes:
+        if dtype not in model_lib.COMPUTE_DTYPES:
+            raise UserError(f"--bench_dtypes: {dtype!r} is not one of float32, bfloat16")
+    if any(b < 1 for b in batch_sizes) or repeats < 1 or (steps is not None and steps < 1):
+        raise UserError("--bench_batch_sizes, --bench_steps and --bench_repeats must be >= 1")
+    if output and not pathlib.Path(output).expanduser().absolute().parent.is_dir():
+        raise UserError(f"--output {output}: its directory does not exist")
+    dataset = data.load_dataset(config.data_dir or None)
+    result = run_suite(
+        config, dataset, batch_sizes=batch_sizes, dtypes=dtypes, steps=steps, repeats=repeats
+    )
+    if whole_run_steps:
+        with tempfile.TemporaryDirectory() as tmp:
+            result["whole_run"] = whole = whole_run(whole_run_steps, pathlib.Path(tmp))
+        print(
+            Table.of(
+                f"Whole run, start to exit, {whole_run_steps} steps",
+                ("Command", "Wall seconds", "Peak RSS MB"),
+                [(name, f"{r['wall_seconds']:.2f}", f"{r['peak_rss_mb']:,.0f}")
+                 for name, r in whole["runs"].items()],
+            ).format()
+            + f"main.py / plain JAX wall time: {whole['wall_ratio_cold']:.2f}x cold, "
+            f"{whole['wall_ratio_warm']:.2f}x with a warm compilation cache"
+        )  # fmt: skip
+    result["versions"] = train.versions()
+    result["date"] = time.strftime("%Y-%m-%d")
+    if output:
+        pathlib.Path(output).expanduser().write_text(json.dumps(result, indent=2) + "\n")
+        print(f"benchmark written to {output}")
+    return result

@@ -6,10 +6,11 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from fmnist_flax import inference, train
+from fmnist_flax import benchmark, data, inference, train
 from fmnist_flax.errors import UserError
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py"
@@ -20,15 +21,31 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory for the run's outputs; default: a fresh directory under runs/."
 )
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache",
+    str(data.CACHE_DIR / "jax"),
+    "JAX's persistent compilation cache; runs after the first skip most compiling. '' disables.",
+)
 _MODE = flags.DEFINE_enum(
     "mode",
     "train",
-    ["train", "eval", "predict"],
-    "train (resumes from --workdir's checkpoints), eval (full test set -> eval.json) or "
-    "predict (classify --images).",
+    ["train", "eval", "predict", "benchmark"],
+    "train (resumes from --workdir's checkpoints), eval (full test set -> eval.json), "
+    "predict (classify --images) or benchmark (time every training path).",
+)
+_BENCH_BATCH_SIZES = flags.DEFINE_list(
+    "bench_batch_sizes", ["32", "512", "4096"], "benchmark: batch sizes."
+)
+_BENCH_DTYPES = flags.DEFINE_list("bench_dtypes", ["float32", "bfloat16"], "benchmark: dtypes.")
+_BENCH_STEPS = flags.DEFINE_integer(
+    "bench_steps", None, "benchmark: timed steps per run; default 131072 examples' worth."
+)
+_BENCH_REPEATS = flags.DEFINE_integer("bench_repeats", 3, "benchmark: repeats (median kept).")
+_BENCH_WHOLE_RUN_STEPS = flags.DEFINE_integer(
+    "bench_whole_run_steps", 400, "benchmark: steps of the whole-run comparison; 0 skips it."
 )
 _IMAGES = flags.DEFINE_list("images", [], "predict: PNG files or .npy arrays (28x28 or Nx28x28).")
-_OUTPUT = flags.DEFINE_string("output", None, "predict: also write the predictions to this JSON.")
+_OUTPUT = flags.DEFINE_string("output", None, "predict/benchmark: also write the results as JSON.")
 _STEP = flags.DEFINE_integer("step", None, "eval/predict: checkpoint step; default the newest.")
 
 # Shorthand flags of the design card -> the config field each one overrides.
@@ -72,6 +89,9 @@ def main(argv: Sequence[str]) -> None:
         fail(f"unexpected arguments {' '.join(argv[1:])}; flags look like --steps=400", 2)
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # keep JAX's start-up INFO lines out of the tables
+    if _COMPILATION_CACHE.value:
+        jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE.value)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     config = _CONFIG.value
     config.update_from_flattened_dict(
         {
@@ -83,6 +103,20 @@ def main(argv: Sequence[str]) -> None:
     try:
         if _MODE.value == "train":
             train.train_and_evaluate(config, _WORKDIR.value)
+        elif _MODE.value == "benchmark":
+            try:
+                batch_sizes = [int(b) for b in _BENCH_BATCH_SIZES.value]
+            except ValueError:
+                fail(f"--bench_batch_sizes={','.join(_BENCH_BATCH_SIZES.value)}: whole numbers", 2)
+            benchmark.run_benchmark(
+                config,
+                batch_sizes=batch_sizes,
+                dtypes=_BENCH_DTYPES.value,
+                steps=_BENCH_STEPS.value,
+                repeats=_BENCH_REPEATS.value,
+                whole_run_steps=_BENCH_WHOLE_RUN_STEPS.value,
+                output=_OUTPUT.value,
+            )
         elif not _WORKDIR.value:
             fail(f"--mode={_MODE.value} needs --workdir=DIR of a training run", 2)
         elif _MODE.value == "eval":

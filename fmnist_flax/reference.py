@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from fmnist_flax import data
 from fmnist_flax.data import INPUT_DIM, NUM_CLASSES
 
 Params = dict[str, jax.Array]
@@ -88,3 +89,45 @@ def params_from_model(model: nnx.Module) -> Params:
         params[f"w{i}"] = layer.kernel[...]
         params[f"b{i}"] = layer.bias[...]
     return params
+
+
+def run_codelab(steps: int = 400, batch_size: int = 512, log_every: int = 25) -> dict[str, float]:
+    """The codelab's whole job in plain JAX: data, fixed batches, Optax loop, vmapped eval.
+
+    The baseline `python main.py` is measured against (start to exit, peak memory).
+    """
+    dataset = data.load_dataset(base_url=None)
+    x, y = data.shuffle(dataset.train_images, dataset.train_labels, seed=0)
+    x_batches, y_batches = jax.device_put(data.fixed_batches(data.prepare_images(x), y, batch_size))
+    test_x, test_y = jax.device_put(
+        data.fixed_batches(data.prepare_images(dataset.test_images), dataset.test_labels,
+                           batch_size)
+    )  # fmt: skip
+    tx = optax.adamw(3e-3, weight_decay=1e-4)
+    params = init_mlp_params(jax.random.key(3))
+    opt_state = tx.init(params)
+    step = make_train_step(tx, jnp.float32)
+    for i in range(steps):
+        j = i % x_batches.shape[0]
+        params, opt_state, metrics = step(params, opt_state, (x_batches[j], y_batches[j]))
+        if i % log_every == 0 or i == steps - 1:
+            jax.device_get(metrics)
+
+    @jax.jit
+    def evaluate(params, xs, ys):
+        losses, aux = jax.vmap(lambda x, y: loss_with_metrics(params, (x, y)))(xs, ys)
+        return jnp.mean(losses), jnp.mean(aux["accuracy"])
+
+    loss, accuracy = evaluate(params, test_x, test_y)
+    return {"test_loss": float(loss), "test_accuracy": float(accuracy)}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    from fmnist_flax.benchmark import peak_rss_mb
+
+    result = run_codelab(steps=int(sys.argv[1]) if len(sys.argv) > 1 else 400)
+    result["peak_rss_mb"] = peak_rss_mb()
+    print(json.dumps(result))

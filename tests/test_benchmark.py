@@ -1,0 +1,75 @@
+"""The benchmark: a tiny configuration runs every path and writes valid JSON with every field.
+
+Speed itself is never asserted here (shared, noisy machines); ratios come from one run.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from configs import default
+from fmnist_flax import benchmark
+from fmnist_flax.errors import UserError
+
+PATHS = {"codelab loop (reference)", "nnx.jit step", "fused (default)", "Python dispatch"}
+ROW_FIELDS = {
+    "path", "batch_size", "dtype", "steps", "seconds", "first_call_s", "examples_per_sec",
+    "ratio_to_codelab", "gflops", "share_of_matmul_peak", "device_peak_mb", "process_peak_rss_mb",
+}  # fmt: skip
+
+
+def test_flops_per_example_matches_the_hand_count():
+    # forward 2 * 234,752; weight grads the same; activation grads of layers 2 and 3.
+    assert benchmark.flops_per_example((784, 256, 128, 10)) == 1_007_104
+
+
+def test_tiny_benchmark_writes_every_field(tmp_path, capsys):
+    output = tmp_path / "bench.json"
+    benchmark.run_benchmark(
+        default.get_config(),
+        batch_sizes=[16, 24],
+        dtypes=["float32", "bfloat16"],
+        steps=2,
+        repeats=1,
+        whole_run_steps=3,
+        output=str(output),
+    )
+    result = json.loads(output.read_text())
+    assert result["matmul_peak_gflops"] > 0
+    assert result["flops_per_example"] == 1_007_104
+    assert set(result["versions"]) == {"jax", "flax", "optax"}
+    rows = result["results"]
+    assert len(rows) == 2 * 2 * len(PATHS)
+    assert {r["path"] for r in rows} == PATHS
+    for row in rows:
+        assert set(row) == ROW_FIELDS
+        assert row["examples_per_sec"] > 0 and row["seconds"] > 0
+    for row in rows:
+        if row["path"] == "codelab loop (reference)":
+            assert row["ratio_to_codelab"] == 1.0
+    whole = result["whole_run"]
+    assert set(whole) == {"steps", "runs", "wall_ratio_cold", "wall_ratio_warm"}
+    assert len(whole["runs"]) == 3
+    for run in whole["runs"].values():
+        assert run["wall_seconds"] > 0 and run["peak_rss_mb"] > 100
+    out = capsys.readouterr().out
+    assert "Training step throughput" in out and "main.py / plain JAX wall time" in out
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dtypes": ["float16"]}, "'float16' is not one of"),
+        ({"batch_sizes": [0]}, "must be >= 1"),
+        ({"output": "/nonexistent/dir/b.json"}, "its directory does not exist"),
+    ],
+)
+def test_bad_benchmark_options_are_one_line(kwargs, message):
+    options = {
+        "batch_sizes": [16], "dtypes": ["float32"], "steps": 1, "repeats": 1,
+        "whole_run_steps": 0, "output": None, **kwargs,
+    }  # fmt: skip
+    with pytest.raises(UserError, match=message):
+        benchmark.run_benchmark(default.get_config(), **options)
