@@ -29,8 +29,8 @@ def test_tiny_benchmark_writes_every_field(tmp_path, capsys):
     output = tmp_path / "bench.json"
     benchmark.run_benchmark(
         default.get_config(),
-        batch_sizes=[16, 24],
-        dtypes=["float32", "bfloat16"],
+        batch_sizes=[16],
+        dtypes=["bfloat16"],
         steps=2,
         repeats=1,
         whole_run_steps=3,
@@ -41,7 +41,7 @@ def test_tiny_benchmark_writes_every_field(tmp_path, capsys):
     assert result["flops_per_example"] == 1_007_104
     assert set(result["versions"]) == {"jax", "flax", "optax"}
     rows = result["results"]
-    assert len(rows) == 2 * 2 * len(PATHS)
+    assert len(rows) == len(PATHS)
     assert {r["path"] for r in rows} == PATHS
     for row in rows:
         assert set(row) == ROW_FIELDS
