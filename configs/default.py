@@ -18,9 +18,11 @@ def get_config() -> ml_collections.ConfigDict:
     config.compute_dtype = "float32"  # float32 | bfloat16; params always stay float32
     config.checkpoint_every = 100  # Orbax saves every this many steps, at the end and on SIGTERM
     config.max_to_keep = 3  # newest checkpoints kept in <workdir>/checkpoints
+    config.fused_steps = True  # several steps per compiled call (False: one step per call)
     config.report = "full"  # full | basic (no extra timing comparisons) | none (no report/)
 
     config.model = ml_collections.ConfigDict()
+    config.model.name = "mlp"  # a key of fmnist_flax.model.MODELS; the other fields are its args
     config.model.hidden = (256, 128)  # hidden layer widths between 784 inputs and 10 classes
 
     config.optimizer = ml_collections.ConfigDict()

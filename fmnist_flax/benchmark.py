@@ -330,6 +330,11 @@ def run_benchmark(
     output: str | None,
 ) -> dict[str, Any]:
     """`--mode=benchmark`: the step suite, then the whole-run comparison; prints and saves."""
+    if config.model.get("name", "mlp") != "mlp" or len(config.model.hidden) != 2:
+        raise UserError(
+            "--mode=benchmark compares against the codelab's two-hidden-layer MLP; "
+            "use an MLP config such as configs/default.py"
+        )
     for dtype in dtypes:
         if dtype not in model_lib.COMPUTE_DTYPES:
             raise UserError(f"--bench_dtypes: {dtype!r} is not one of float32, bfloat16")

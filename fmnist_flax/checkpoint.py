@@ -27,6 +27,27 @@ CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never deleted
 
 
+ARRAY_ITEMS = ("model", "optimizer")  # array trees; the other items are JSON
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_data(tree: Any) -> Any:
+    """Typed PRNG keys (dropout's stream) as their raw uint32 data, which Orbax stores."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+def _wrap_keys(restored: Any, like: Any) -> Any:
+    """The inverse of `_key_data`, taking each key's implementation from `like`."""
+    return jax.tree.map(
+        lambda r, t: jax.random.wrap_key_data(r, impl=jax.random.key_impl(t)) if _is_key(t) else r,
+        restored,
+        like,
+    )
+
+
 def checkpoint_dir(workdir: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(workdir).expanduser().absolute() / CHECKPOINT_DIR
 
@@ -93,8 +114,8 @@ class Checkpoints:
         self._manager.save(
             step,
             args=ocp.args.Composite(
-                model=ocp.args.StandardSave(nnx.state(model)),
-                optimizer=ocp.args.StandardSave(nnx.state(optimizer)),
+                model=ocp.args.StandardSave(_key_data(nnx.state(model))),
+                optimizer=ocp.args.StandardSave(_key_data(nnx.state(optimizer))),
                 progress=ocp.args.JsonSave(progress),
                 config=ocp.args.JsonSave(config.to_dict()),
             ),
@@ -109,19 +130,22 @@ class Checkpoints:
 
     def _restore_step(self, step: int, targets: dict[str, Any]) -> dict[str, Any]:
         metadata = self._manager.item_metadata(step)
-        for name in ("model", "optimizer"):
-            if name in targets:
-                stored = metadata[name]
-                if stored is None:
-                    raise ValueError(f"item {name} has no metadata")
-                check_shapes(targets[name], getattr(stored, "tree", stored), f"checkpoint {step}")
+        arrays = {name: _key_data(t) for name, t in targets.items() if name in ARRAY_ITEMS}
+        for name, target in arrays.items():
+            stored = metadata[name]
+            if stored is None:
+                raise ValueError(f"item {name} has no metadata")
+            check_shapes(target, getattr(stored, "tree", stored), f"checkpoint {step}")
         args = {
-            name: ocp.args.StandardRestore(target)
-            if name in ("model", "optimizer")
+            name: ocp.args.StandardRestore(arrays[name]) if name in arrays
             else ocp.args.JsonRestore()
-            for name, target in targets.items()
+            for name in targets
+        }  # fmt: skip
+        restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+        return {
+            name: _wrap_keys(restored[name], targets[name]) if name in arrays else restored[name]
+            for name in targets
         }
-        return self._manager.restore(step, args=ocp.args.Composite(**args))
 
     def _set_aside(self, step: int, exc: Exception) -> None:
         reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
@@ -159,7 +183,7 @@ class Checkpoints:
                     ) from None
                 self._set_aside(candidate, exc)
                 continue
-            return {**{name: restored[name] for name in targets}, "step": candidate}
+            return {**restored, "step": candidate}
         return None
 
 
@@ -205,6 +229,7 @@ def restore_model(
         nnx.update(model, restored["model"])
     finally:
         checkpoints.close()
+    model.eval()  # inference: no dropout, BatchNorm on its running statistics
     return model, restored["step"], config
 
 

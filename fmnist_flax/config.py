@@ -5,9 +5,10 @@ from __future__ import annotations
 import ml_collections
 
 from fmnist_flax.errors import UserError
-from fmnist_flax.model import COMPUTE_DTYPES
+from fmnist_flax.model import COMPUTE_DTYPES, MODELS
 
 REPORT_CHOICES = ("full", "basic", "none")
+SCHEDULES = ("constant", "warmup_cosine")
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -28,8 +29,22 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise UserError(
             f"--config.optimizer.weight_decay={config.optimizer.weight_decay} must be >= 0"
         )
-    hidden = tuple(config.model.hidden)
+    if config.model.get("name", "mlp") not in MODELS:
+        raise UserError(
+            f"--config.model.name={config.model.name!r} is not one of {', '.join(MODELS)}"
+        )
+    hidden = tuple(config.model.get("hidden", (1,)))
     if not hidden or any(not isinstance(h, int) or h < 1 for h in hidden):
         raise UserError(
             f"--config.model.hidden={hidden} must be a tuple of positive widths, e.g. '(256, 128)'"
+        )
+    schedule = config.optimizer.get("schedule", "constant")
+    if schedule not in SCHEDULES:
+        raise UserError(
+            f"--config.optimizer.schedule={schedule!r} is not one of {', '.join(SCHEDULES)}"
+        )
+    if schedule == "warmup_cosine" and not 0 <= config.optimizer.warmup_steps < config.steps:
+        raise UserError(
+            f"--config.optimizer.warmup_steps={config.optimizer.warmup_steps} must be below "
+            f"--steps={config.steps}"
         )

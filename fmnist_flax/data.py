@@ -352,3 +352,20 @@ def batch_at(
     """Batch `index` of an epoch's order, gathered and normalised (works inside jit too)."""
     picks = jax.lax.dynamic_slice_in_dim(order, index * batch_size, batch_size)
     return normalize(images[picks]), labels[picks]
+
+
+def augment(x: jax.Array, key: jax.Array, max_shift: int, flip: bool) -> jax.Array:
+    """Random left-right flips and shifts of up to `max_shift` pixels (zero fill), per example,
+    on the device; (B, 784) in and out, labels untouched."""
+    images = x.reshape(len(x), *IMAGE_SHAPE)
+    flip_key, shift_key = jax.random.split(key)
+    if flip:
+        mirror = jax.random.bernoulli(flip_key, 0.5, (len(images), 1, 1))
+        images = jnp.where(mirror, images[:, :, ::-1], images)
+    if max_shift:
+        pad = ((0, 0), (max_shift, max_shift), (max_shift, max_shift))
+        offsets = jax.random.randint(shift_key, (len(images), 2), 0, 2 * max_shift + 1)
+        images = jax.vmap(lambda image, at: jax.lax.dynamic_slice(image, at, IMAGE_SHAPE))(
+            jnp.pad(images, pad), offsets
+        )
+    return images.reshape(len(images), INPUT_DIM)

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from fmnist_flax.data import INPUT_DIM, NUM_CLASSES
+from fmnist_flax.data import IMAGE_SHAPE, INPUT_DIM, NUM_CLASSES
+from fmnist_flax.errors import UserError
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -52,23 +53,64 @@ class MLP(nnx.Module):
         return self.layers[-1](x).astype(jnp.float32)
 
 
-def create_model(config: ml_collections.ConfigDict, seed: int | None = None) -> MLP:
-    """Build the MLP a config describes, initialised from `seed` (default: `config.seed`).
+class CNN(nnx.Module):
+    """A small conv net: [3x3 conv, BatchNorm, GELU, 2x2 max-pool] x len(features), dropout,
+    a dense layer and the 10-way head. Same dtype policy as the MLP; call `.train()` and
+    `.eval()` to switch dropout and BatchNorm between training and inference."""
+
+    def __init__(
+        self,
+        features: Sequence[int] = (32, 64),
+        dense: int = 256,
+        dropout: float = 0.25,
+        *,
+        compute_dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        self.compute_dtype = compute_dtype
+        channels = (1, *features)
+        self.convs = nnx.List(
+            nnx.Conv(c_in, c_out, (3, 3), dtype=compute_dtype, rngs=rngs)
+            for c_in, c_out in itertools.pairwise(channels)
+        )
+        self.norms = nnx.List(nnx.BatchNorm(c, dtype=compute_dtype, rngs=rngs) for c in features)
+        side = IMAGE_SHAPE[0] // 2 ** len(features)
+        self.dense = nnx.Linear(side * side * features[-1], dense, dtype=compute_dtype, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.head = nnx.Linear(dense, NUM_CLASSES, dtype=compute_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.reshape(len(x), *IMAGE_SHAPE, 1).astype(self.compute_dtype)  # (B, 784) -> NHWC
+        for conv, norm in zip(self.convs, self.norms, strict=True):
+            x = nnx.max_pool(nnx.gelu(norm(conv(x))), (2, 2), strides=(2, 2))
+        x = self.dropout(nnx.gelu(self.dense(x.reshape(len(x), -1))))
+        return self.head(x).astype(jnp.float32)
+
+
+MODELS = {"mlp": MLP, "cnn": CNN}  # config.model.name -> class; add new models here
+
+
+def create_model(config: ml_collections.ConfigDict, seed: int | None = None) -> nnx.Module:
+    """Build the model a config describes (`config.model.name` and its other fields are the
+    constructor's arguments), initialised from `seed` (default: `config.seed`).
 
     The initialisation is compiled as one program: eagerly, each random op would compile on
     its own, which costs over a second at start-up.
     """
-    return _build(
-        tuple(config.model.hidden),
-        config.compute_dtype,
-        jnp.asarray(config.seed if seed is None else seed, jnp.uint32),
-    )
+    fields = config.model.to_dict()
+    name = fields.pop("name", "mlp")
+    if name not in MODELS:
+        raise UserError(f"--config.model.name={name!r} is not one of {', '.join(MODELS)}")
+    kwargs = tuple((k, tuple(v) if isinstance(v, list | tuple) else v) for k, v in fields.items())
+    seed = config.seed if seed is None else seed
+    return _build(name, kwargs, config.compute_dtype, jnp.asarray(seed, jnp.uint32))
 
 
-@functools.partial(nnx.jit, static_argnums=(0, 1))
-def _build(hidden: tuple[int, ...], compute_dtype: str, seed: jax.Array) -> MLP:
-    rngs = nnx.Rngs(params=jax.random.key(seed))
-    return MLP(hidden, compute_dtype=COMPUTE_DTYPES[compute_dtype], rngs=rngs)
+@functools.partial(nnx.jit, static_argnums=(0, 1, 2))
+def _build(name: str, kwargs: tuple, compute_dtype: str, seed: jax.Array) -> nnx.Module:
+    key = jax.random.key(seed)
+    rngs = nnx.Rngs(params=key, dropout=jax.random.fold_in(key, 1))
+    return MODELS[name](**dict(kwargs), compute_dtype=COMPUTE_DTYPES[compute_dtype], rngs=rngs)
 
 
 def count_params(model: nnx.Module) -> int:

@@ -17,7 +17,7 @@ import optax
 from absl import logging
 from flax import nnx
 
-from fmnist_flax import benchmark, data, evaluate, reference, report, tables
+from fmnist_flax import benchmark, data, evaluate, report, tables
 from fmnist_flax import checkpoint as checkpoint_lib
 from fmnist_flax import config as config_lib
 from fmnist_flax import workdir as workdir_lib
@@ -26,20 +26,40 @@ from fmnist_flax.model import create_model
 from fmnist_flax.tables import Table
 
 Metrics = dict[str, jax.Array]
+METRIC_NAMES = ("loss", "accuracy", "grad_norm")  # what train_step_eager returns
+AUGMENT_STREAM = 2  # fold_in index of the augmentation key (params 0, dropout 1)
+
+
+def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule | float:
+    """The codelab's constant rate, or linear warm-up then cosine decay over `config.steps`."""
+    opt = config.optimizer
+    if opt.get("schedule", "constant") == "constant":
+        return opt.learning_rate
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=opt.learning_rate,
+        warmup_steps=opt.warmup_steps,
+        decay_steps=config.steps,
+        end_value=opt.learning_rate * opt.final_fraction,
+    )
 
 
 def create_optimizer(model: nnx.Module, config: ml_collections.ConfigDict) -> nnx.Optimizer:
-    """AdamW over the model's parameters, as the codelab configures it."""
-    tx = optax.adamw(config.optimizer.learning_rate, weight_decay=config.optimizer.weight_decay)
+    """AdamW over the model's parameters (the codelab's), with the config's schedule."""
+    tx = optax.adamw(learning_rate(config), weight_decay=config.optimizer.weight_decay)
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
 def loss_with_metrics(
-    model: nnx.Module, x: jax.Array, y: jax.Array
+    model: nnx.Module, x: jax.Array, y: jax.Array, label_smoothing: float = 0.0
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Mean softmax cross-entropy with integer labels; batch accuracy as aux."""
+    """Mean softmax cross-entropy (labels smoothed when asked); batch accuracy as aux."""
     logits = model(x)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    if label_smoothing:
+        targets = optax.smooth_labels(jax.nn.one_hot(y, logits.shape[-1]), label_smoothing)
+        loss = optax.softmax_cross_entropy(logits, targets).mean()
+    else:
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return loss, {"accuracy": jnp.mean(jnp.argmax(logits, axis=-1) == y)}
 
 
@@ -49,13 +69,19 @@ def loss_fn(model: nnx.Module, x: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def train_step_eager(
-    model: nnx.Module, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    x: jax.Array,
+    y: jax.Array,
+    label_smoothing: float = 0.0,
 ) -> Metrics:
     """One AdamW update in place; returns loss, batch accuracy and the gradient's L2 norm.
 
     Called as is, every operation is dispatched from Python (the codelab's eager baseline).
     """
-    (loss, aux), grads = nnx.value_and_grad(loss_with_metrics, has_aux=True)(model, x, y)
+    (loss, aux), grads = nnx.value_and_grad(loss_with_metrics, has_aux=True)(
+        model, x, y, label_smoothing
+    )
     optimizer.update(model, grads)
     return {"loss": loss, "accuracy": aux["accuracy"], "grad_norm": optax.tree.norm(grads)}
 
@@ -63,16 +89,18 @@ def train_step_eager(
 # The same step, compiled once for fixed shapes. Tree mode (graph=False) treats the model and
 # optimizer as plain pytrees: no shared references here, and it skips the graph traversal
 # that costs graph mode ~15% per call (the Flax performance guide's advice).
-train_step = nnx.jit(train_step_eager, graph=False)
+train_step = nnx.jit(train_step_eager, graph=False, static_argnames="label_smoothing")
 
 
 @nnx.jit
 def _gradient_check(model, x, y, learning_rate):
     grads_only = nnx.grad(loss_fn)(model, x, y)
-    loss_and_grads = nnx.value_and_grad(loss_fn)(model, x, y)
-    # The codelab's hand-written SGD step, on the pure-PyTree twin: a new tree, old one untouched.
-    _, sgd_loss = reference.sgd_step(reference.params_from_model(model), (x, y), learning_rate)
-    return grads_only, loss_and_grads, sgd_loss
+    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+    # The codelab's hand-written SGD step: a new parameter tree, the model left untouched.
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    stepped = jax.tree.map(lambda p, g: p - learning_rate * g, params, grads)
+    loss_after = loss_fn(nnx.merge(graphdef, stepped, rest), x, y)
+    return grads_only, (loss, grads), loss_after
 
 
 def gradient_check(
@@ -83,7 +111,11 @@ def gradient_check(
     Compiled as one program: the codelab runs these eagerly, which here costs seconds of
     op-by-op compilation and shows nothing more.
     """
-    grads_only, (loss, grads), sgd_loss = _gradient_check(model, x, y, learning_rate)
+    # On a copy in eval mode: BatchNorm statistics and dropout's RNG state must stay as they
+    # are, or a resumed run would not repeat the uninterrupted one.
+    probe = nnx.clone(model)
+    probe.eval()
+    grads_only, (loss, grads), loss_after = _gradient_check(probe, x, y, learning_rate)
     params = nnx.state(model, nnx.Param)
     difference = optax.tree.norm(jax.tree.map(jnp.subtract, grads, grads_only))
     check = {
@@ -91,7 +123,7 @@ def gradient_check(
         "loss": float(loss),
         "grad_norm": float(optax.tree.norm(grads)),
         "grad_vs_value_and_grad": float(difference),
-        "sgd_step_loss": float(sgd_loss),
+        "loss_after_one_sgd_step": float(loss_after),
     }
     rows = [
         (tables.path_name(path), tuple(p.shape), tuple(g.shape), g.dtype)
@@ -102,7 +134,8 @@ def gradient_check(
     table = Table.of(
         "Gradient tree matches the parameter tree"
         f" (loss {check['loss']:.4f}, grad L2 norm {check['grad_norm']:.4f},"
-        f" grad vs value_and_grad difference {check['grad_vs_value_and_grad']:.6f})",
+        f" grad vs value_and_grad difference {check['grad_vs_value_and_grad']:.6f},"
+        f" loss after one SGD step {check['loss_after_one_sgd_step']:.4f})",
         ("Leaf", "Param shape", "Grad shape", "Grad dtype"),
         rows,
     )
@@ -155,26 +188,54 @@ def progress_of(step: int, num_batches: int, config: ml_collections.ConfigDict) 
 
 
 @functools.lru_cache(maxsize=8)
-def make_train_chunk(graphdef: nnx.GraphDef, batch_size: int):
+def make_train_chunk(
+    graphdef: nnx.GraphDef,
+    batch_size: int,
+    label_smoothing: float = 0.0,
+    max_shift: int = 0,
+    flip: bool = False,
+    fused: bool = True,
+):
     """Compile `count` AdamW steps into one call: the default, fastest training path.
 
-    Batches are picked from the epoch's order and normalised on the device inside the loop,
-    the state buffers are donated (updated in place), and only the last step's metrics come
-    back. `count` is a traced loop bound, so chunks of any length share one compilation.
+    With `fused=False` each call runs one step (the host loops): XLA's CPU backend runs
+    convolutions inside a loop body about 10x slower than at top level, so the CNN uses it.
+
+    Batches are picked from the epoch's order, normalised (and augmented, when asked) on the
+    device inside the loop; the state buffers are donated (updated in place) and only the last
+    step's metrics come back. `count` is a traced loop bound, so chunks of any length share one
+    compilation. Augmentation draws from `fold_in(aug_key, step)`, so a resumed run repeats it.
     """
 
     @functools.partial(jax.jit, donate_argnums=0)
-    def train_chunk(state, images, labels, order, start, count):
+    def train_chunk(state, images, labels, order, start, count, first_step=0, aug_key=None):
         def body(i, carry):
             model, optimizer = nnx.merge(graphdef, carry[0])
             x, y = data.batch_at(images, labels, order, start + i, batch_size)
-            metrics = train_step_eager(model, optimizer, x, y)
+            if max_shift or flip:
+                x = data.augment(x, jax.random.fold_in(aug_key, first_step + i), max_shift, flip)
+            metrics = train_step_eager(model, optimizer, x, y, label_smoothing)
             return nnx.state((model, optimizer)), metrics
 
-        zeros = {name: jnp.zeros((), jnp.float32) for name in ("loss", "accuracy", "grad_norm")}
+        zeros = {name: jnp.zeros((), jnp.float32) for name in METRIC_NAMES}
+        if not fused:  # exactly one step, no loop around it
+            return body(0, (state, zeros))
         return jax.lax.fori_loop(0, count, body, (state, zeros))
 
     return train_chunk
+
+
+def chunk_for(graphdef: nnx.GraphDef, config: ml_collections.ConfigDict):
+    """The compiled chunk a config's recipe needs (label smoothing, augmentation)."""
+    augment = config.get("augment", {})
+    return make_train_chunk(
+        graphdef,
+        config.batch_size,
+        config.get("label_smoothing", 0.0),
+        augment.get("max_shift", 0),
+        augment.get("flip", False),
+        config.get("fused_steps", True),
+    )
 
 
 def is_log_step(step: int, config: ml_collections.ConfigDict) -> bool:
@@ -210,8 +271,10 @@ def train(
     """
     batch_size, per_epoch = device_data.batch_size, device_data.batches_per_epoch
     num_examples = len(device_data.train_labels)
+    model.train()  # dropout on, BatchNorm on batch statistics (no-ops for the MLP)
     graphdef, state = nnx.split((model, optimizer))
-    train_chunk = make_train_chunk(graphdef, batch_size)
+    train_chunk = chunk_for(graphdef, config)
+    aug_key = jax.random.fold_in(jax.random.key(config.seed), AUGMENT_STREAM)
     last_finite = start_step
 
     def sync_objects() -> None:
@@ -251,10 +314,12 @@ def train(
             if epoch != order_epoch:
                 order_epoch, order = epoch, data.epoch_order(config.seed, epoch, num_examples)
             stop = next_stop(step, config, per_epoch)
-            state, metrics = train_chunk(
-                state, device_data.train_images, device_data.train_labels, order,
-                index, stop - step,
-            )  # fmt: skip
+            per_call = stop - step if config.get("fused_steps", True) else 1
+            for first in range(step, stop, per_call):
+                state, metrics = train_chunk(
+                    state, device_data.train_images, device_data.train_labels, order,
+                    index + first - step, per_call, first, aug_key,
+                )  # fmt: skip
             step = stop
             if clock is None:  # the first call compiled; time the rest
                 jax.block_until_ready(metrics)
@@ -273,6 +338,7 @@ def train(
                 )
     jax.block_until_ready(state)
     sync_objects()
+    model.eval()
     timed_steps = config.steps - clock[1]
     elapsed = time.perf_counter() - clock[0]
     return timed_steps * batch_size / elapsed if timed_steps else float("nan")

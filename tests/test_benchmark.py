@@ -67,9 +67,20 @@ def test_tiny_benchmark_writes_every_field(tmp_path, capsys):
     ],
 )
 def test_bad_benchmark_options_are_one_line(kwargs, message):
+    """Each mistake is refused before anything is measured."""
     options = {
         "batch_sizes": [16], "dtypes": ["float32"], "steps": 1, "repeats": 1,
         "whole_run_steps": 0, "output": None, **kwargs,
     }  # fmt: skip
     with pytest.raises(UserError, match=message):
         benchmark.run_benchmark(default.get_config(), **options)
+
+
+def test_benchmark_refuses_a_non_mlp_config():
+    from configs import cnn
+
+    with pytest.raises(UserError, match="compares against the codelab's two-hidden-layer MLP"):
+        benchmark.run_benchmark(
+            cnn.get_config(), batch_sizes=[16], dtypes=["float32"], steps=1, repeats=1,
+            whole_run_steps=0, output=None,
+        )  # fmt: skip

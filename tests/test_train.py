@@ -119,7 +119,7 @@ def test_gradient_check_reports_matching_trees(quick_config):
     table, check = train.gradient_check(model, x, y, quick_config.optimizer.learning_rate)
     assert check["trees_match"] and check["grad_vs_value_and_grad"] == 0.0
     assert [row[0] for row in table.rows][-1] == "layers.2.kernel"
-    assert check["sgd_step_loss"] == pytest.approx(check["loss"])
+    assert check["loss_after_one_sgd_step"] < check["loss"]  # a step downhill
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(quick_config, tmp_path):

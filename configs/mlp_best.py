@@ -1,0 +1,27 @@
+"""The best MLP recipe: wider layers, warm-up + cosine AdamW, label smoothing, flips.
+
+Run it:
+    python main.py --config=configs/mlp_best.py
+Reached on this machine (2 CPU cores, 2026-12-02): test accuracy 0.9112 on all 10,000 after
+64 s of training (9,360 steps at 37,500 examples/s), 74 s start to exit.
+"""
+
+from configs import default
+
+
+def get_config():
+    config = default.get_config()
+    config.model.hidden = (1024, 512)
+    config.batch_size = 256
+    config.steps = 9_360  # 40 epochs of 234 batches
+    config.log_every = 234  # once per epoch
+    config.checkpoint_every = 2_340
+    config.label_smoothing = 0.1
+    config.augment = {"max_shift": 0, "flip": True}  # left-right mirror images stay in class
+    config.optimizer.learning_rate = 1e-3
+    config.optimizer.weight_decay = 1e-4
+    config.optimizer.schedule = "warmup_cosine"
+    config.optimizer.warmup_steps = 500
+    config.optimizer.final_fraction = 0.01  # the cosine ends at 1% of the peak rate
+    config.report = "basic"
+    return config
