@@ -6,7 +6,7 @@ label smoothing, random shifts and flips on the device.
 Run it:
     python main.py --config=configs/cnn.py
 Reached on this machine (2 CPU cores, 2026-12-02): test accuracy 0.9277 on all 10,000 after
-7.8 minutes of training (4,212 steps at 1,146 examples/s), 8.0 minutes start to exit.
+7.2 minutes of training (4,212 steps at 1,243 examples/s), 7.4 minutes start to exit.
 """
 
 import ml_collections
