@@ -32,7 +32,7 @@ FIGURE_NAMES = (
 
 def examples_per_class(images: np.ndarray, labels: np.ndarray) -> Figure:
     """Section 3: the first training example of each class, 2x5, titled with its class."""
-    fig = Figure(figsize=(10, 4.4))
+    fig = Figure(figsize=(10, 5))
     for label, ax in enumerate(fig.subplots(2, 5).flat):
         ax.imshow(images[np.flatnonzero(labels == label)[0]], cmap="gray")
         ax.set_title(CLASS_NAMES[label], fontsize=10)
@@ -183,6 +183,8 @@ def write_html(
     return path
 
 
+DISPATCH_TITLE = "Python dispatch vs jitted step"
+PRECISION_TITLE = "Mixed-precision timing after warm-up"
 TOKENS_PER_EXAMPLE = 16  # a 28x28 image cut into 7x7 patches, as a vision transformer would
 PROJECTION_NOTE = (
     f"Projection, not a measurement: this MLP consumes whole images, not tokens. The figure "
@@ -247,14 +249,16 @@ def write_report(
         ("4. Model", [tables["params"]]),
         ("5. Gradients", [tables["gradients"]]),
     ]  # fmt: skip
+
+    def timing_section(heading: str, rows, key: str, name: str, title: str, bars_title: str):
+        rates = [r["examples_per_sec"] for r in rows]
+        figure = bars([r[key] for r in rows], rates, bars_title, "examples/s")
+        return heading, [timing_table(title, key, rows), png(name, figure)]
+
     if dispatch:
-        rates = [r["examples_per_sec"] for r in dispatch]
         sections.append(
-            ("6. Python dispatch vs jit", [
-                timing_table("Python dispatch vs jitted step", "mode", dispatch),
-                png("dispatch_vs_jit.png", bars([r["mode"] for r in dispatch], rates,
-                                                 "Examples per second", "examples/s")),
-            ])
+            timing_section("6. Python dispatch vs jit", dispatch, "mode", "dispatch_vs_jit.png",
+                           DISPATCH_TITLE, "Examples per second")
         )  # fmt: skip
     steps = [h["step"] for h in history]
     curve = training_curve(steps, [h["loss"] for h in history], [h["accuracy"] for h in history])
@@ -268,13 +272,9 @@ def write_report(
         ]),
     ]  # fmt: skip
     if precision:
-        rates = [r["examples_per_sec"] for r in precision]
         sections.append(
-            ("9. Precision", [
-                timing_table("Mixed-precision timing after warm-up", "dtype", precision),
-                png("precision.png", bars([r["dtype"] for r in precision], rates,
-                                          "Mixed-precision examples/sec", "examples/s")),
-            ])
+            timing_section("9. Precision", precision, "dtype", "precision.png", PRECISION_TITLE,
+                           "Mixed-precision examples/sec")
         )  # fmt: skip
     sections += [
         ("10. Device placement", [tables["placement"]]),

@@ -538,13 +538,12 @@ def _run(config, workdir, dataset, device_data, checkpoints, device, wall_start)
     }
     workdir_lib.write_json(summary_path, summary)
     # The key results again at the end, where a person looks first.
-    for key, rows, title in (
-        ("dispatch", dispatch, "Python dispatch vs jitted step"),
-        ("precision", precision, "Mixed-precision timing after warm-up"),
+    for rows, key, title in (
+        (dispatch, "mode", report.DISPATCH_TITLE),
+        (precision, "dtype", report.PRECISION_TITLE),
     ):
         if rows:
-            print(report.timing_table(title, "mode" if key == "dispatch" else "dtype", rows)
-                  .format())  # fmt: skip
+            print(report.timing_table(title, key, rows).format())
     print(shown["evaluation"].format())
     print(
         f"test accuracy {full_eval['accuracy']:.4f} on {full_eval['examples']:,} examples "

@@ -26,7 +26,7 @@ TABLE_TITLES = (
     "Throughput in tokens (projection)",
 )
 FIGURE_SIZES = {  # (width, height) in pixels: figsize * DPI
-    "examples_per_class.png": (1000, 440),
+    "examples_per_class.png": (1000, 500),
     "training_curve.png": (800, 400),
     "predictions.png": (1000, 1060),
     "confusion_matrix.png": (800, 700),
