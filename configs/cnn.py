@@ -24,9 +24,9 @@ def get_config():
     config.log_every = 468  # once per epoch
     config.checkpoint_every = 1_404
     config.label_smoothing = 0.1
-    config.augment = {"max_shift": 1, "flip": True}
+    config.augment.max_shift = 1
+    config.augment.flip = True
     config.optimizer.learning_rate = 2e-3
-    config.optimizer.weight_decay = 1e-4
     config.optimizer.schedule = "warmup_cosine"
     config.optimizer.warmup_steps = 300
     config.optimizer.final_fraction = 0.01

@@ -17,9 +17,8 @@ def get_config():
     config.log_every = 234  # once per epoch
     config.checkpoint_every = 2_340
     config.label_smoothing = 0.1
-    config.augment = {"max_shift": 0, "flip": True}  # left-right mirror images stay in class
+    config.augment.flip = True  # left-right mirror images stay in class
     config.optimizer.learning_rate = 1e-3
-    config.optimizer.weight_decay = 1e-4
     config.optimizer.schedule = "warmup_cosine"
     config.optimizer.warmup_steps = 500
     config.optimizer.final_fraction = 0.01  # the cosine ends at 1% of the peak rate

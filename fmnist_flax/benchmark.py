@@ -21,8 +21,10 @@ import ml_collections
 import optax
 from flax import nnx
 
+from fmnist_flax import config as config_lib
 from fmnist_flax import data, reference, train
 from fmnist_flax import model as model_lib
+from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
 from fmnist_flax.tables import Table
 
@@ -286,7 +288,7 @@ def benchmark_table(rows: Sequence[dict[str, Any]], peak: float) -> str:
     ).format()  # fmt: skip
 
 
-def whole_run(steps: int, tmp: pathlib.Path) -> dict[str, Any]:
+def whole_run(steps: int, tmp: pathlib.Path, data_dir: str = "") -> dict[str, Any]:
     """Start-to-exit wall time and peak memory of `main.py --report=basic` (with an empty
     compilation cache, then with the cache that run filled) and of the plain-JAX codelab
     script doing the same training, as subprocesses side by side."""
@@ -294,12 +296,19 @@ def whole_run(steps: int, tmp: pathlib.Path) -> dict[str, Any]:
 
     def main_command(name: str) -> list[str]:
         return [sys.executable, str(main_py), f"--steps={steps}", "--report=basic",
-                f"--workdir={tmp / name}", f"--compilation_cache={tmp / 'cache'}"]  # fmt: skip
+                f"--workdir={tmp / name}", f"--compilation_cache={tmp / 'cache'}",
+                f"--data_dir={data_dir}"]  # fmt: skip
 
     commands = {
         "main.py --report=basic, cold cache": main_command("cold"),
         "main.py --report=basic, warm cache": main_command("warm"),
-        "plain JAX (codelab)": [sys.executable, "-m", "fmnist_flax.reference", str(steps)],
+        "plain JAX (codelab)": [
+            sys.executable,
+            "-m",
+            "fmnist_flax.reference",
+            str(steps),
+            data_dir,
+        ],
     }
     runs = {}
     for name, command in commands.items():
@@ -307,7 +316,8 @@ def whole_run(steps: int, tmp: pathlib.Path) -> dict[str, Any]:
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         seconds = time.perf_counter() - start
         if done.returncode:
-            raise UserError(f"{name} failed: {done.stderr.strip().splitlines()[-1]}")
+            last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            raise UserError(f"{name} failed: {last}")
         if name.startswith("main.py"):
             summary = tmp / ("cold" if "cold" in name else "warm") / "summary.json"
             peak = json.loads(summary.read_text())["peak_rss_mb"]
@@ -330,7 +340,8 @@ def run_benchmark(
     output: str | None,
 ) -> dict[str, Any]:
     """`--mode=benchmark`: the step suite, then the whole-run comparison; prints and saves."""
-    if config.model.get("name", "mlp") != "mlp" or len(config.model.hidden) != 2:
+    config_lib.validate(config)
+    if config.model.name != "mlp" or len(config.model.hidden) != 2:
         raise UserError(
             "--mode=benchmark compares against the codelab's two-hidden-layer MLP; "
             "use an MLP config such as configs/default.py"
@@ -340,15 +351,16 @@ def run_benchmark(
             raise UserError(f"--bench_dtypes: {dtype!r} is not one of float32, bfloat16")
     if any(b < 1 for b in batch_sizes) or repeats < 1 or (steps is not None and steps < 1):
         raise UserError("--bench_batch_sizes, --bench_steps and --bench_repeats must be >= 1")
-    if output and not pathlib.Path(output).expanduser().absolute().parent.is_dir():
-        raise UserError(f"--output {output}: its directory does not exist")
+    workdir_lib.check_output_path(output)
     dataset = data.load_dataset(config.data_dir or None)
     result = run_suite(
         config, dataset, batch_sizes=batch_sizes, dtypes=dtypes, steps=steps, repeats=repeats
     )
     if whole_run_steps:
         with tempfile.TemporaryDirectory() as tmp:
-            result["whole_run"] = whole = whole_run(whole_run_steps, pathlib.Path(tmp))
+            result["whole_run"] = whole = whole_run(
+                whole_run_steps, pathlib.Path(tmp), config.data_dir
+            )
         print(
             Table.of(
                 f"Whole run, start to exit, {whole_run_steps} steps",
@@ -362,6 +374,6 @@ def run_benchmark(
     result["versions"] = train.versions()
     result["date"] = time.strftime("%Y-%m-%d")
     if output:
-        pathlib.Path(output).expanduser().write_text(json.dumps(result, indent=2) + "\n")
+        workdir_lib.write_json(pathlib.Path(output).expanduser(), result)
         print(f"benchmark written to {output}")
     return result

@@ -214,6 +214,8 @@ def restore_model(
         steps = checkpoints.steps()
         if not steps:
             raise UserError(f"--workdir {path} has no checkpoints; train there first")
+        if step is not None and step not in steps:
+            raise UserError(f"--step={step}: {path} has checkpoints for steps {steps}")
         config = saved_config(checkpoints.directory, steps[-1] if step is None else step)
         if compute_dtype is not None:
             config.compute_dtype = compute_dtype

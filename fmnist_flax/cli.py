@@ -141,7 +141,7 @@ def main(argv: Sequence[str]) -> None:
     except UserError as exc:
         fail(str(exc), getattr(exc, "exit_code", 1))
     except KeyboardInterrupt:
-        fail("interrupted before training started; nothing was saved", 130)
+        fail("interrupted; checkpoints saved so far are kept", 130)
 
 
 def run() -> None:

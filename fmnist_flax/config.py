@@ -9,6 +9,7 @@ from fmnist_flax.model import COMPUTE_DTYPES, MODELS
 
 REPORT_CHOICES = ("full", "basic", "none")
 SCHEDULES = ("constant", "warmup_cosine")
+MAX_CONV_BLOCKS = 4  # each halves the 28x28 image; a fifth would leave nothing
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -29,16 +30,24 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise UserError(
             f"--config.optimizer.weight_decay={config.optimizer.weight_decay} must be >= 0"
         )
-    if config.model.get("name", "mlp") not in MODELS:
+    if config.model.name not in MODELS:
         raise UserError(
             f"--config.model.name={config.model.name!r} is not one of {', '.join(MODELS)}"
         )
-    hidden = tuple(config.model.get("hidden", (1,)))
-    if not hidden or any(not isinstance(h, int) or h < 1 for h in hidden):
-        raise UserError(
-            f"--config.model.hidden={hidden} must be a tuple of positive widths, e.g. '(256, 128)'"
-        )
-    schedule = config.optimizer.get("schedule", "constant")
+    for field, most in (("hidden", None), ("features", MAX_CONV_BLOCKS)):
+        widths = tuple(config.model.get(field, (1,)))
+        if not widths or any(not isinstance(w, int) or w < 1 for w in widths):
+            raise UserError(
+                f"--config.model.{field}={widths} must be a tuple of positive widths, "
+                "e.g. '(256, 128)'"
+            )
+        if most and len(widths) > most:
+            raise UserError(
+                f"--config.model.{field}={widths}: at most {most} conv blocks fit 28x28"
+            )
+    if config.augment.max_shift < 0:
+        raise UserError(f"--config.augment.max_shift={config.augment.max_shift} must be >= 0")
+    schedule = config.optimizer.schedule
     if schedule not in SCHEDULES:
         raise UserError(
             f"--config.optimizer.schedule={schedule!r} is not one of {', '.join(SCHEDULES)}"

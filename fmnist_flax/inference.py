@@ -52,7 +52,7 @@ def run_eval(
         ).format(),
         sep="\n",
     )
-    workdir_lib.write_json(pathlib.Path(workdir) / EVAL_FILE, report)
+    workdir_lib.write_json(pathlib.Path(workdir).expanduser() / EVAL_FILE, report)
     return report
 
 
@@ -106,8 +106,7 @@ def run_predict(
     """
     if not paths:
         raise UserError("--mode=predict needs --images=a.png,b.npy,...")
-    if output and not pathlib.Path(output).expanduser().absolute().parent.is_dir():
-        raise UserError(f"--output {output}: its directory does not exist")
+    workdir_lib.check_output_path(output)
     model = checkpoint.load_model(workdir, step, compute_dtype)
     named, errors = [], []
     for path in paths:
@@ -135,5 +134,7 @@ def run_predict(
             )
             print(f"{name}: {data.CLASS_NAMES[best]} ({100 * probs[best]:.1f}%)")
     if output:
-        workdir_lib.write_json(pathlib.Path(output), {"predictions": predictions, "errors": errors})
+        workdir_lib.write_json(
+            pathlib.Path(output).expanduser(), {"predictions": predictions, "errors": errors}
+        )
     return predictions, errors

@@ -91,12 +91,14 @@ def params_from_model(model: nnx.Module) -> Params:
     return params
 
 
-def run_codelab(steps: int = 400, batch_size: int = 512, log_every: int = 25) -> dict[str, float]:
+def run_codelab(
+    steps: int = 400, batch_size: int = 512, log_every: int = 25, data_dir: str = ""
+) -> dict[str, float]:
     """The codelab's whole job in plain JAX: data, fixed batches, Optax loop, vmapped eval.
 
     The baseline `python main.py` is measured against (start to exit, peak memory).
     """
-    dataset = data.load_dataset(base_url=None)
+    dataset = data.load_dataset(data_dir or None, base_url=None)
     x, y = data.shuffle(dataset.train_images, dataset.train_labels, seed=0)
     x_batches, y_batches = jax.device_put(data.fixed_batches(data.prepare_images(x), y, batch_size))
     test_x, test_y = jax.device_put(
@@ -128,6 +130,7 @@ if __name__ == "__main__":
 
     from fmnist_flax.benchmark import peak_rss_mb
 
-    result = run_codelab(steps=int(sys.argv[1]) if len(sys.argv) > 1 else 400)
+    args = sys.argv[1:]
+    result = run_codelab(steps=int(args[0]) if args else 400, data_dir=args[1] if args[1:] else "")
     result["peak_rss_mb"] = peak_rss_mb()
     print(json.dumps(result))

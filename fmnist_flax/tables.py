@@ -10,6 +10,8 @@ from typing import Any
 import jax
 from flax import nnx
 
+from fmnist_flax.model import count_params
+
 
 @dataclasses.dataclass(frozen=True)
 class Table:
@@ -55,9 +57,8 @@ def path_name(path: tuple) -> str:
 
 def params_table(model: nnx.Module) -> Table:
     """Section 5: every parameter leaf, its shape, dtype and device, and the total count."""
-    params = nnx.state(model, nnx.Param)
-    flat = nnx.to_flat_state(params)
-    total = sum(v.size for _, v in flat)
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    total = count_params(model)
     rows = [(path_name(p), tuple(v.shape), v.dtype, devices_of(v[...])) for p, v in flat]
     return Table.of(
         f"MLP parameters: {total:,} trainable values",

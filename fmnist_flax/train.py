@@ -33,7 +33,7 @@ AUGMENT_STREAM = 2  # fold_in index of the augmentation key (params 0, dropout 1
 def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule | float:
     """The codelab's constant rate, or linear warm-up then cosine decay over `config.steps`."""
     opt = config.optimizer
-    if opt.get("schedule", "constant") == "constant":
+    if opt.schedule == "constant":
         return opt.learning_rate
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
@@ -227,14 +227,13 @@ def make_train_chunk(
 
 def chunk_for(graphdef: nnx.GraphDef, config: ml_collections.ConfigDict):
     """The compiled chunk a config's recipe needs (label smoothing, augmentation)."""
-    augment = config.get("augment", {})
     return make_train_chunk(
         graphdef,
         config.batch_size,
-        config.get("label_smoothing", 0.0),
-        augment.get("max_shift", 0),
-        augment.get("flip", False),
-        config.get("fused_steps", True),
+        config.label_smoothing,
+        config.augment.max_shift,
+        config.augment.flip,
+        config.fused_steps,
     )
 
 
@@ -314,7 +313,7 @@ def train(
             if epoch != order_epoch:
                 order_epoch, order = epoch, data.epoch_order(config.seed, epoch, num_examples)
             stop = next_stop(step, config, per_epoch)
-            per_call = stop - step if config.get("fused_steps", True) else 1
+            per_call = stop - step if config.fused_steps else 1
             for first in range(step, stop, per_call):
                 state, metrics = train_chunk(
                     state, device_data.train_images, device_data.train_labels, order,
@@ -339,6 +338,8 @@ def train(
     jax.block_until_ready(state)
     sync_objects()
     model.eval()
+    if clock is None:  # nothing left to train: a run killed after its final checkpoint
+        return float("nan")
     timed_steps = config.steps - clock[1]
     elapsed = time.perf_counter() - clock[0]
     return timed_steps * batch_size / elapsed if timed_steps else float("nan")
@@ -399,7 +400,8 @@ def _run(config, workdir, dataset, device_data, checkpoints, device, wall_start)
     optimizer = create_optimizer(model, config)
     start_step = resume(checkpoints, model, optimizer, config, device_data.batches_per_epoch)
     summary_path = workdir / workdir_lib.SUMMARY_FILE
-    if start_step >= config.steps:
+    finished = summary_path.exists() and start_step >= config.steps
+    if finished or start_step > config.steps:
         print(
             f"workdir {workdir} already holds step {start_step}; nothing to do for "
             f"--steps={config.steps} (pass a larger --steps to continue)",

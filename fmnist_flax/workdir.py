@@ -45,6 +45,12 @@ def prepare_workdir(workdir: str | os.PathLike | None) -> pathlib.Path:
     return path
 
 
+def check_output_path(output: str | None) -> None:
+    """Refuse an --output whose directory does not exist, before any work is done."""
+    if output and not pathlib.Path(output).expanduser().absolute().parent.is_dir():
+        raise UserError(f"--output {output}: its directory does not exist")
+
+
 def write_json(path: pathlib.Path, value: dict[str, Any]) -> None:
     """Write atomically: a crash leaves the old file or the new one, never half of one."""
     partial = path.with_suffix(path.suffix + ".tmp")
@@ -71,12 +77,10 @@ class MetricsLog:
     def __init__(self, path: pathlib.Path, keep_until: int = 0):
         kept = []
         if keep_until and path.exists():
-            kept = [
-                line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= keep_until
-            ]  # fmt: skip
+            kept = [row for row in read_jsonl(path) if row["step"] <= keep_until]
         self._file = path.open("w")
-        self._file.writelines(line + "\n" for line in kept)
+        for row in kept:
+            self.write(row)
 
     def write(self, row: dict[str, Any]) -> None:
         self._file.write(json.dumps(row) + "\n")

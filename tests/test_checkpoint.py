@@ -227,3 +227,18 @@ def test_sigkill_resumes_from_the_last_complete_checkpoint(tmp_path):
     assert not [p for p in checkpoints_dir.iterdir() if "tmp" in p.name]
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["resumed_from_step"] == complete[-1]
+
+
+def test_a_run_killed_after_its_last_checkpoint_finishes_its_outputs(quick_config, tmp_path):
+    quick_config.steps = 10
+    train.train_and_evaluate(quick_config, tmp_path / "w")
+    (tmp_path / "w" / "summary.json").unlink()  # as if killed before evaluation
+    summary = train.train_and_evaluate(quick_config, tmp_path / "w")
+    assert summary["resumed_from_step"] == 10
+    assert summary["test_examples"] == 10_000
+    assert (tmp_path / "w" / "summary.json").exists()
+
+
+def test_a_step_that_was_not_saved_is_named_with_the_ones_that_were(trained):
+    with pytest.raises(UserError, match=r"--step=150: .* has checkpoints for steps \[100, 200\]"):
+        load_model(trained[0], step=150)

@@ -36,3 +36,16 @@ def test_bad_values_are_refused_with_one_line(field, value, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(")) as exc:
         config_lib.validate(config)
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("features", "message"),
+    [((), "must be a tuple of positive widths"), ((8, 8, 8, 8, 8), "at most 4 conv blocks")],
+)
+def test_cnn_widths_are_checked(features, message):
+    from configs import cnn
+
+    config = cnn.get_config()
+    config.model.features = features
+    with pytest.raises(UserError, match=message):
+        config_lib.validate(config)

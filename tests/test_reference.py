@@ -83,3 +83,17 @@ def test_reference_init_has_the_codelab_shapes_and_scale():
     params = reference.init_mlp_params(jax.random.key(1))
     assert sum(p.size for p in params.values()) == 235_146
     assert abs(float(params["w1"].std()) / np.sqrt(2 / 784) - 1) < 0.02
+
+
+def test_the_gradient_checks_sgd_step_matches_the_codelabs(batch):
+    """The codelab's hand-written SGD step (pure PyTree) and the NNX gradient check's agree."""
+    x, y = batch
+    model = MLP(rngs=nnx.Rngs(0))
+    _, check = train.gradient_check(model, x, y, 3e-3)
+    params = reference.params_from_model(model)
+    stepped, loss = reference.sgd_step(params, (x, y), 3e-3)
+    np.testing.assert_allclose(loss, check["loss"], rtol=RTOL)
+    after = reference.cross_entropy_loss(stepped, (x, y))
+    np.testing.assert_allclose(after, check["loss_after_one_sgd_step"], rtol=1e-5)
+    assert float(after) < float(loss)
+    np.testing.assert_array_equal(params["w1"], model.layers[0].kernel[...])  # untouched
