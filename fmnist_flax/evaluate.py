@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +37,7 @@ def evaluate_batches(
         "accuracy": jnp.sum(correct) / count,
         "examples": count,
         "predictions": predictions,
+        "batch_sums": jnp.stack([loss_sums, correct, jnp.sum(mask_batches, axis=1)]),
     }
 
 
@@ -50,7 +53,10 @@ def evaluate(
         mask = jnp.ones(y_batches.shape, jnp.float32)
     if y_batches.shape[0] == 0:
         nan = float("nan")
-        return {"loss": nan, "accuracy": nan, "examples": 0, "predictions": np.zeros(0, np.int32)}
+        return {
+            "loss": nan, "accuracy": nan, "examples": 0,
+            "predictions": np.zeros(0, np.int32), "batch_sums": np.zeros((3, 0)),
+        }  # fmt: skip
     result = jax.device_get(evaluate_batches(model, x_batches, y_batches, mask))
     real = np.asarray(jax.device_get(mask)).reshape(-1) > 0
     return {
@@ -58,7 +64,17 @@ def evaluate(
         "accuracy": float(result["accuracy"]),
         "examples": int(result["examples"]),
         "predictions": result["predictions"].reshape(-1)[real],
+        "batch_sums": result["batch_sums"],  # (loss sum, correct, count) per batch
     }
+
+
+def first_batches(result: dict[str, Any], num_batches: int) -> dict[str, float | int]:
+    """The metrics of only the first `num_batches` of an evaluation, without evaluating again
+    (the codelab's whole batches are the first ones of the padded full set)."""
+    loss, correct, count = np.asarray(result["batch_sums"], np.float64)[:, :num_batches].sum(1)
+    if not count:
+        return {"loss": float("nan"), "accuracy": float("nan"), "examples": 0}
+    return {"loss": loss / count, "accuracy": correct / count, "examples": int(count)}
 
 
 def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> np.ndarray:

@@ -457,11 +457,10 @@ def _run(config, workdir, dataset, device_data, checkpoints, device, wall_start)
     history = workdir_lib.read_jsonl(metrics_path)  # every logged step, resumed runs included
     show("training", tables.training_log_table(history, examples_per_sec))
 
-    whole = device_data.codelab_test_batches
-    codelab_eval = evaluate.evaluate(model, device_data.test_x[:whole], device_data.test_y[:whole])
     full_eval = evaluate.evaluate(
         model, device_data.test_x, device_data.test_y, device_data.test_mask
     )
+    codelab_eval = evaluate.first_batches(full_eval, device_data.codelab_test_batches)
     last = history[-1]
     show(
         "evaluation",

@@ -64,3 +64,13 @@ def test_a_batch_larger_than_the_test_set_gives_no_codelab_batches():
     model = MLP(rngs=nnx.Rngs(0))
     result = evaluate.evaluate(model, jnp.zeros((0, 8, 784)), jnp.zeros((0, 8), jnp.int32))
     assert result["examples"] == 0 and np.isnan(result["accuracy"])
+
+
+def test_codelab_metrics_come_from_the_full_evaluation_without_a_second_pass(setup):
+    model, batches = setup
+    full = evaluate.evaluate(model, batches.test_x, batches.test_y, batches.test_mask)
+    derived = evaluate.first_batches(full, batches.codelab_test_batches)
+    direct = evaluate.evaluate(model, batches.test_x[:19], batches.test_y[:19])
+    assert derived["examples"] == direct["examples"] == 9_728
+    np.testing.assert_allclose(derived["loss"], direct["loss"], rtol=1e-6)
+    np.testing.assert_allclose(derived["accuracy"], direct["accuracy"], rtol=1e-6)
