@@ -24,6 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.augment.max_shift = 0  # random shifts of up to this many pixels, on the device
     config.augment.flip = False  # random left-right mirroring, on the device
     config.report = "full"  # full | basic (no extra timing comparisons) | none (no report/)
+    config.param_sharding = "replicated"  # replicated | fsdp (split over the `data` mesh axis)
 
     config.model = ml_collections.ConfigDict()
     config.model.name = "mlp"  # a key of fmnist_flax.model.MODELS; the other fields are its args

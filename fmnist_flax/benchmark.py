@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 
 from fmnist_flax import config as config_lib
-from fmnist_flax import data, reference, train
+from fmnist_flax import data, parallel, reference, train
 from fmnist_flax import model as model_lib
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
@@ -46,10 +46,10 @@ def time_steps(
 
     Batches come from epoch 0's order, gathered before the clock starts.
     """
-    batch_size = device_data.batch_size
-    order = data.epoch_order(COMPARISON_SEED, 0, len(device_data.train_labels))
+    d = device_data
+    order = data.epoch_order(COMPARISON_SEED, 0, len(d.train_labels))
     batches = [
-        data.batch_at(device_data.train_images, device_data.train_labels, order, i, batch_size)
+        data.batch_at(d.train_images, d.train_labels, order, i, d.batch_size, d.mesh)
         for i in range(min(steps + 1, DISTINCT_BATCHES))
     ]
     jax.block_until_ready(step_fn(model, optimizer, *batches[0]))
@@ -58,29 +58,30 @@ def time_steps(
         metrics = step_fn(model, optimizer, *batches[(i + 1) % len(batches)])
     jax.block_until_ready((metrics, nnx.state((model, optimizer))))
     seconds = time.perf_counter() - start
+    metrics = parallel.to_host(metrics)
     return {
         "steps": steps,
         "loss": float(metrics["loss"]),
         "accuracy": float(metrics["accuracy"]),
         "seconds": seconds,
-        "examples_per_sec": steps * batch_size / seconds,
+        "examples_per_sec": steps * d.batch_size / seconds,
     }
 
 
-def _fresh(config: ml_collections.ConfigDict, compute_dtype: str | None = None):
+def _fresh(config: ml_collections.ConfigDict, mesh, compute_dtype: str | None = None):
     config = ml_collections.ConfigDict(config.to_dict())
     if compute_dtype:
         config.compute_dtype = compute_dtype
-    model = model_lib.create_model(config, seed=COMPARISON_SEED)
-    return model, train.create_optimizer(model, config)
+    return train.create_train_state(config, mesh, seed=COMPARISON_SEED)
 
 
 def dispatch_vs_jit(
     config: ml_collections.ConfigDict, device_data: data.DeviceData
 ) -> list[dict[str, Any]]:
     """Section 7: the same AdamW step run op by op from Python, and compiled with nnx.jit."""
-    eager = time_steps(train.train_step_eager, *_fresh(config), device_data, EAGER_STEPS)
-    jitted = time_steps(train.train_step, *_fresh(config), device_data, JIT_STEPS)
+    mesh = device_data.mesh
+    eager = time_steps(train.train_step_eager, *_fresh(config, mesh), device_data, EAGER_STEPS)
+    jitted = time_steps(train.train_step, *_fresh(config, mesh), device_data, JIT_STEPS)
     return [{"mode": "Python dispatch", **eager}, {"mode": "jitted step", **jitted}]
 
 
@@ -89,8 +90,8 @@ def precision_comparison(
 ) -> list[dict[str, Any]]:
     """Section 13: float32 and bfloat16 compute (params stay float32), fresh init each."""
     return [
-        {"dtype": dtype, **time_steps(train.train_step, *_fresh(config, dtype), device_data,
-                                      PRECISION_STEPS)}
+        {"dtype": dtype, **time_steps(train.train_step, *_fresh(config, device_data.mesh, dtype),
+                                      device_data, PRECISION_STEPS)}
         for dtype in ("float32", "bfloat16")
     ]  # fmt: skip
 
@@ -149,7 +150,7 @@ def _runners(config: ml_collections.ConfigDict, device_data: data.DeviceData, fi
 
     def per_step(step_fn):
         def make():
-            model, optimizer = _fresh(config)
+            model, optimizer = _fresh(config, device_data.mesh)
             counter = [0]
 
             def run(steps):
@@ -164,9 +165,9 @@ def _runners(config: ml_collections.ConfigDict, device_data: data.DeviceData, fi
         return make
 
     def fused():
-        model, optimizer = _fresh(config)
+        model, optimizer = _fresh(config, device_data.mesh)
         graphdef, state = nnx.split((model, optimizer))
-        chunk = train.make_train_chunk(graphdef, device_data.batch_size)
+        chunk = train.make_train_chunk(graphdef, device_data.batch_size, mesh=device_data.mesh)
         order = data.epoch_order(COMPARISON_SEED, 0, len(device_data.train_labels))
         per_epoch = device_data.batches_per_epoch
         carry = [state, 0]
@@ -234,13 +235,15 @@ def run_suite(
     steps: int | None,
     repeats: int,
 ) -> dict[str, Any]:
-    """Every path at every batch size and dtype, in one process, ratios to the codelab loop."""
+    """Every path at every batch size and dtype, in one process on one device, ratios to the
+    codelab loop."""
+    mesh = parallel.make_mesh(jax.devices()[:1])
     device = jax.devices()[0]
     peak = matmul_peak_gflops()
     flops = flops_per_example((data.INPUT_DIM, *config.model.hidden, data.NUM_CLASSES))
     rows = []
     for batch_size in batch_sizes:
-        device_data = data.to_device(dataset, batch_size, device)
+        device_data = data.to_device(dataset, batch_size, mesh)
         x, y = data.shuffle(dataset.train_images, dataset.train_labels, seed=0)
         fixed = jax.device_put(data.fixed_batches(data.prepare_images(x), y, batch_size), device)
         n_steps = steps or max(8, BENCH_EXAMPLES // batch_size)
@@ -351,6 +354,8 @@ def run_benchmark(
             raise UserError(f"--bench_dtypes: {dtype!r} is not one of float32, bfloat16")
     if any(b < 1 for b in batch_sizes) or repeats < 1 or (steps is not None and steps < 1):
         raise UserError("--bench_batch_sizes, --bench_steps and --bench_repeats must be >= 1")
+    if jax.process_count() > 1:
+        raise UserError("--mode=benchmark times one device; run it as a single process")
     workdir_lib.check_output_path(output)
     dataset = data.load_dataset(config.data_dir or None)
     result = run_suite(

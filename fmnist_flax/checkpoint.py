@@ -20,6 +20,7 @@ from absl import logging
 from flax import nnx
 
 from fmnist_flax import model as model_lib
+from fmnist_flax import parallel
 from fmnist_flax.errors import UserError
 from fmnist_flax.tables import path_name
 
@@ -150,9 +151,11 @@ class Checkpoints:
     def _set_aside(self, step: int, exc: Exception) -> None:
         reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         damaged = self.directory.parent / DAMAGED_DIR / str(step)
-        damaged.parent.mkdir(exist_ok=True)
-        shutil.rmtree(damaged, ignore_errors=True)
-        shutil.move(self.directory / str(step), damaged)
+        if parallel.is_primary():  # the others see the same files and wait for the move
+            damaged.parent.mkdir(exist_ok=True)
+            shutil.rmtree(damaged, ignore_errors=True)
+            shutil.move(self.directory / str(step), damaged)
+        parallel.sync(f"set_aside_{step}")
         self._manager.reload()
         logging.warning(
             "checkpoint %d is damaged (%s); moved it to %s and using an older one",
@@ -197,12 +200,17 @@ def saved_config(directory: pathlib.Path, step: int) -> ml_collections.ConfigDic
 
 
 def restore_model(
-    workdir: str | os.PathLike, step: int | None = None, compute_dtype: str | None = None
+    workdir: str | os.PathLike,
+    step: int | None = None,
+    compute_dtype: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[nnx.Module, int, ml_collections.ConfigDict]:
     """Rebuild a workdir's model from its saved config and restore only its parameters.
 
     Returns the model, the step it was restored from and the config (with `compute_dtype`
-    applied). Every problem is a one-line UserError, raised before anything compiles.
+    applied). On a `mesh` the parameters are read straight into the saved run's layout over
+    it, whatever the device and process count of the run that saved them. Every problem is a
+    one-line UserError, raised before anything compiles.
     """
     path = pathlib.Path(workdir).expanduser()
     if not path.is_dir():
@@ -225,6 +233,8 @@ def restore_model(
                 f"use one of {', '.join(model_lib.COMPUTE_DTYPES)}"
             )
         model = model_lib.create_model(config)
+        if mesh is not None:
+            parallel.place_module(model, mesh, config.get("param_sharding", "replicated"))
         restored = checkpoints.restore({"model": nnx.state(model)}, step)
         if restored is None:
             raise UserError(f"--workdir {path}: every checkpoint is damaged")

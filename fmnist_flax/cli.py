@@ -10,8 +10,8 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from fmnist_flax import benchmark, data, inference, train
-from fmnist_flax.errors import UserError
+from fmnist_flax import benchmark, data, inference, parallel, train
+from fmnist_flax.errors import UserError, error_line
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py"
 
@@ -48,6 +48,19 @@ _IMAGES = flags.DEFINE_list("images", [], "predict: PNG files or .npy arrays (28
 _OUTPUT = flags.DEFINE_string("output", None, "predict/benchmark: also write the results as JSON.")
 _STEP = flags.DEFINE_integer("step", None, "eval/predict: checkpoint step; default the newest.")
 
+# Multi-process runs (jax.distributed): start the same command on every host.
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "Multi-process: host:port of process 0, reachable from all."
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process: how many in all.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process: this one's index, 0..N-1.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Multi-process on a cluster JAX detects (SLURM, Open MPI, Kubernetes)."
+)
+_DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
+    "distributed_timeout", 300, "Multi-process: seconds to wait for every process to join."
+)
+
 # Shorthand flags of the design card -> the config field each one overrides.
 SHORTHANDS = {
     "compute_dtype": "compute_dtype",
@@ -72,7 +85,7 @@ flags.DEFINE_string("report", None, "full | basic (skip the timing comparisons) 
 
 
 def fail(message: str, code: int) -> None:
-    print(f"error: {message}", file=sys.stderr)
+    error_line(message)
     sys.exit(code)
 
 
@@ -101,6 +114,13 @@ def main(argv: Sequence[str]) -> None:
         }
     )
     try:
+        parallel.initialize(
+            _COORDINATOR.value,
+            _NUM_PROCESSES.value,
+            _PROCESS_ID.value,
+            auto=_DISTRIBUTED.value,
+            timeout_s=_DISTRIBUTED_TIMEOUT.value,
+        )
         if _MODE.value == "train":
             train.train_and_evaluate(config, _WORKDIR.value)
         elif _MODE.value == "benchmark":
@@ -135,7 +155,7 @@ def main(argv: Sequence[str]) -> None:
                 output=_OUTPUT.value,
             )
             for line in errors:
-                print(f"error: {line}", file=sys.stderr)
+                error_line(line)
             if errors:
                 sys.exit(1)
     except UserError as exc:

@@ -6,6 +6,7 @@ import ml_collections
 
 from fmnist_flax.errors import UserError
 from fmnist_flax.model import COMPUTE_DTYPES, MODELS
+from fmnist_flax.parallel import PARAM_SHARDINGS
 
 REPORT_CHOICES = ("full", "basic", "none")
 SCHEDULES = ("constant", "warmup_cosine")
@@ -21,6 +22,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     if config.report not in REPORT_CHOICES:
         raise UserError(f"--report={config.report!r} is not one of {', '.join(REPORT_CHOICES)}")
+    if config.param_sharding not in PARAM_SHARDINGS:
+        raise UserError(
+            f"--config.param_sharding={config.param_sharding!r} is not one of "
+            f"{', '.join(PARAM_SHARDINGS)}"
+        )
     for name in ("steps", "batch_size", "log_every", "checkpoint_every", "max_to_keep"):
         if config[name] < 1:
             raise UserError(f"--{name}={config[name]} must be a positive whole number")

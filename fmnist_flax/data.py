@@ -16,7 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from jax.sharding import Mesh
 
+from fmnist_flax import parallel
 from fmnist_flax.errors import UserError
 
 CLASS_NAMES = (
@@ -302,10 +304,12 @@ def normalize(images: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceData:
-    """What training and evaluation read, moved to the device once; shapes never change.
+    """What training and evaluation read, moved to the devices once; shapes never change.
 
-    Train images stay uint8 (4x less device memory than float32) and are normalised inside
-    the compiled step; each epoch visits them in a fresh on-device permutation.
+    Train images stay uint8 (4x less device memory than float32), a copy on every device, and
+    are normalised inside the compiled step; each epoch visits them in a fresh on-device
+    permutation, and each device gathers only its slice of every batch. Test batches are split
+    along the mesh's `data` axis.
     """
 
     train_images: jax.Array  # (60000, 784) uint8
@@ -314,6 +318,8 @@ class DeviceData:
     test_y: jax.Array  # (ceil(10000 / B), B) int32
     test_mask: jax.Array  # (ceil(10000 / B), B) float32, 1 for a real example
     batch_size: int
+    test_examples: int  # real (unpadded) test examples, known on the host
+    mesh: Mesh
 
     @property
     def batches_per_epoch(self) -> int:
@@ -323,20 +329,34 @@ class DeviceData:
     @property
     def codelab_test_batches(self) -> int:
         """The codelab evaluates only whole batches: 19 of 512 = 9,728 of 10,000."""
-        return int(self.test_mask.sum()) // self.batch_size
+        return self.test_examples // self.batch_size
 
 
-def to_device(dataset: Dataset, batch_size: int, device: jax.Device) -> DeviceData:
-    """Flatten, pad the test set into masked batches and put everything on `device` once."""
+def to_device(dataset: Dataset, batch_size: int, mesh: Mesh) -> DeviceData:
+    """Flatten, pad the test set into masked batches and put everything on the mesh once."""
     if batch_size > len(dataset.train_images):
         raise UserError(
             f"--batch_size={batch_size} is larger than the {len(dataset.train_images):,} "
             "training examples; use a smaller batch"
         )
+    parallel.check_batch(batch_size, mesh.size)
     train_images = dataset.train_images.reshape(len(dataset.train_images), INPUT_DIM)
+    train = (train_images, dataset.train_labels.astype(np.int32))
     test = padded_batches(prepare_images(dataset.test_images), dataset.test_labels, batch_size)
-    arrays = (train_images, dataset.train_labels.astype(np.int32), *test)
-    return DeviceData(*jax.device_put(arrays, device), batch_size=batch_size)
+    return DeviceData(
+        *(parallel.shard_host_array(a, parallel.replicated(mesh)) for a in train),
+        *shard_batches(test, mesh),
+        batch_size=batch_size,
+        test_examples=len(dataset.test_labels),
+        mesh=mesh,
+    )
+
+
+def shard_batches(stacked: tuple[np.ndarray, ...], mesh: Mesh) -> tuple[jax.Array, ...]:
+    """Stacked host batches (num_batches, B, ...) -> arrays split along B over the mesh."""
+    return tuple(
+        parallel.shard_host_array(a, parallel.batch_sharding(mesh, axis=1)) for a in stacked
+    )
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -347,10 +367,20 @@ def epoch_order(seed: int, epoch: int, num_examples: int) -> jax.Array:
 
 
 def batch_at(
-    images: jax.Array, labels: jax.Array, order: jax.Array, index: jax.Array | int, batch_size: int
+    images: jax.Array,
+    labels: jax.Array,
+    order: jax.Array,
+    index: jax.Array | int,
+    batch_size: int,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Batch `index` of an epoch's order, gathered and normalised (works inside jit too)."""
+    """Batch `index` of an epoch's order, gathered and normalised (works inside jit too).
+
+    On a mesh the picks are split along `data` first, so each device gathers only its slice.
+    """
     picks = jax.lax.dynamic_slice_in_dim(order, index * batch_size, batch_size)
+    if mesh is not None:
+        picks = jax.lax.with_sharding_constraint(picks, parallel.batch_sharding(mesh))
     return normalize(images[picks]), labels[picks]
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from fmnist_flax import data
+from fmnist_flax import data, parallel
 
 
 @nnx.jit
@@ -57,8 +57,8 @@ def evaluate(
             "loss": nan, "accuracy": nan, "examples": 0,
             "predictions": np.zeros(0, np.int32), "batch_sums": np.zeros((3, 0)),
         }  # fmt: skip
-    result = jax.device_get(evaluate_batches(model, x_batches, y_batches, mask))
-    real = np.asarray(jax.device_get(mask)).reshape(-1) > 0
+    result = parallel.to_host(evaluate_batches(model, x_batches, y_batches, mask))
+    real = parallel.to_host(mask).reshape(-1) > 0
     return {
         "loss": float(result["loss"]),
         "accuracy": float(result["accuracy"]),
@@ -89,11 +89,20 @@ def _probabilities(model: nnx.Module, x: jax.Array) -> jax.Array:
     return jax.nn.softmax(model(x), axis=-1)
 
 
-def predict(model: nnx.Module, images: np.ndarray) -> np.ndarray:
+def predict(
+    model: nnx.Module, images: np.ndarray, mesh: jax.sharding.Mesh | None = None
+) -> np.ndarray:
     """Class probabilities (N, 10) for images shaped (N, 28, 28) or (N, 784).
 
-    uint8 pixels are scaled to [0, 1]; float pixels are taken as already in [0, 1].
+    uint8 pixels are scaled to [0, 1]; float pixels are taken as already in [0, 1]. On a mesh
+    the images are padded to a multiple of its size and split along `data`.
     """
-    x = jnp.asarray(np.asarray(images)).reshape(len(images), -1)
-    x = data.normalize(x) if x.dtype == jnp.uint8 else x.astype(jnp.float32)
-    return np.asarray(_probabilities(model, x))
+    images = np.asarray(images)
+    x = images.reshape(len(images), -1)
+    x = x.astype(np.float32) * data.PIXEL_SCALE if x.dtype == np.uint8 else x.astype(np.float32)
+    if mesh is None:
+        return np.asarray(_probabilities(model, jnp.asarray(x)))
+    pad = -len(x) % mesh.size
+    x = np.concatenate([x, np.zeros((pad, x.shape[1]), x.dtype)])
+    sharded = parallel.shard_host_array(x, parallel.batch_sharding(mesh))
+    return parallel.to_host(_probabilities(model, sharded))[: len(images)]

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from fmnist_flax import checkpoint, data, evaluate, tables
+from fmnist_flax import checkpoint, data, evaluate, parallel, tables
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
 
@@ -24,13 +24,15 @@ def run_eval(
     compute_dtype: str | None = None,
     data_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Restore parameters only and evaluate all 10,000 test images; writes eval.json."""
-    model, step, config = checkpoint.restore_model(workdir, step, compute_dtype)
+    """Restore parameters only and evaluate all 10,000 test images on every device; writes
+    eval.json. The batch is the training batch rounded up to a multiple of the device count."""
+    mesh = parallel.make_mesh()
+    model, step, config = checkpoint.restore_model(workdir, step, compute_dtype, mesh)
     dataset = data.load_dataset(data_dir or config.data_dir or None)
     x = data.prepare_images(dataset.test_images)
-    result = evaluate.evaluate(
-        model, *data.padded_batches(x, dataset.test_labels, config.batch_size)
-    )
+    batch_size = -(-config.batch_size // mesh.size) * mesh.size
+    batches = data.padded_batches(x, dataset.test_labels, batch_size)
+    result = evaluate.evaluate(model, *data.shard_batches(batches, mesh))
     counts = evaluate.confusion_matrix(dataset.test_labels, result["predictions"], data.NUM_CLASSES)
     report = {
         "step": step,
@@ -41,6 +43,8 @@ def run_eval(
         "class_names": list(data.CLASS_NAMES),
         "confusion_matrix": counts.tolist(),
     }
+    if not parallel.is_primary():
+        return report
     print(
         tables.evaluation_table(
             {f"test, checkpoint {step} ({config.compute_dtype})": result}
@@ -107,7 +111,9 @@ def run_predict(
     if not paths:
         raise UserError("--mode=predict needs --images=a.png,b.npy,...")
     workdir_lib.check_output_path(output)
-    model = checkpoint.load_model(workdir, step, compute_dtype)
+    mesh = parallel.make_mesh()
+    model = checkpoint.restore_model(workdir, step, compute_dtype, mesh)[0]
+    say = print if parallel.is_primary() else lambda *args: None
     named, errors = [], []
     for path in paths:
         try:
@@ -117,10 +123,10 @@ def run_predict(
             continue
         named += images
         for note in notes:
-            print(f"note: {note}")
+            say(f"note: {note}")
     predictions = []
     if named:
-        probabilities = evaluate.predict(model, np.stack([image for _, image in named]))
+        probabilities = evaluate.predict(model, np.stack([image for _, image in named]), mesh)
         for (name, _), probs in zip(named, probabilities, strict=True):
             best = int(np.argmax(probs))
             predictions.append(
@@ -132,8 +138,8 @@ def run_predict(
                     "probabilities": [float(p) for p in probs],
                 }
             )
-            print(f"{name}: {data.CLASS_NAMES[best]} ({100 * probs[best]:.1f}%)")
-    if output:
+            say(f"{name}: {data.CLASS_NAMES[best]} ({100 * probs[best]:.1f}%)")
+    if output and parallel.is_primary():
         workdir_lib.write_json(
             pathlib.Path(output).expanduser(), {"predictions": predictions, "errors": errors}
         )

@@ -44,10 +44,34 @@ def _numeric(cell: str) -> bool:
     return cell.replace(",", "").replace(".", "").replace("%", "").lstrip("-").isdigit()
 
 
-def devices_of(tree: Any) -> str:
-    """The devices a PyTree's arrays live on, e.g. 'cpu:0' or 'cuda:0'."""
-    devices = {d for leaf in jax.tree.leaves(tree) for d in leaf.devices()}
+def device_names(devices: Any) -> str:
+    """'cpu:0', 'cuda:0, cuda:1', or for more: '8 cuda devices (2 processes)'."""
+    if len(devices) > 2:
+        platforms = "/".join(sorted({d.platform for d in devices}))
+        processes = len({d.process_index for d in devices})
+        return f"{len(devices)} {platforms} devices" + (
+            f" ({processes} processes)" if processes > 1 else ""
+        )
     return ", ".join(sorted(f"{d.platform}:{d.id}" for d in devices))
+
+
+def devices_of(tree: Any) -> str:
+    """The devices a PyTree's arrays live on (see `device_names`)."""
+    return device_names({d for leaf in jax.tree.leaves(tree) for d in leaf.devices()})
+
+
+def layout_of(tree: Any) -> str:
+    """How a PyTree's arrays are split over their devices: 'replicated', 'P(None, data)', ..."""
+    specs = set()
+    for leaf in jax.tree.leaves(tree):
+        sharding = leaf.sharding
+        if len(sharding.device_set) == 1:
+            specs.add("one device")
+        elif sharding.is_fully_replicated:
+            specs.add("replicated")
+        else:
+            specs.add(str(getattr(sharding, "spec", sharding)).replace("'", ""))
+    return ", ".join(sorted(specs))
 
 
 def path_name(path: tuple) -> str:
@@ -59,21 +83,25 @@ def params_table(model: nnx.Module) -> Table:
     """Section 5: every parameter leaf, its shape, dtype and device, and the total count."""
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     total = count_params(model)
-    rows = [(path_name(p), tuple(v.shape), v.dtype, devices_of(v[...])) for p, v in flat]
+    rows = [
+        (path_name(p), tuple(v.shape), v.dtype, devices_of(v[...]), layout_of(v[...]))
+        for p, v in flat
+    ]
     return Table.of(
         f"MLP parameters: {total:,} trainable values",
-        ("Parameter", "Shape", "Dtype", "Device"),
+        ("Parameter", "Shape", "Dtype", "Device", "Layout"),
         rows,
     )
 
 
-def setup_table(versions: dict[str, str], device: Any) -> Table:
-    """Section 1: versions, backend and devices."""
+def setup_table(versions: dict[str, str], layout: str) -> Table:
+    """Section 1: versions, backend, devices and how the run is laid out over them."""
     rows = [(name, version) for name, version in versions.items()]
     rows += [
         ("Default backend", jax.default_backend()),
-        ("Devices", ", ".join(str(d) for d in jax.devices())),
-        ("Using", str(device)),
+        ("Devices", device_names(jax.devices())),
+        ("Processes", f"{jax.process_count()} (this is process {jax.process_index()})"),
+        ("Layout", layout),
     ]
     return Table.of("Set-up", ("Item", "Value"), rows)
 
@@ -93,8 +121,10 @@ def splits_table(splits: Sequence[tuple[str, Any, Any, str]]) -> Table:
 
 def arrays_table(title: str, arrays: dict[str, Any]) -> Table:
     """Section 4: named device arrays with shape, dtype and device."""
-    rows = [(name, tuple(a.shape), a.dtype, devices_of(a)) for name, a in arrays.items()]
-    return Table.of(title, ("Array", "Shape", "Dtype", "Device"), rows)
+    rows = [
+        (name, tuple(a.shape), a.dtype, devices_of(a), layout_of(a)) for name, a in arrays.items()
+    ]
+    return Table.of(title, ("Array", "Shape", "Dtype", "Device", "Layout"), rows)
 
 
 def training_log_table(history: Sequence[dict[str, float]], examples_per_sec: float) -> Table:
@@ -122,7 +152,9 @@ def evaluation_table(results: dict[str, dict[str, Any]]) -> Table:
 def placement_table(trees: dict[str, Any]) -> Table:
     """Section 14: where every part of the training state lives."""
     return Table.of(
-        "Device placement", ("What", "Device"), [(k, devices_of(v)) for k, v in trees.items()]
+        "Device placement",
+        ("What", "Device", "Layout"),
+        [(k, devices_of(v), layout_of(v)) for k, v in trees.items()],
     )
 
 

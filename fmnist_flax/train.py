@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
 import time
@@ -17,7 +18,7 @@ import optax
 from absl import logging
 from flax import nnx
 
-from fmnist_flax import benchmark, data, evaluate, report, tables
+from fmnist_flax import benchmark, data, evaluate, parallel, report, tables
 from fmnist_flax import checkpoint as checkpoint_lib
 from fmnist_flax import config as config_lib
 from fmnist_flax import workdir as workdir_lib
@@ -27,6 +28,7 @@ from fmnist_flax.tables import Table
 
 Metrics = dict[str, jax.Array]
 METRIC_NAMES = ("loss", "accuracy", "grad_norm")  # what train_step_eager returns
+GRADIENT_CHECKS = ("loss", "grad_norm", "grad_vs_value_and_grad", "loss_after_one_sgd_step")
 AUGMENT_STREAM = 2  # fold_in index of the augmentation key (params 0, dropout 1)
 
 
@@ -48,6 +50,16 @@ def create_optimizer(model: nnx.Module, config: ml_collections.ConfigDict) -> nn
     """AdamW over the model's parameters (the codelab's), with the config's schedule."""
     tx = optax.adamw(learning_rate(config), weight_decay=config.optimizer.weight_decay)
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def create_train_state(
+    config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int | None = None
+) -> tuple[nnx.Module, nnx.Optimizer]:
+    """A fresh model and its optimizer, laid out on the mesh as `config.param_sharding` says."""
+    model = create_model(config, seed)
+    optimizer = create_optimizer(model, config)
+    parallel.place_module((model, optimizer), mesh, config.param_sharding)
+    return model, optimizer
 
 
 def loss_with_metrics(
@@ -118,12 +130,10 @@ def gradient_check(
     grads_only, (loss, grads), loss_after = _gradient_check(probe, x, y, learning_rate)
     params = nnx.state(model, nnx.Param)
     difference = optax.tree.norm(jax.tree.map(jnp.subtract, grads, grads_only))
+    scalars = parallel.to_host((loss, optax.tree.norm(grads), difference, loss_after))
     check = {
         "trees_match": jax.tree.structure(grads) == jax.tree.structure(params),
-        "loss": float(loss),
-        "grad_norm": float(optax.tree.norm(grads)),
-        "grad_vs_value_and_grad": float(difference),
-        "loss_after_one_sgd_step": float(loss_after),
+        **dict(zip(GRADIENT_CHECKS, map(float, scalars), strict=True)),
     }
     rows = [
         (tables.path_name(path), tuple(p.shape), tuple(g.shape), g.dtype)
@@ -171,8 +181,13 @@ class StopSignals:
 
 
 @jax.jit
-def all_finite(tree: Any) -> jax.Array:
+def _all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def all_finite(tree: Any) -> bool:
+    """Whether every value of every array is finite (checked on the devices)."""
+    return bool(parallel.to_host(_all_finite(tree)))
 
 
 def progress_of(step: int, num_batches: int, config: ml_collections.ConfigDict) -> dict[str, int]:
@@ -195,6 +210,7 @@ def make_train_chunk(
     max_shift: int = 0,
     flip: bool = False,
     fused: bool = True,
+    mesh: jax.sharding.Mesh | None = None,
 ):
     """Compile `count` AdamW steps into one call: the default, fastest training path.
 
@@ -205,13 +221,14 @@ def make_train_chunk(
     device inside the loop; the state buffers are donated (updated in place) and only the last
     step's metrics come back. `count` is a traced loop bound, so chunks of any length share one
     compilation. Augmentation draws from `fold_in(aug_key, step)`, so a resumed run repeats it.
+    On a `mesh`, each batch is split along its `data` axis and XLA adds the collectives.
     """
 
     @functools.partial(jax.jit, donate_argnums=0)
     def train_chunk(state, images, labels, order, start, count, first_step=0, aug_key=None):
         def body(i, carry):
             model, optimizer = nnx.merge(graphdef, carry[0])
-            x, y = data.batch_at(images, labels, order, start + i, batch_size)
+            x, y = data.batch_at(images, labels, order, start + i, batch_size, mesh)
             if max_shift or flip:
                 x = data.augment(x, jax.random.fold_in(aug_key, first_step + i), max_shift, flip)
             metrics = train_step_eager(model, optimizer, x, y, label_smoothing)
@@ -225,8 +242,8 @@ def make_train_chunk(
     return train_chunk
 
 
-def chunk_for(graphdef: nnx.GraphDef, config: ml_collections.ConfigDict):
-    """The compiled chunk a config's recipe needs (label smoothing, augmentation)."""
+def chunk_for(graphdef: nnx.GraphDef, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
+    """The compiled chunk a config's recipe needs (label smoothing, augmentation) on a mesh."""
     return make_train_chunk(
         graphdef,
         config.batch_size,
@@ -234,6 +251,7 @@ def chunk_for(graphdef: nnx.GraphDef, config: ml_collections.ConfigDict):
         config.augment.max_shift,
         config.augment.flip,
         config.fused_steps,
+        mesh,
     )
 
 
@@ -272,7 +290,7 @@ def train(
     num_examples = len(device_data.train_labels)
     model.train()  # dropout on, BatchNorm on batch statistics (no-ops for the MLP)
     graphdef, state = nnx.split((model, optimizer))
-    train_chunk = chunk_for(graphdef, config)
+    train_chunk = chunk_for(graphdef, config, device_data.mesh)
     aug_key = jax.random.fold_in(jax.random.key(config.seed), AUGMENT_STREAM)
     last_finite = start_step
 
@@ -290,7 +308,7 @@ def train(
 
     def log(step: int, metrics: Metrics) -> None:
         nonlocal last_finite
-        row = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
+        row = {"step": step, **{k: float(v) for k, v in parallel.to_host(metrics).items()}}
         if not np.isfinite(row["loss"]):
             stop_non_finite(f"the loss became {row['loss']} between steps {last_finite} and {step}")
         last_finite = step
@@ -311,7 +329,8 @@ def train(
         while step < config.steps:
             epoch, index = divmod(step, per_epoch)
             if epoch != order_epoch:
-                order_epoch, order = epoch, data.epoch_order(config.seed, epoch, num_examples)
+                order = data.epoch_order(config.seed, epoch, num_examples)
+                order_epoch, order = epoch, parallel.place(order, device_data.mesh)
             stop = next_stop(step, config, per_epoch)
             per_call = stop - step if config.fused_steps else 1
             for first in range(step, stop, per_call):
@@ -383,44 +402,53 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | None) -
     wall_start = time.perf_counter()
     # Everything a user can get wrong is checked before anything is printed or compiled.
     config_lib.validate(config)
+    if jax.process_count() > 1 and not workdir:
+        raise UserError(
+            "a multi-process run needs --workdir=DIR, on a filesystem every process shares"
+        )
     workdir = workdir_lib.prepare_workdir(workdir)
     dataset = data.load_dataset(config.data_dir or None)
-    device = jax.devices()[0]
-    device_data = data.to_device(dataset, config.batch_size, device)
+    mesh = parallel.make_mesh()
+    device_data = data.to_device(dataset, config.batch_size, mesh)
     checkpoints = checkpoint_lib.Checkpoints(workdir, max_to_keep=config.max_to_keep)
     try:
-        return _run(config, workdir, dataset, device_data, checkpoints, device, wall_start)
+        return _run(config, workdir, dataset, device_data, checkpoints, wall_start)
     finally:
         checkpoints.wait()
         checkpoints.close()
 
 
-def _run(config, workdir, dataset, device_data, checkpoints, device, wall_start) -> dict[str, Any]:
-    model = create_model(config)
-    optimizer = create_optimizer(model, config)
+def _run(config, workdir, dataset, device_data, checkpoints, wall_start) -> dict[str, Any]:
+    # Every process runs every computation; process 0 alone prints and writes files.
+    primary = parallel.is_primary()
+    say = functools.partial(print, flush=True) if primary else lambda *args, **kwargs: None
+    mesh = device_data.mesh
+    model, optimizer = create_train_state(config, mesh)
     start_step = resume(checkpoints, model, optimizer, config, device_data.batches_per_epoch)
     summary_path = workdir / workdir_lib.SUMMARY_FILE
     finished = summary_path.exists() and start_step >= config.steps
     if finished or start_step > config.steps:
-        print(
+        say(
             f"workdir {workdir} already holds step {start_step}; nothing to do for "
-            f"--steps={config.steps} (pass a larger --steps to continue)",
-            flush=True,
+            f"--steps={config.steps} (pass a larger --steps to continue)"
         )
         return workdir_lib.read_json(summary_path)
-    print(f"workdir: {workdir}", flush=True)
+    say(f"workdir: {workdir}")
     if start_step:
-        print(f"resuming from checkpoint {start_step} in {checkpoints.directory}", flush=True)
+        say(f"resuming from checkpoint {start_step} in {checkpoints.directory}")
 
     shown: dict[str, Table] = {}
 
     def show(key: str, table: Table) -> None:
         shown[key] = table
-        print(table.format(), flush=True)
+        say(table.format())
 
-    show("setup", tables.setup_table({n.capitalize(): v for n, v in versions().items()}, device))
-    if device.platform != "gpu":
-        logging.warning("No GPU found: running on %s. Install '.[cuda12]' on a GPU host.", device)
+    layout = parallel.describe(mesh, config.batch_size, config.param_sharding)
+    show("setup", tables.setup_table({n.capitalize(): v for n, v in versions().items()}, layout))
+    if primary and jax.default_backend() != "gpu":
+        logging.warning(
+            "No GPU found: running on %s. Install '.[cuda12]' on a GPU host.", jax.devices()[0]
+        )
     show(
         "splits",
         tables.splits_table(
@@ -438,28 +466,42 @@ def _run(config, workdir, dataset, device_data, checkpoints, device, wall_start)
     first_batch = data.batch_at(
         device_data.train_images, device_data.train_labels,
         data.epoch_order(config.seed, 0, len(device_data.train_labels)), 0, config.batch_size,
+        mesh,
     )  # fmt: skip
     grad_table, grad_check = gradient_check(model, *first_batch, config.optimizer.learning_rate)
     show("gradients", grad_table)
 
     metrics_path = workdir / workdir_lib.METRICS_FILE
-    metrics_log = workdir_lib.MetricsLog(metrics_path, keep_until=start_step)
-    progress = tables.ProgressBar(config.steps)
-    try:
+    with contextlib.ExitStack() as outputs:
+        on_log = lambda row: None  # noqa: E731
+        if primary:
+            metrics_log = workdir_lib.MetricsLog(metrics_path, keep_until=start_step)
+            progress = tables.ProgressBar(config.steps)
+            outputs.callback(progress.close)
+            outputs.callback(metrics_log.close)
+            on_log = lambda row: (metrics_log.write(row), progress.update(row))  # noqa: E731
         examples_per_sec = train(
             model, optimizer, device_data, config,
-            start_step=start_step, checkpoints=checkpoints,
-            on_log=lambda row: (metrics_log.write(row), progress.update(row)),
+            start_step=start_step, checkpoints=checkpoints, on_log=on_log,
         )  # fmt: skip
-    finally:
-        metrics_log.close()
-        progress.close()
-    history = workdir_lib.read_jsonl(metrics_path)  # every logged step, resumed runs included
-    show("training", tables.training_log_table(history, examples_per_sec))
-
+    if jax.process_count() > 1:
+        parallel.assert_same_everywhere(nnx.state(model, nnx.Param), "the trained parameters")
+        say(f"the trained parameters are identical in all {jax.process_count()} processes")
     full_eval = evaluate.evaluate(
         model, device_data.test_x, device_data.test_y, device_data.test_mask
     )
+    # The codelab's extra comparisons run after training, on fresh models, so they cannot
+    # disturb the training measurement above. Every process takes part in them.
+    dispatch = precision = None
+    checkpoints.wait()  # the final save's writer thread would otherwise share the CPU
+    if config.report == "full":
+        dispatch = benchmark.dispatch_vs_jit(config, device_data)
+        precision = benchmark.precision_comparison(config, device_data)
+    if not primary:
+        return {"test_accuracy": full_eval["accuracy"], "process_index": jax.process_index()}
+
+    history = workdir_lib.read_jsonl(metrics_path)  # every logged step, resumed runs included
+    show("training", tables.training_log_table(history, examples_per_sec))
     codelab_eval = evaluate.first_batches(full_eval, device_data.codelab_test_batches)
     last = history[-1]
     show(
@@ -486,13 +528,6 @@ def _run(config, workdir, dataset, device_data, checkpoints, device, wall_start)
     counts = evaluate.confusion_matrix(
         dataset.test_labels, full_eval["predictions"], data.NUM_CLASSES
     )
-    # The codelab's extra comparisons run after training, on fresh models, so they cannot
-    # disturb the training measurement above.
-    dispatch = precision = None
-    checkpoints.wait()  # the final save's writer thread would otherwise share the CPU
-    if config.report == "full":
-        dispatch = benchmark.dispatch_vs_jit(config, device_data)
-        precision = benchmark.precision_comparison(config, device_data)
     report_path = None
     if config.report != "none":
         report_path = report.write_report(
@@ -526,7 +561,11 @@ def _run(config, workdir, dataset, device_data, checkpoints, device, wall_start)
         "compute_dtype": config.compute_dtype,
         "seed": config.seed,
         "backend": jax.default_backend(),
-        "num_devices": jax.device_count(),
+        "num_devices": mesh.size,
+        "num_processes": jax.process_count(),
+        "mesh": dict(mesh.shape),
+        "param_sharding": config.param_sharding,
+        "layout": layout,
         "gradient_check": grad_check,
         "confusion_matrix": counts.tolist(),
         "dispatch_vs_jit": dispatch,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import tempfile
 import time
 from typing import Any
 
@@ -36,8 +37,8 @@ def prepare_workdir(workdir: str | os.PathLike | None) -> pathlib.Path:
         )
     try:
         path.mkdir(parents=True, exist_ok=True)
-        (path / ".write-test").touch()
-        (path / ".write-test").unlink()
+        # A unique name: the processes of a multi-process run all probe the same directory.
+        tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-").close()
     except OSError as exc:
         raise UserError(
             f"--workdir {path} is not writable ({exc.strerror}); pick a directory you can write to"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import idx_bytes, small_arrays, write_idx
 
-from fmnist_flax import data
+from fmnist_flax import data, parallel
 from fmnist_flax.errors import UserError
 
 
@@ -194,7 +194,7 @@ def test_download_that_stays_wrong_is_refused_and_not_kept(tmp_path):
 
 
 def test_device_data_keeps_uint8_train_images_and_covers_the_test_set(real_dataset):
-    device_data = data.to_device(real_dataset, 512, jax.devices()[0])
+    device_data = data.to_device(real_dataset, 512, parallel.make_mesh())
     assert device_data.train_images.shape == (60_000, 784)
     assert device_data.train_images.dtype == np.uint8  # normalised inside the step
     assert device_data.batches_per_epoch == 117
@@ -207,7 +207,7 @@ def test_device_data_keeps_uint8_train_images_and_covers_the_test_set(real_datas
 
 
 def test_each_epoch_gets_a_fresh_seeded_permutation(real_dataset):
-    device_data = data.to_device(real_dataset, 512, jax.devices()[0])
+    device_data = data.to_device(real_dataset, 512, parallel.make_mesh())
     first = np.asarray(data.epoch_order(0, 0, 60_000))
     np.testing.assert_array_equal(np.sort(first), np.arange(60_000))
     np.testing.assert_array_equal(first, np.asarray(data.epoch_order(0, 0, 60_000)))
@@ -237,7 +237,7 @@ def test_batch_larger_than_the_train_set_is_refused(small_dataset_dir, tmp_path_
         directory, files=files, cache_dir=empty, system_dir=empty, base_url=None
     )
     with pytest.raises(UserError, match="--batch_size=65 is larger than the 64 training"):
-        data.to_device(dataset, 65, jax.devices()[0])
+        data.to_device(dataset, 65, parallel.make_mesh())
 
 
 def test_padded_batches_mask_only_the_padding():

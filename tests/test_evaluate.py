@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
-from fmnist_flax import data, evaluate
+from fmnist_flax import data, evaluate, parallel
 from fmnist_flax.model import MLP
 
 
 @pytest.fixture(scope="module")
 def setup(real_dataset):
-    return MLP(rngs=nnx.Rngs(3)), data.to_device(real_dataset, 512, jax.devices()[0])
+    return MLP(rngs=nnx.Rngs(3)), data.to_device(real_dataset, 512, parallel.make_mesh())
 
 
 def numpy_metrics(model, images, labels):

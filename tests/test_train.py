@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fmnist_flax import checkpoint, data, load_model, train
+from fmnist_flax import checkpoint, data, load_model, parallel, train
 from fmnist_flax.errors import UserError
 from fmnist_flax.model import MLP, create_model
 
@@ -53,7 +53,7 @@ def test_same_seed_gives_bitwise_identical_runs(quick_config, tmp_path):
 
 
 def first_batches(real_dataset, count, batch_size=512):
-    device_data = data.to_device(real_dataset, batch_size, jax.devices()[0])
+    device_data = data.to_device(real_dataset, batch_size, parallel.make_mesh())
     order = data.epoch_order(0, 0, 60_000)
     batches = [
         data.batch_at(device_data.train_images, device_data.train_labels, order, i, batch_size)

@@ -1,0 +1,250 @@
+"""Devices and processes: `jax.distributed`, the `data` mesh, and where every array lives.
+
+One program runs in every process (JAX's multi-controller SPMD). Batches are split along the
+mesh's `data` axis; parameters and optimizer state are replicated, or sharded along the same
+axis (FSDP) with `param_sharding="fsdp"`. XLA inserts the collectives (gradient all-reduce,
+parameter all-gathers), so the compiled steps are the same code for 1 device and for N.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fmnist_flax.errors import UserError, error_line
+
+DATA_AXIS = "data"
+PARAM_SHARDINGS = ("replicated", "fsdp")
+CONNECT_RETRY_S = 0.5
+# JAX's own deadline fires this much after ours; its failure is a C++ abort with a stack dump.
+JAX_TIMEOUT_MARGIN_S = 30
+
+
+def initialize(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    *,
+    auto: bool = False,
+    timeout_s: int = 300,
+) -> None:
+    """Join a multi-process run with `jax.distributed.initialize`, before anything touches JAX.
+
+    The three explicit values go together; `auto` lets JAX detect the cluster (SLURM, Open MPI,
+    Kubernetes, Cloud TPU). With neither, this is a single-process run and nothing happens.
+    """
+    explicit = {
+        "--coordinator_address": coordinator_address,
+        "--num_processes": num_processes,
+        "--process_id": process_id,
+    }
+    given = [name for name, value in explicit.items() if value is not None]
+    if not given and not auto:
+        return
+    if given and len(given) < len(explicit):
+        missing = ", ".join(name for name in explicit if name not in given)
+        raise UserError(
+            f"{', '.join(given)} given without {missing}; a multi-process run needs all three "
+            "(or --distributed alone, on a cluster JAX can detect)"
+        )
+    if given and not 0 <= process_id < num_processes:
+        raise UserError(
+            f"--process_id={process_id} must be in 0..{num_processes - 1} "
+            f"for --num_processes={num_processes}"
+        )
+    if given:
+        host, port = split_address(coordinator_address)
+        # JAX aborts the whole process (a C++ fatal error, no exception) when the coordinator
+        # cannot be bound or reached, so both are checked here first, with a clear message.
+        if process_id == 0:
+            check_port_free(host, port)
+        else:
+            wait_for_coordinator(host, port, timeout_s)
+    where = coordinator_address or "the detected coordinator"
+    joined = threading.Event()
+
+    def watchdog() -> None:
+        if not joined.wait(timeout_s):
+            error_line(
+                f"not every process joined the run at {where} within {timeout_s} s; start all "
+                f"{num_processes or 'of the'} processes with the same --coordinator_address and "
+                "--num_processes (and distinct --process_id), or raise --distributed_timeout"
+            )
+            os._exit(1)  # the main thread is blocked inside JAX's C++ client
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address,
+            num_processes,
+            process_id,
+            initialization_timeout=timeout_s + JAX_TIMEOUT_MARGIN_S,
+        )
+    except (RuntimeError, ValueError) as exc:  # XlaRuntimeError is a RuntimeError
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"could not join the multi-process run at {where} within {timeout_s} s ({reason}); "
+            "check that process 0 is running, that --coordinator_address is its host:port "
+            "and reachable from here, and that --num_processes matches on every process"
+        ) from None
+    finally:
+        joined.set()
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """'10.0.0.1:1234' -> ('10.0.0.1', 1234); '[::1]:1234' works too."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(
+            f"--coordinator_address={address!r} must be HOST:PORT of process 0, e.g. 10.0.0.1:1234"
+        )
+    return host.strip("[]"), int(port)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Process 0 serves the coordinator on `port`; fail clearly if something holds it."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's server does
+            probe.bind(("", port))
+    except OSError as exc:
+        raise UserError(
+            f"--coordinator_address port {port} cannot be used on this host ({exc.strerror}); "
+            "pick a free port and pass the same address to every process"
+        ) from None
+
+
+def wait_for_coordinator(host: str, port: int, timeout_s: float) -> None:
+    """Retry a TCP connection to process 0 until it answers or `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(
+                (host, port), timeout=max(deadline - time.monotonic(), 0.1)
+            ):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise UserError(
+                    f"no coordinator answered at {host}:{port} within {timeout_s} s "
+                    f"({exc.strerror or exc}); start process 0 first, check "
+                    "--coordinator_address, or raise --distributed_timeout"
+                ) from None
+            time.sleep(CONNECT_RETRY_S)
+
+
+def is_primary() -> bool:
+    """Process 0 alone prints, logs and writes files; every process computes."""
+    return jax.process_index() == 0
+
+
+def make_mesh(devices: list[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh over `devices` (default: every device of every process), axis `data`."""
+    devices = jax.devices() if devices is None else devices
+    return jax.make_mesh(
+        (len(devices),),
+        (DATA_AXIS,),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=devices,
+    )
+
+
+def check_batch(batch_size: int, n: int) -> None:
+    """The global batch must split evenly over the `n` devices."""
+    if batch_size % n:
+        lower, higher = max(n, batch_size // n * n), -(-batch_size // n) * n
+        raise UserError(
+            f"--batch_size={batch_size} does not divide over {n} devices; "
+            f"use a multiple of {n}, e.g. {lower} or {higher}"
+        )
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: Mesh, axis: int = 0) -> NamedSharding:
+    """Split dimension `axis` (the examples) along the mesh's `data` axis."""
+    return NamedSharding(mesh, P(*[None] * axis, DATA_AXIS))
+
+
+def fsdp_spec(shape: tuple[int, ...], num_devices: int) -> P:
+    """Shard a leaf's largest dimension that divides evenly; replicate the leaf otherwise."""
+    candidates = [a for a, size in enumerate(shape) if size % num_devices == 0]
+    if num_devices == 1 or not candidates:
+        return P()
+    axis = max(candidates, key=lambda a: shape[a])
+    return P(*[None] * axis, DATA_AXIS)
+
+
+def state_shardings(tree: Any, mesh: Mesh, param_sharding: str = "replicated") -> Any:
+    """The NamedSharding of each leaf of a model/optimizer state."""
+    if param_sharding == "fsdp":
+        return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, mesh.size)), tree)
+    return jax.tree.map(lambda _: replicated(mesh), tree)
+
+
+def place(tree: Any, mesh: Mesh, param_sharding: str = "replicated") -> Any:
+    """Lay a state out on the mesh: one compiled copy, so each process passes only its own
+    (identical) values and gets back arrays that span every process's devices."""
+    shardings = state_shardings(tree, mesh, param_sharding)
+    return jax.jit(lambda t: t, out_shardings=shardings)(tree)
+
+
+def place_module(modules: Any, mesh: Mesh, param_sharding: str = "replicated") -> None:
+    """`place` the state of NNX objects (a module, or a tuple of model and optimizer) in place."""
+    nnx.update(modules, place(nnx.state(modules), mesh, param_sharding))
+
+
+def shard_host_array(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host array every process holds: each process copies only the
+    slices its own devices need."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def to_host(tree: Any) -> Any:
+    """NumPy values of a tree of (possibly multi-process) arrays, the same in every process."""
+
+    def fetch(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(x)
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(fetch, tree)
+
+
+def assert_same_everywhere(tree: Any, what: str) -> None:
+    """Fail loudly if the processes hold different values (a replica has drifted)."""
+    multihost_utils.assert_equal(to_host(tree), f"{what} differ between processes")
+
+
+def sync(name: str) -> None:
+    """Wait until every process reaches this point (no-op in a single process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def describe(mesh: Mesh, batch_size: int, param_sharding: str) -> str:
+    """One line on how the run is laid out, for the terminal and summary.json."""
+    kinds = sorted({d.platform for d in mesh.devices.flat})
+    processes = jax.process_count()
+    where = f"{mesh.size} {'/'.join(kinds)} device(s)"
+    if processes > 1:
+        where += f" in {processes} processes ({len(jax.local_devices())} in this one)"
+    params = "sharded along it (FSDP)" if param_sharding == "fsdp" else "replicated"
+    return (
+        f"mesh {dict(mesh.shape)} over {where}; batch {batch_size:,} split "
+        f"{batch_size // mesh.size:,} per device; parameters and optimizer state {params}"
+    )

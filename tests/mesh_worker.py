@@ -1,0 +1,83 @@
+"""Run by tests/test_parallel.py in a subprocess that has 8 virtual CPU devices.
+
+Trains the same config on a 1-device mesh, on all 8 devices with replicated parameters and on
+all 8 with FSDP; prints one JSON object: each run's loss curve, final parameters and the
+`.sharding` of its arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import jax
+from flax import nnx
+
+from configs import default
+from fmnist_flax import checkpoint, data, parallel, train
+
+
+def spec(array: jax.Array) -> str:
+    return "replicated" if array.sharding.is_fully_replicated else str(array.sharding.spec)
+
+
+def run(dataset, config, devices, param_sharding: str, workdir: pathlib.Path) -> dict:
+    config.param_sharding = param_sharding
+    mesh = parallel.make_mesh(devices)
+    device_data = data.to_device(dataset, config.batch_size, mesh)
+    model, optimizer = train.create_train_state(config, mesh)
+    rows = []
+    checkpoints = checkpoint.Checkpoints(workdir, max_to_keep=1)
+    try:
+        train.train(
+            model, optimizer, device_data, config,
+            start_step=0, checkpoints=checkpoints, on_log=rows.append,
+        )  # fmt: skip
+        checkpoints.wait()
+        restored = checkpoints.restore({"model": nnx.state(model)})["model"]
+    finally:
+        checkpoints.close()
+    order = data.epoch_order(config.seed, 0, len(device_data.train_labels))
+    x, _ = data.batch_at(
+        device_data.train_images, device_data.train_labels, order, 0, config.batch_size, mesh
+    )
+    params = nnx.state(model, nnx.Param)
+    return {
+        "devices": mesh.size,
+        "losses": [row["loss"] for row in rows],
+        "params": {
+            ".".join(map(str, path)): parallel.to_host(v[...]).tolist()
+            for path, v in nnx.to_flat_state(params)
+        },
+        "restored_equal": all(
+            bool((parallel.to_host(a) == parallel.to_host(b)).all())
+            for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(params), strict=True)
+        ),
+        "restored_specs": sorted({spec(a) for a in jax.tree.leaves(restored)}),
+        "specs": {
+            "batch": spec(x),
+            "train_images": spec(device_data.train_images),
+            "test_x": spec(device_data.test_x),
+            "kernel": spec(model.layers[0].kernel[...]),
+            "kernel_adam_mu": spec(optimizer.opt_state[0].mu["layers"][0]["kernel"][...]),
+            "head_bias": spec(model.layers[-1].bias[...]),
+        },
+    }
+
+
+def main(workdir: str) -> None:
+    dataset = data.load_dataset(base_url=None)
+    config = default.get_config()
+    config.batch_size, config.steps, config.log_every = 128, 50, 5
+    devices = jax.devices()
+    results = [
+        run(dataset, config, devices[:1], "replicated", pathlib.Path(workdir, "one")),
+        run(dataset, config, devices, "replicated", pathlib.Path(workdir, "eight")),
+        run(dataset, config, devices, "fsdp", pathlib.Path(workdir, "fsdp")),
+    ]
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
