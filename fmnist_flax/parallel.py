@@ -230,6 +230,13 @@ def assert_same_everywhere(tree: Any, what: str) -> None:
     multihost_utils.assert_equal(to_host(tree), f"{what} differ between processes")
 
 
+def max_over_processes(value: int) -> int:
+    """The largest of one host integer across processes (e.g. a caught signal's number)."""
+    if jax.process_count() == 1:
+        return value
+    return int(np.max(multihost_utils.process_allgather(np.int32(value))))
+
+
 def sync(name: str) -> None:
     """Wait until every process reaches this point (no-op in a single process)."""
     if jax.process_count() > 1:

@@ -28,7 +28,6 @@ from fmnist_flax.tables import Table
 
 Metrics = dict[str, jax.Array]
 METRIC_NAMES = ("loss", "accuracy", "grad_norm")  # what train_step_eager returns
-GRADIENT_CHECKS = ("loss", "grad_norm", "grad_vs_value_and_grad", "loss_after_one_sgd_step")
 AUGMENT_STREAM = 2  # fold_in index of the augmentation key (params 0, dropout 1)
 
 
@@ -130,10 +129,15 @@ def gradient_check(
     grads_only, (loss, grads), loss_after = _gradient_check(probe, x, y, learning_rate)
     params = nnx.state(model, nnx.Param)
     difference = optax.tree.norm(jax.tree.map(jnp.subtract, grads, grads_only))
-    scalars = parallel.to_host((loss, optax.tree.norm(grads), difference, loss_after))
+    loss, grad_norm, difference, loss_after = map(
+        float, parallel.to_host((loss, optax.tree.norm(grads), difference, loss_after))
+    )
     check = {
         "trees_match": jax.tree.structure(grads) == jax.tree.structure(params),
-        **dict(zip(GRADIENT_CHECKS, map(float, scalars), strict=True)),
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "grad_vs_value_and_grad": difference,
+        "loss_after_one_sgd_step": loss_after,
     }
     rows = [
         (tables.path_name(path), tuple(p.shape), tuple(g.shape), g.dtype)
@@ -344,15 +348,17 @@ def train(
                 clock = time.perf_counter(), step
             if is_log_step(step, config):
                 log(step, metrics)
-            if step % config.checkpoint_every == 0 or step == config.steps or signals.signum:
+            # A signal to any process stops all of them at the same step (saving is collective).
+            signum = parallel.max_over_processes(signals.signum)
+            if step % config.checkpoint_every == 0 or step == config.steps or signum:
                 save(step)
-            if signals.signum:
+            if signum:
                 checkpoints.wait()
-                name = signal.Signals(signals.signum).name
+                name = signal.Signals(signum).name
                 raise Interrupted(
                     f"{name} at step {step}: checkpoint {step} saved in {checkpoints.directory}; "
                     "resume by running the same command with the same --workdir",
-                    signals.signum,
+                    signum,
                 )
     jax.block_until_ready(state)
     sync_objects()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -76,17 +78,16 @@ def test_eight_devices_train_like_one_and_arrays_are_really_sharded(tmp_path):
     assert one["losses"][-1] < one["losses"][0] / 2
 
 
-def test_two_processes_train_one_model_and_one_process_restores_it(tmp_path, real_dataset):
-    workdir = tmp_path / "run"
-    address = f"127.0.0.1:{free_port()}"
-    flags = [
-        sys.executable, str(REPO / "main.py"), "--compilation_cache=", "--steps=30",
-        "--log_every=10", "--batch_size=256", "--report=none", f"--workdir={workdir}",
-        f"--coordinator_address={address}", "--num_processes=2", "--distributed_timeout=60",
+def start_two_processes(workdir, *flags: str) -> list[subprocess.Popen]:
+    """main.py as processes 0 and 1 of one run on localhost, 2 CPU devices each."""
+    command = [
+        sys.executable, str(REPO / "main.py"), "--compilation_cache=", "--report=none",
+        f"--workdir={workdir}", f"--coordinator_address=127.0.0.1:{free_port()}",
+        "--num_processes=2", "--distributed_timeout=60", *flags,
     ]  # fmt: skip
-    processes = [
+    return [
         subprocess.Popen(
-            [*flags, f"--process_id={i}"],
+            [*command, f"--process_id={i}"],
             env=env_with_devices(2),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -94,6 +95,11 @@ def test_two_processes_train_one_model_and_one_process_restores_it(tmp_path, rea
         )
         for i in (0, 1)
     ]
+
+
+def test_two_processes_train_one_model_and_one_process_restores_it(tmp_path, real_dataset):
+    workdir = tmp_path / "run"
+    processes = start_two_processes(workdir, "--steps=30", "--log_every=10", "--batch_size=256")
     outputs = [p.communicate(timeout=180) for p in processes]
     for p, (_, err) in zip(processes, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
@@ -117,6 +123,26 @@ def test_two_processes_train_one_model_and_one_process_restores_it(tmp_path, rea
     result = evaluate.evaluate(model, device_data.test_x, device_data.test_y, device_data.test_mask)
     assert result["accuracy"] == pytest.approx(summary["test_accuracy"], abs=2e-4)
     assert result["loss"] == pytest.approx(summary["test_loss"], rel=1e-5)
+
+
+def test_a_signal_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
+    workdir = tmp_path / "run"
+    processes = start_two_processes(
+        workdir, "--steps=1000000", "--log_every=5", "--checkpoint_every=1000000"
+    )
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and processes[0].poll() is None, "training never began"
+        time.sleep(0.2)
+    processes[1].send_signal(signal.SIGTERM)  # only process 1 is told to stop
+    outputs = [p.communicate(timeout=120) for p in processes]
+    assert [p.returncode for p in processes] == [143, 143]
+    messages = [err.strip().splitlines()[-1] for _, err in outputs]
+    assert messages[0] == messages[1]  # the same step in both
+    step = int(messages[0].split(" at step ")[1].split(":")[0])
+    assert messages[0].startswith(f"error: SIGTERM at step {step}: checkpoint {step} saved")
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == [str(step)]
 
 
 @pytest.mark.parametrize(
