@@ -74,7 +74,10 @@ def test_first_adamw_step_is_near_chance_and_returns_grad_norm(real_dataset, qui
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
 def test_fused_chunks_equal_one_step_per_call(real_dataset, quick_config, compute_dtype):
     """The default path (K steps per compiled call, on-device batches, donated state) gives
-    the same parameters and metrics as calling the plain nnx.jit step once per batch."""
+    the same parameters, optimizer state, loss and accuracy as calling the plain nnx.jit step
+    once per batch, bit for bit. The gradient norm, which the fused path computes only at a
+    chunk's last step (inside a conditional, so XLA may sum in another order), agrees to
+    float32 rounding: 1 part in 10^7 measured in bfloat16, asserted within 1e-6."""
     quick_config.compute_dtype = compute_dtype
     device_data, order, batches = first_batches(real_dataset, 12)
     plain_model = create_model(quick_config)
@@ -97,8 +100,9 @@ def test_fused_chunks_equal_one_step_per_call(real_dataset, quick_config, comput
         strict=True,
     ):
         np.testing.assert_array_equal(a, b)
-    for name in ("loss", "accuracy", "grad_norm"):
+    for name in ("loss", "accuracy"):
         assert float(metrics[name]) == float(plain_metrics[name])
+    assert float(metrics["grad_norm"]) == pytest.approx(float(plain_metrics["grad_norm"]), rel=1e-6)
 
 
 def test_chunks_stop_at_log_checkpoint_and_epoch_boundaries(quick_config):
