@@ -3,9 +3,12 @@ the benchmark suite of `--mode=benchmark`, every path measured side by side in o
 
 from __future__ import annotations
 
+import collections
+import gzip
 import itertools
 import json
 import pathlib
+import re
 import resource
 import statistics
 import subprocess
@@ -193,6 +196,74 @@ def _runners(config: ml_collections.ConfigDict, device_data: data.DeviceData, fi
     }
 
 
+# --- Where the fused path's time goes: a jax.profiler trace, summed per XLA op kind ---------
+
+OP_KINDS = ("matmul", "elementwise over kernels", "everything else")
+PROFILE_STEPS = 50
+CONTAINER_OPS = {"while", "conditional", "call"}  # their time is their children's
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\([^=]*?\)|\S+) ([\w\-]+)\(")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+
+
+def op_kinds(hlo_text: str, kernel_shapes: set[tuple[int, ...]]) -> dict[str, str]:
+    """Each instruction of a compiled module -> its kind: a matmul (a dot or convolution, or a
+    fusion around one), elementwise work shaped like a weight matrix (AdamW's moments and
+    update, the gradient norm: it scales with the parameters, not the batch), or the rest."""
+    calls_matmul, instructions, current = collections.defaultdict(bool), {}, ""
+    for line in hlo_text.splitlines():
+        if header := _COMPUTATION.match(line):
+            current = header.group(1)
+        elif found := _INSTRUCTION.match(line):
+            name, shape, opcode = found.groups()
+            called = (_CALLS.search(line) or [None, None])[1]
+            calls_matmul[current] |= opcode in ("dot", "convolution")
+            instructions[name] = (shape, opcode, called)
+    kinds = {}
+    for name, (shape, opcode, called) in instructions.items():
+        dims = {
+            tuple(int(d) for d in m.split(",") if d) for m in re.findall(r"\[([\d,]*)\]", shape)
+        }
+        if opcode in CONTAINER_OPS:
+            continue
+        if opcode in ("dot", "convolution") or calls_matmul[called]:
+            kinds[name] = OP_KINDS[0]
+        elif dims & kernel_shapes:
+            kinds[name] = OP_KINDS[1]
+        else:
+            kinds[name] = OP_KINDS[2]
+    return kinds
+
+
+def profile_fused(
+    config: ml_collections.ConfigDict, device_data: data.DeviceData, steps: int
+) -> dict[str, float]:
+    """Trace `steps` fused steps of a fresh model with jax.profiler and sum the time of each
+    op kind, in microseconds per step (trace events that name no op of the module are left
+    out: Python, dispatch, the loop's own bookkeeping)."""
+    model, optimizer = _fresh(config, device_data.mesh)
+    kernel_shapes = {tuple(k.shape) for k in jax.tree.leaves(nnx.state(model)) if k.ndim > 1}
+    graphdef, state = nnx.split((model, optimizer))
+    chunk = train.make_train_chunk(graphdef, device_data.batch_size, mesh=device_data.mesh)
+    order = data.epoch_order(COMPARISON_SEED, 0, len(device_data.train_labels))
+    steps = min(steps, device_data.batches_per_epoch)
+    args = (device_data.train_images, device_data.train_labels, order, 0, steps)
+    kinds = op_kinds(chunk.lower(state, *args).compile().as_text(), kernel_shapes)
+    state, _ = chunk(state, *args)  # compiled and warm before the trace
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            jax.block_until_ready(chunk(state, *args))
+        [trace] = pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz")
+        events = json.loads(gzip.decompress(trace.read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    totals = dict.fromkeys(OP_KINDS, 0.0)
+    for event in events:
+        name = event.get("args", {}).get("hlo_op", event.get("name"))
+        if event.get("ph") == "X" and name in kinds:
+            totals[kinds[name]] += event.get("dur", 0) / steps
+    return totals
+
+
 def _measure(run: Callable[[int], Any], steps: int, repeats: int) -> dict[str, float]:
     start = time.perf_counter()
     jax.block_until_ready(run(1))  # compiles
@@ -241,7 +312,7 @@ def run_suite(
     device = jax.devices()[0]
     peak = matmul_peak_gflops()
     flops = flops_per_example((data.INPUT_DIM, *config.model.hidden, data.NUM_CLASSES))
-    rows = []
+    rows, profiles = [], []
     for batch_size in batch_sizes:
         device_data = data.to_device(dataset, batch_size, mesh)
         x, y = data.shuffle(dataset.train_images, dataset.train_labels, seed=0)
@@ -264,8 +335,15 @@ def run_suite(
                 })  # fmt: skip
                 print(f"  {name:<26} B={batch_size:<5} {dtype:<9} {rate:>12,.0f} examples/s",
                       flush=True)  # fmt: skip
+                if name == "fused (default)":
+                    profiles.append({
+                        "batch_size": batch_size, "dtype": dtype,
+                        "wall_us_per_step": 1e6 * result["seconds"] / timed,
+                        "op_us_per_step": profile_fused(run_config, device_data, PROFILE_STEPS),
+                    })  # fmt: skip
         del device_data, fixed
     print(benchmark_table(rows, peak))
+    print(profile_table(profiles))
     return {
         "device": str(device),
         "backend": jax.default_backend(),
@@ -273,6 +351,7 @@ def run_suite(
         "flops_per_example": flops,
         "repeats": repeats,
         "results": rows,
+        "profiles": profiles,
     }
 
 
@@ -289,6 +368,21 @@ def benchmark_table(rows: Sequence[dict[str, Any]], peak: float) -> str:
             for r in rows
         ],
     ).format()  # fmt: skip
+
+
+def profile_table(profiles: Sequence[dict[str, Any]]) -> str:
+    rows = []
+    for p in profiles:
+        ops = p["op_us_per_step"]
+        share = ops[OP_KINDS[0]] / sum(ops.values()) if sum(ops.values()) else float("nan")
+        rows.append((p["batch_size"], p["dtype"], *(f"{ops[k]:,.0f}" for k in OP_KINDS),
+                     f"{p['wall_us_per_step']:,.0f}", f"{share:.0%}"))  # fmt: skip
+    return Table.of(
+        "Where the fused step's time goes (jax.profiler trace: each op kind's time summed over "
+        "threads, microseconds per step)",
+        ("Batch", "Dtype", *(k.capitalize() for k in OP_KINDS), "Wall", "Matmul share"),
+        rows,
+    ).format()
 
 
 def whole_run(steps: int, tmp: pathlib.Path, data_dir: str = "") -> dict[str, Any]:
