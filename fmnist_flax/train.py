@@ -123,7 +123,13 @@ def _gradient_check(model, x, y, learning_rate):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     stepped = jax.tree.map(lambda p, g: p - learning_rate * g, params, grads)
     loss_after = loss_fn(nnx.merge(graphdef, stepped, rest), x, y)
-    return grads_only, (loss, grads), loss_after
+    scalars = {
+        "loss": loss,
+        "grad_norm": optax.tree.norm(grads),
+        "grad_vs_value_and_grad": optax.tree.norm(jax.tree.map(jnp.subtract, grads, grads_only)),
+        "loss_after_one_sgd_step": loss_after,
+    }
+    return grads, scalars
 
 
 def gradient_check(
@@ -131,25 +137,18 @@ def gradient_check(
 ) -> tuple[Table, dict[str, Any]]:
     """Section 6: `nnx.grad` and `nnx.value_and_grad` agree and mirror the parameter tree.
 
-    Compiled as one program: the codelab runs these eagerly, which here costs seconds of
-    op-by-op compilation and shows nothing more.
+    Compiled as one program, norms included: the codelab runs these eagerly, which here costs
+    seconds of op-by-op compilation and shows nothing more.
     """
     # On a copy in eval mode: BatchNorm statistics and dropout's RNG state must stay as they
     # are, or a resumed run would not repeat the uninterrupted one.
     probe = nnx.clone(model)
     probe.eval()
-    grads_only, (loss, grads), loss_after = _gradient_check(probe, x, y, learning_rate)
+    grads, scalars = _gradient_check(probe, x, y, learning_rate)
     params = nnx.state(model, nnx.Param)
-    difference = optax.tree.norm(jax.tree.map(jnp.subtract, grads, grads_only))
-    loss, grad_norm, difference, loss_after = map(
-        float, parallel.to_host((loss, optax.tree.norm(grads), difference, loss_after))
-    )
     check = {
         "trees_match": jax.tree.structure(grads) == jax.tree.structure(params),
-        "loss": loss,
-        "grad_norm": grad_norm,
-        "grad_vs_value_and_grad": difference,
-        "loss_after_one_sgd_step": loss_after,
+        **{name: float(value) for name, value in parallel.to_host(scalars).items()},
     }
     rows = [
         (tables.path_name(path), tuple(p.shape), tuple(g.shape), g.dtype)
@@ -315,7 +314,9 @@ def train(
     model.train()  # dropout on, BatchNorm on batch statistics (no-ops for the MLP)
     graphdef, state = nnx.split((model, optimizer))
     train_chunk = chunk_for(graphdef, config, device_data.mesh)
-    aug_key = jax.random.fold_in(jax.random.key(config.seed), AUGMENT_STREAM)
+    aug_key = None  # built only when used: two more compiles at start-up otherwise
+    if config.augment.max_shift or config.augment.flip:
+        aug_key = jax.random.fold_in(jax.random.key(config.seed), AUGMENT_STREAM)
     last_finite = start_step
 
     def sync_objects() -> None:
@@ -489,7 +490,7 @@ def _run(config, workdir, dataset, device_data, checkpoints, wall_start) -> dict
     arrays = {k: v for k, v in vars(device_data).items() if isinstance(v, jax.Array)}
     show("batches", tables.arrays_table("Data arrays on the device", arrays))
     show("params", tables.params_table(model))
-    first_batch = data.batch_at(
+    first_batch = jax.jit(data.batch_at, static_argnums=(3, 4, 5))(
         device_data.train_images, device_data.train_labels,
         data.epoch_order(config.seed, 0, len(device_data.train_labels)), 0, config.batch_size,
         mesh,
