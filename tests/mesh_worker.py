@@ -1,8 +1,8 @@
 """Run by tests/test_parallel.py in a subprocess that has 8 virtual CPU devices.
 
 Trains the same config on a 1-device mesh, on all 8 devices with replicated parameters and on
-all 8 with FSDP; prints one JSON object: each run's loss curve, final parameters and the
-`.sharding` of its arrays.
+all 8 with FSDP; prints one JSON object: each run's loss curve, final parameters, evaluation,
+predictions and the `.sharding` of its arrays.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import jax
 from flax import nnx
 
 from configs import default
-from fmnist_flax import checkpoint, data, parallel, train
+from fmnist_flax import checkpoint, data, evaluate, parallel, train
+
+PREDICTED = 5  # does not divide by 8: predict pads and unpads
 
 
 def spec(array: jax.Array) -> str:
@@ -43,9 +45,13 @@ def run(dataset, config, devices, param_sharding: str, workdir: pathlib.Path) ->
         device_data.train_images, device_data.train_labels, order, 0, config.batch_size, mesh
     )
     params = nnx.state(model, nnx.Param)
+    full = evaluate.evaluate(model, device_data.test_x, device_data.test_y, device_data.test_mask)
     return {
         "devices": mesh.size,
         "losses": [row["loss"] for row in rows],
+        "test_accuracy": full["accuracy"],
+        "test_examples": full["examples"],
+        "predictions": evaluate.predict(model, dataset.test_images[:PREDICTED], mesh).tolist(),
         "params": {
             ".".join(map(str, path)): parallel.to_host(v[...]).tolist()
             for path, v in nnx.to_flat_state(params)

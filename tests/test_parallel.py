@@ -68,6 +68,10 @@ def test_eight_devices_train_like_one_and_arrays_are_really_sharded(tmp_path):
         assert run["specs"]["test_x"] == "P(None, 'data')"
         assert run["specs"]["train_images"] == "replicated"
         assert run["restored_equal"]  # Orbax wrote and read the sharded state exactly
+        # Evaluation and prediction on the mesh: every test image once, the same answers.
+        assert run["test_examples"] == one["test_examples"] == 10_000
+        assert run["test_accuracy"] == pytest.approx(one["test_accuracy"], abs=1e-3)
+        np.testing.assert_allclose(run["predictions"], one["predictions"], atol=1e-4)
     assert one["specs"]["batch"] == "replicated"  # a 1-device mesh: nothing to split
     assert eight["specs"]["kernel"] == eight["specs"]["kernel_adam_mu"] == "replicated"
     # FSDP splits the (784, 256) kernel and its Adam moments along 784; the (10,) head bias
