@@ -111,8 +111,12 @@ def train_step_eager(
 
 # The same step, compiled once for fixed shapes. Tree mode (graph=False) treats the model and
 # optimizer as plain pytrees: no shared references here, and it skips the graph traversal
-# that costs graph mode ~15% per call (the Flax performance guide's advice).
-train_step = nnx.jit(train_step_eager, graph=False, static_argnames="label_smoothing")
+# that costs graph mode ~15% per call (the Flax performance guide's advice). Their buffers are
+# donated and updated in place (~6% at batch 512): arrays taken from the model or optimizer
+# before a call are invalid after it; copy them first if you need them.
+train_step = nnx.jit(
+    train_step_eager, graph=False, static_argnames="label_smoothing", donate_argnums=(0, 1)
+)
 
 
 @nnx.jit
