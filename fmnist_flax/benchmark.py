@@ -242,7 +242,12 @@ def profile_fused(
     op kind, in microseconds per step (trace events that name no op of the module are left
     out: Python, dispatch, the loop's own bookkeeping)."""
     model, optimizer = _fresh(config, device_data.mesh)
-    kernel_shapes = {tuple(k.shape) for k in jax.tree.leaves(nnx.state(model)) if k.ndim > 1}
+    # A weight matrix whose rows equal the batch size looks like an activation: left out.
+    kernel_shapes = {
+        tuple(k.shape)
+        for k in jax.tree.leaves(nnx.state(model))
+        if k.ndim > 1 and k.shape[0] != device_data.batch_size
+    }
     graphdef, state = nnx.split((model, optimizer))
     chunk = train.make_train_chunk(graphdef, device_data.batch_size, mesh=device_data.mesh)
     order = data.epoch_order(COMPARISON_SEED, 0, len(device_data.train_labels))

@@ -148,14 +148,11 @@ class Checkpoints:
             for name in targets
         }
 
-    def _set_aside(self, step: int, exc: Exception) -> None:
-        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    def _set_aside(self, step: int, reason: str) -> None:
         damaged = self.directory.parent / DAMAGED_DIR / str(step)
-        if parallel.is_primary():  # the others see the same files and wait for the move
-            damaged.parent.mkdir(exist_ok=True)
-            shutil.rmtree(damaged, ignore_errors=True)
-            shutil.move(self.directory / str(step), damaged)
-        parallel.sync(f"set_aside_{step}")
+        damaged.parent.mkdir(exist_ok=True)
+        shutil.rmtree(damaged, ignore_errors=True)
+        shutil.move(self.directory / str(step), damaged)
         self._manager.reload()
         logging.warning(
             "checkpoint %d is damaged (%s); moved it to %s and using an older one",
@@ -168,6 +165,8 @@ class Checkpoints:
         A damaged step is moved aside with a one-line warning and the next older one is tried;
         a shape mismatch is the user's to fix and is raised, not skipped.
         """
+        parallel.sync("restore")  # every process lists the same steps
+        self._manager.reload()
         candidates = [step] if step is not None else self.steps()[::-1]
         if step is not None and step not in self.steps():
             raise UserError(
@@ -179,12 +178,20 @@ class Checkpoints:
             except UserError:
                 raise
             except Exception as exc:  # Orbax and tensorstore raise many types for a bad file
+                reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
                 if step is not None:
                     raise UserError(
-                        f"checkpoint {step} in {self.directory} is damaged: "
-                        f"{str(exc).splitlines()[0][:200]}"
+                        f"checkpoint {step} in {self.directory} is damaged: {reason}"
                     ) from None
-                self._set_aside(candidate, exc)
+                if jax.process_count() > 1:
+                    # Each process may read different files (FSDP shards), so the others may
+                    # be mid-restore: they cannot agree to skip it. Stop with what to do.
+                    raise UserError(
+                        f"checkpoint {candidate} in {self.directory} cannot be read here "
+                        f"({reason}); move it to {self.directory.parent / DAMAGED_DIR} and run "
+                        "the same command again to resume from the one before"
+                    ) from None
+                self._set_aside(candidate, reason)
                 continue
             return {**restored, "step": candidate}
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -86,6 +87,11 @@ flags.DEFINE_string("report", None, "full | basic (skip the timing comparisons) 
 
 def fail(message: str, code: int) -> None:
     error_line(message)
+    if jax.process_count() > 1:
+        # Leave at once: the other processes may be waiting in a collective this one will
+        # never join, and a normal exit would wait for them at JAX's shutdown barrier.
+        sys.stdout.flush()
+        os._exit(code)
     sys.exit(code)
 
 

@@ -339,7 +339,7 @@ def to_device(dataset: Dataset, batch_size: int, mesh: Mesh) -> DeviceData:
             f"--batch_size={batch_size} is larger than the {len(dataset.train_images):,} "
             "training examples; use a smaller batch"
         )
-    parallel.check_batch(batch_size, mesh.size)
+    parallel.check_batch(batch_size, parallel.data_size(mesh))
     train_images = dataset.train_images.reshape(len(dataset.train_images), INPUT_DIM)
     train = (train_images, dataset.train_labels.astype(np.int32))
     test = padded_batches(prepare_images(dataset.test_images), dataset.test_labels, batch_size)

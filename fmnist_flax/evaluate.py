@@ -102,7 +102,7 @@ def predict(
     x = x.astype(np.float32) * data.PIXEL_SCALE if x.dtype == np.uint8 else x.astype(np.float32)
     if mesh is None:
         return np.asarray(_probabilities(model, jnp.asarray(x)))
-    pad = -len(x) % mesh.size
+    pad = -len(x) % parallel.data_size(mesh)
     x = np.concatenate([x, np.zeros((pad, x.shape[1]), x.dtype)])
     sharded = parallel.shard_host_array(x, parallel.batch_sharding(mesh))
     return parallel.to_host(_probabilities(model, sharded))[: len(images)]

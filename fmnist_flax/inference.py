@@ -30,7 +30,8 @@ def run_eval(
     model, step, config = checkpoint.restore_model(workdir, step, compute_dtype, mesh)
     dataset = data.load_dataset(data_dir or config.data_dir or None)
     x = data.prepare_images(dataset.test_images)
-    batch_size = -(-config.batch_size // mesh.size) * mesh.size
+    ways = parallel.data_size(mesh)
+    batch_size = -(-config.batch_size // ways) * ways
     batches = data.padded_batches(x, dataset.test_labels, batch_size)
     result = evaluate.evaluate(model, *data.shard_batches(batches, mesh))
     counts = evaluate.confusion_matrix(dataset.test_labels, result["predictions"], data.NUM_CLASSES)
@@ -113,7 +114,6 @@ def run_predict(
     workdir_lib.check_output_path(output)
     mesh = parallel.make_mesh()
     model = checkpoint.restore_model(workdir, step, compute_dtype, mesh)[0]
-    say = print if parallel.is_primary() else lambda *args: None
     named, errors = [], []
     for path in paths:
         try:
@@ -123,7 +123,12 @@ def run_predict(
             continue
         named += images
         for note in notes:
-            say(f"note: {note}")
+            parallel.say(f"note: {note}")
+    if not parallel.all_processes_agree(len(named)):
+        raise UserError(
+            "the processes could read different images from --images; in a multi-process run "
+            "every process needs the same files (put them on a filesystem all hosts share)"
+        )
     predictions = []
     if named:
         probabilities = evaluate.predict(model, np.stack([image for _, image in named]), mesh)
@@ -138,7 +143,7 @@ def run_predict(
                     "probabilities": [float(p) for p in probs],
                 }
             )
-            say(f"{name}: {data.CLASS_NAMES[best]} ({100 * probs[best]:.1f}%)")
+            parallel.say(f"{name}: {data.CLASS_NAMES[best]} ({100 * probs[best]:.1f}%)")
     if output and parallel.is_primary():
         workdir_lib.write_json(
             pathlib.Path(output).expanduser(), {"predictions": predictions, "errors": errors}

@@ -9,6 +9,7 @@ parameter all-gathers), so the compiled steps are the same code for 1 device and
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -99,6 +100,9 @@ def initialize(
         ) from None
     finally:
         joined.set()
+    # JAX's preemption notifier takes SIGTERM over; give it back, so SIGTERM stops a process as
+    # in a single-process run (the training loop saves and stops on it).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -148,6 +152,17 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
+def say(*args: Any) -> None:
+    """`print` (flushed) in process 0 only."""
+    if is_primary():
+        print(*args, flush=True)
+
+
+def data_size(mesh: Mesh) -> int:
+    """How many ways each batch is split: the size of the mesh's `data` axis."""
+    return mesh.shape[DATA_AXIS]
+
+
 def make_mesh(devices: list[jax.Device] | None = None) -> Mesh:
     """A 1-D mesh over `devices` (default: every device of every process), axis `data`."""
     devices = jax.devices() if devices is None else devices
@@ -170,6 +185,7 @@ def check_batch(batch_size: int, n: int) -> None:
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
+    """A full copy on every device of the mesh."""
     return NamedSharding(mesh, P())
 
 
@@ -190,7 +206,8 @@ def fsdp_spec(shape: tuple[int, ...], num_devices: int) -> P:
 def state_shardings(tree: Any, mesh: Mesh, param_sharding: str = "replicated") -> Any:
     """The NamedSharding of each leaf of a model/optimizer state."""
     if param_sharding == "fsdp":
-        return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, mesh.size)), tree)
+        n = data_size(mesh)
+        return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, n)), tree)
     return jax.tree.map(lambda _: replicated(mesh), tree)
 
 
@@ -225,9 +242,27 @@ def to_host(tree: Any) -> Any:
     return jax.tree.map(fetch, tree)
 
 
-def assert_same_everywhere(tree: Any, what: str) -> None:
-    """Fail loudly if the processes hold different values (a replica has drifted)."""
-    multihost_utils.assert_equal(to_host(tree), f"{what} differ between processes")
+def check_replicas(tree: Any, what: str) -> int:
+    """Fail loudly if the copies of a replicated array differ, between the devices of this
+    process or between processes; returns how many replicated arrays were compared."""
+    local = []
+    for x in jax.tree.leaves(tree):
+        if not x.is_fully_replicated:
+            continue  # one copy of each shard (FSDP): nothing to compare
+        copies = [np.asarray(shard.data) for shard in x.addressable_shards]
+        if not all(np.array_equal(copies[0], c) for c in copies[1:]):
+            raise RuntimeError(f"{what} differ between the devices of this process")
+        local.append(copies[0])
+    if jax.process_count() > 1:
+        multihost_utils.assert_equal(local, f"{what} differ between processes")
+    return len(local)
+
+
+def all_processes_agree(value: int) -> bool:
+    """Whether every process holds the same host integer."""
+    if jax.process_count() == 1:
+        return True
+    return len(set(np.asarray(multihost_utils.process_allgather(np.int32(value))).tolist())) == 1
 
 
 def max_over_processes(value: int) -> int:
@@ -253,5 +288,5 @@ def describe(mesh: Mesh, batch_size: int, param_sharding: str) -> str:
     params = "sharded along it (FSDP)" if param_sharding == "fsdp" else "replicated"
     return (
         f"mesh {dict(mesh.shape)} over {where}; batch {batch_size:,} split "
-        f"{batch_size // mesh.size:,} per device; parameters and optimizer state {params}"
+        f"{batch_size // data_size(mesh):,} per device; parameters and optimizer state {params}"
     )

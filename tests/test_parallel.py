@@ -108,7 +108,7 @@ def test_two_processes_train_one_model_and_one_process_restores_it(tmp_path, rea
     for p, (_, err) in zip(processes, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
     (first_out, _), (second_out, _) = outputs
-    assert "the trained parameters are identical in all 2 processes" in first_out
+    assert "the 6 replicated parameter arrays are identical in all 2 processes" in first_out
     assert "mesh {'data': 4} over 4 cpu device(s) in 2 processes" in first_out
     assert "test accuracy" in first_out
     # Process 1 computes but prints no tables (gloo's own connection lines may appear).
@@ -127,6 +127,35 @@ def test_two_processes_train_one_model_and_one_process_restores_it(tmp_path, rea
     result = evaluate.evaluate(model, device_data.test_x, device_data.test_y, device_data.test_mask)
     assert result["accuracy"] == pytest.approx(summary["test_accuracy"], abs=2e-4)
     assert result["loss"] == pytest.approx(summary["test_loss"], rel=1e-5)
+
+
+def test_a_shard_only_one_process_can_read_stops_both_with_what_to_do(tmp_path):
+    """FSDP: each process reads its own shards, so only process 1 meets the damage. Both stop
+    at once with one line (no hang), and the fix the line names resumes the run."""
+    workdir = tmp_path / "run"
+    flags = ["--log_every=2", "--checkpoint_every=2", "--batch_size=64",
+             "--config.param_sharding=fsdp"]  # fmt: skip
+    for p in start_two_processes(workdir, "--steps=4", *flags):
+        assert p.wait(timeout=180) == 0
+    for shard in (workdir / "checkpoints" / "4" / "model" / "ocdbt.process_1" / "d").iterdir():
+        shard.write_bytes(shard.read_bytes()[:10])
+
+    processes = start_two_processes(workdir, "--steps=6", *flags)
+    outputs = [p.communicate(timeout=120) for p in processes]
+    assert [p.returncode for p in processes] == [1, 1]
+    damaged = workdir / "damaged_checkpoints"
+    for _, err in outputs:
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("error: checkpoint 4 in ") and f"move it to {damaged}" in last
+    assert "cannot be read here (Encountered error while reading" in outputs[1][1]
+
+    damaged.mkdir()
+    (workdir / "checkpoints" / "4").rename(damaged / "4")  # what the error line says to do
+    processes = start_two_processes(workdir, "--steps=6", *flags)
+    outputs = [p.communicate(timeout=180) for p in processes]
+    assert [p.returncode for p in processes] == [0, 0], outputs[0][1][-3000:]
+    assert "resuming from checkpoint 2" in outputs[0][0]
+    assert json.loads((workdir / "summary.json").read_text())["resumed_from_step"] == 2
 
 
 def test_a_signal_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
