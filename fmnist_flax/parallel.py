@@ -215,7 +215,12 @@ def place(tree: Any, mesh: Mesh, param_sharding: str = "replicated") -> Any:
     """Lay a state out on the mesh: one compiled copy, so each process passes only its own
     (identical) values and gets back arrays that span every process's devices."""
     shardings = state_shardings(tree, mesh, param_sharding)
-    return jax.jit(lambda t: t, out_shardings=shardings)(tree)
+    return jax.jit(_identity, out_shardings=shardings)(tree)
+
+
+def _identity(tree: Any) -> Any:
+    """One function object for every `place`, so JAX's caches reuse its compilations."""
+    return tree
 
 
 def place_module(modules: Any, mesh: Mesh, param_sharding: str = "replicated") -> None:
@@ -258,18 +263,11 @@ def check_replicas(tree: Any, what: str) -> int:
     return len(local)
 
 
-def all_processes_agree(value: int) -> bool:
-    """Whether every process holds the same host integer."""
+def from_every_process(value: int) -> list[int]:
+    """One host integer from each process, in process order (a caught signal, a count)."""
     if jax.process_count() == 1:
-        return True
-    return len(set(np.asarray(multihost_utils.process_allgather(np.int32(value))).tolist())) == 1
-
-
-def max_over_processes(value: int) -> int:
-    """The largest of one host integer across processes (e.g. a caught signal's number)."""
-    if jax.process_count() == 1:
-        return value
-    return int(np.max(multihost_utils.process_allgather(np.int32(value))))
+        return [value]
+    return np.asarray(multihost_utils.process_allgather(np.int32(value))).tolist()
 
 
 def sync(name: str) -> None:
