@@ -124,7 +124,7 @@ def run_predict(
         named += images
         for note in notes:
             parallel.say(f"note: {note}")
-    if not parallel.all_processes_agree(len(named)):
+    if len(set(parallel.from_every_process(len(named)))) > 1:
         raise UserError(
             "the processes could read different images from --images; in a multi-process run "
             "every process needs the same files (put them on a filesystem all hosts share)"

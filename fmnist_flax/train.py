@@ -378,7 +378,7 @@ def train(
             if is_log_step(step, config):
                 log(step, metrics)
             # A signal to any process stops all of them at the same step (saving is collective).
-            signum = parallel.max_over_processes(signals.signum)
+            signum = max(parallel.from_every_process(signals.signum))
             if step % config.checkpoint_every == 0 or step == config.steps or signum:
                 save(step)
             if signum:
