@@ -6,10 +6,10 @@ Reached on this machine (2 CPU cores): see README "Configs"; this CPU has no fas
 path, so it is slower than float32 here and faster only on hardware that has one.
 """
 
-from configs import default
+from fmnist_flax import config as default_config
 
 
 def get_config():
-    config = default.get_config()
+    config = default_config.get_config()
     config.compute_dtype = "bfloat16"
     return config

@@ -4,11 +4,11 @@ Run it:
     python main.py --config=configs/smoke.py
 """
 
-from configs import default
+from fmnist_flax import config as default_config
 
 
 def get_config():
-    config = default.get_config()
+    config = default_config.get_config()
     config.steps = 20
     config.log_every = 5
     config.checkpoint_every = 10

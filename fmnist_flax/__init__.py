@@ -1,11 +1,13 @@
 """Flax NNX training template: the JAX GPU codelab's Fashion-MNIST MLP, stage by stage.
 
 For notebooks: `load_model(workdir)` restores a trained model, `predict(model, images)`
-returns class probabilities.
+returns class probabilities and `class_names(workdir)` names them.
 """
 
-from fmnist_flax.checkpoint import load_model
-from fmnist_flax.data import CLASS_NAMES
+from fmnist_flax.checkpoint import class_names, load_model
+from fmnist_flax.datasets import DATASETS
 from fmnist_flax.evaluate import predict
 
-__all__ = ["CLASS_NAMES", "load_model", "predict"]
+CLASS_NAMES = DATASETS["fashion_mnist"].class_names  # the default dataset's classes
+
+__all__ = ["CLASS_NAMES", "class_names", "load_model", "predict"]

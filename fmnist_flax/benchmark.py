@@ -1,15 +1,11 @@
-"""Honest step timing (warm up, then `block_until_ready`): the codelab's sections 7 and 13 and
-the benchmark suite of `--mode=benchmark`, every path measured side by side in one process."""
+"""`--mode=benchmark`: every training path timed side by side in one process (warm up, then
+`block_until_ready`), ratios to the codelab's pure-PyTree loop, and whole runs start to exit."""
 
 from __future__ import annotations
 
-import collections
-import gzip
 import itertools
 import json
 import pathlib
-import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -25,79 +21,13 @@ import optax
 from flax import nnx
 
 from fmnist_flax import config as config_lib
-from fmnist_flax import data, parallel, reference, train
+from fmnist_flax import datasets, input_pipeline, parallel, profiling, reference, train
 from fmnist_flax import model as model_lib
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
 from fmnist_flax.tables import Table
 
-EAGER_STEPS = 20  # the codelab's sizes
-JIT_STEPS = 100
-PRECISION_STEPS = 100
-COMPARISON_SEED = 10  # fresh models, never the trained one
-DISTINCT_BATCHES = 8  # timed steps cycle through these, gathered before the clock starts
-
-
-def time_steps(
-    step_fn: Callable[..., train.Metrics],
-    model: nnx.Module,
-    optimizer: nnx.Optimizer,
-    device_data: data.DeviceData,
-    steps: int,
-) -> dict[str, float]:
-    """One untimed warm-up step, then `steps` timed ones until the state is ready.
-
-    Batches come from epoch 0's order, gathered before the clock starts.
-    """
-    d = device_data
-    order = data.epoch_order(COMPARISON_SEED, 0, len(d.train_labels))
-    batches = [
-        data.batch_at(d.train_images, d.train_labels, order, i, d.batch_size, d.mesh)
-        for i in range(min(steps + 1, DISTINCT_BATCHES))
-    ]
-    jax.block_until_ready(step_fn(model, optimizer, *batches[0]))
-    start = time.perf_counter()
-    for i in range(steps):
-        metrics = step_fn(model, optimizer, *batches[(i + 1) % len(batches)])
-    jax.block_until_ready((metrics, nnx.state((model, optimizer))))
-    seconds = time.perf_counter() - start
-    metrics = parallel.to_host(metrics)
-    return {
-        "steps": steps,
-        "loss": float(metrics["loss"]),
-        "accuracy": float(metrics["accuracy"]),
-        "seconds": seconds,
-        "examples_per_sec": steps * d.batch_size / seconds,
-    }
-
-
-def _fresh(config: ml_collections.ConfigDict, mesh, compute_dtype: str | None = None):
-    config = ml_collections.ConfigDict(config.to_dict())
-    if compute_dtype:
-        config.compute_dtype = compute_dtype
-    return train.create_train_state(config, mesh, seed=COMPARISON_SEED)
-
-
-def dispatch_vs_jit(
-    config: ml_collections.ConfigDict, device_data: data.DeviceData
-) -> list[dict[str, Any]]:
-    """Section 7: the same AdamW step run op by op from Python, and compiled with nnx.jit."""
-    mesh = device_data.mesh
-    eager = time_steps(train.train_step_eager, *_fresh(config, mesh), device_data, EAGER_STEPS)
-    jitted = time_steps(train.train_step, *_fresh(config, mesh), device_data, JIT_STEPS)
-    return [{"mode": "Python dispatch", **eager}, {"mode": "jitted step", **jitted}]
-
-
-def precision_comparison(
-    config: ml_collections.ConfigDict, device_data: data.DeviceData
-) -> list[dict[str, Any]]:
-    """Section 13: float32 and bfloat16 compute (params stay float32), fresh init each."""
-    return [
-        {"dtype": dtype, **time_steps(train.train_step, *_fresh(config, device_data.mesh, dtype),
-                                      device_data, PRECISION_STEPS)}
-        for dtype in ("float32", "bfloat16")
-    ]  # fmt: skip
-
+COMPARISON_SEED = 10  # fresh models, never a trained one
 
 # --- The benchmark suite: `python main.py --mode=benchmark` --------------------------------
 
@@ -128,7 +58,17 @@ def matmul_peak_gflops(repeats: int = 10) -> float:
     return 2 * MATMUL_SIZE**3 / min(times) / 1e9
 
 
-def _runners(config: ml_collections.ConfigDict, device_data: data.DeviceData, fixed):
+def fresh_state(config: ml_collections.ConfigDict, device_data: input_pipeline.DeviceData):
+    """A new model and optimizer from COMPARISON_SEED for the dataset on the device."""
+    return train.create_train_state(
+        config, device_data.image_shape, reference.NUM_CLASSES, device_data.mesh,
+        seed=COMPARISON_SEED,
+    )  # fmt: skip
+
+
+def _runners(
+    config: ml_collections.ConfigDict, device_data: input_pipeline.DeviceData, fixed
+) -> dict[str, Callable[[], Callable[[int], Any]]]:
     """Each training path as `run(steps) -> something to block on`, all from the same start."""
     dtype = model_lib.COMPUTE_DTYPES[config.compute_dtype]
     fixed_x, fixed_y = fixed
@@ -153,7 +93,7 @@ def _runners(config: ml_collections.ConfigDict, device_data: data.DeviceData, fi
 
     def per_step(step_fn):
         def make():
-            model, optimizer = _fresh(config, device_data.mesh)
+            model, optimizer = fresh_state(config, device_data)
             counter = [0]
 
             def run(steps):
@@ -168,10 +108,10 @@ def _runners(config: ml_collections.ConfigDict, device_data: data.DeviceData, fi
         return make
 
     def fused():
-        model, optimizer = _fresh(config, device_data.mesh)
+        model, optimizer = fresh_state(config, device_data)
         graphdef, state = nnx.split((model, optimizer))
         chunk = train.make_train_chunk(graphdef, device_data.batch_size, mesh=device_data.mesh)
-        order = data.epoch_order(COMPARISON_SEED, 0, len(device_data.train_labels))
+        order = input_pipeline.epoch_order(COMPARISON_SEED, 0, len(device_data.train_labels))
         per_epoch = device_data.batches_per_epoch
         carry = [state, 0]
 
@@ -190,85 +130,10 @@ def _runners(config: ml_collections.ConfigDict, device_data: data.DeviceData, fi
 
     return {
         "codelab loop (reference)": codelab,
-        "nnx.jit step": per_step(train.train_step),
+        "nnx.jit step": per_step(train.jit_train_step),
         "fused (default)": fused,
-        "Python dispatch": per_step(train.train_step_eager),
+        "Python dispatch": per_step(train.train_step),
     }
-
-
-# --- Where the fused path's time goes: a jax.profiler trace, summed per XLA op kind ---------
-
-OP_KINDS = ("matmul", "elementwise over kernels", "everything else")
-PROFILE_STEPS = 50
-CONTAINER_OPS = {"while", "conditional", "call"}  # their time is their children's
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\([^=]*?\)|\S+) ([\w\-]+)\(")
-_CALLS = re.compile(r"calls=%?([\w.\-]+)")
-
-
-def op_kinds(hlo_text: str, kernel_shapes: set[tuple[int, ...]]) -> dict[str, str]:
-    """Each instruction of a compiled module -> its kind: a matmul (a dot or convolution, or a
-    fusion around one), elementwise work shaped like a weight matrix (AdamW's moments and
-    update, the gradient norm: it scales with the parameters, not the batch), or the rest."""
-    calls_matmul, instructions, current = collections.defaultdict(bool), {}, ""
-    for line in hlo_text.splitlines():
-        if header := _COMPUTATION.match(line):
-            current = header.group(1)
-        elif found := _INSTRUCTION.match(line):
-            name, shape, opcode = found.groups()
-            called = (_CALLS.search(line) or [None, None])[1]
-            calls_matmul[current] |= opcode in ("dot", "convolution")
-            instructions[name] = (shape, opcode, called)
-    kinds = {}
-    for name, (shape, opcode, called) in instructions.items():
-        dims = {
-            tuple(int(d) for d in m.split(",") if d) for m in re.findall(r"\[([\d,]*)\]", shape)
-        }
-        if opcode in CONTAINER_OPS:
-            continue
-        if opcode in ("dot", "convolution") or calls_matmul[called]:
-            kinds[name] = OP_KINDS[0]
-        elif dims & kernel_shapes:
-            kinds[name] = OP_KINDS[1]
-        else:
-            kinds[name] = OP_KINDS[2]
-    return kinds
-
-
-def profile_fused(
-    config: ml_collections.ConfigDict, device_data: data.DeviceData, steps: int
-) -> dict[str, float]:
-    """Trace `steps` fused steps of a fresh model with jax.profiler and sum the time of each
-    op kind, in microseconds per step (trace events that name no op of the module are left
-    out: Python, dispatch, the loop's own bookkeeping)."""
-    model, optimizer = _fresh(config, device_data.mesh)
-    # A weight matrix whose rows equal the batch size looks like an activation: left out.
-    kernel_shapes = {
-        tuple(k.shape)
-        for k in jax.tree.leaves(nnx.state(model))
-        if k.ndim > 1 and k.shape[0] != device_data.batch_size
-    }
-    graphdef, state = nnx.split((model, optimizer))
-    chunk = train.make_train_chunk(graphdef, device_data.batch_size, mesh=device_data.mesh)
-    order = data.epoch_order(COMPARISON_SEED, 0, len(device_data.train_labels))
-    steps = min(steps, device_data.batches_per_epoch)
-    args = (device_data.train_images, device_data.train_labels, order, 0, steps)
-    # Run the very executable whose text names the ops, so every event maps onto it.
-    compiled = chunk.lower(state, *args).compile()
-    kinds = op_kinds(compiled.as_text(), kernel_shapes)
-    state, _ = compiled(state, *args)  # warm before the trace
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            jax.block_until_ready(compiled(state, *args))
-        [trace] = pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz")
-        events = json.loads(gzip.decompress(trace.read_bytes()))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    totals = dict.fromkeys(OP_KINDS, 0.0)
-    for event in events:
-        name = event.get("args", {}).get("hlo_op", event.get("name"))
-        if event.get("ph") == "X" and name in kinds:
-            totals[kinds[name]] += event.get("dur", 0) / steps
-    return totals
 
 
 def _measure(run: Callable[[int], Any], steps: int, repeats: int) -> dict[str, float]:
@@ -283,30 +148,18 @@ def _measure(run: Callable[[int], Any], steps: int, repeats: int) -> dict[str, f
     return {"steps": steps, "seconds": statistics.median(times), "first_call_s": compile_seconds}
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident memory. Linux's VmHWM starts afresh at exec, unlike
-    ru_maxrss, which a child inherits from the process that started it."""
-    try:
-        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _peak_memory_mb() -> dict[str, float | None]:
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
     return {
         "device_peak_mb": peak / 2**20 if peak else None,
-        "process_peak_rss_mb": peak_rss_mb(),
+        "process_peak_rss_mb": workdir_lib.peak_rss_mb(),
     }
 
 
 def run_suite(
     config: ml_collections.ConfigDict,
-    dataset: data.Dataset,
+    dataset: datasets.Dataset,
     *,
     batch_sizes: Sequence[int],
     dtypes: Sequence[str],
@@ -318,12 +171,14 @@ def run_suite(
     mesh = parallel.make_mesh(jax.devices()[:1])
     device = jax.devices()[0]
     peak = matmul_peak_gflops()
-    flops = flops_per_example((data.INPUT_DIM, *config.model.hidden, data.NUM_CLASSES))
+    flops = flops_per_example((reference.INPUT_DIM, *config.model.hidden, reference.NUM_CLASSES))
     rows, profiles = [], []
     for batch_size in batch_sizes:
-        device_data = data.to_device(dataset, batch_size, mesh)
-        x, y = data.shuffle(dataset.train_images, dataset.train_labels, seed=0)
-        fixed = jax.device_put(data.fixed_batches(data.prepare_images(x), y, batch_size), device)
+        device_data = input_pipeline.to_device(dataset, batch_size, mesh)
+        x, y = input_pipeline.shuffle(dataset.train_images, dataset.train_labels, seed=0)
+        fixed = jax.device_put(
+            input_pipeline.fixed_batches(input_pipeline.prepare_images(x), y, batch_size), device
+        )
         n_steps = steps or max(8, BENCH_EXAMPLES // batch_size)
         for dtype in dtypes:
             run_config = ml_collections.ConfigDict(config.to_dict())
@@ -346,11 +201,12 @@ def run_suite(
                     profiles.append({
                         "batch_size": batch_size, "dtype": dtype,
                         "wall_us_per_step": 1e6 * result["seconds"] / timed,
-                        "op_us_per_step": profile_fused(run_config, device_data, PROFILE_STEPS),
+                        "op_us_per_step": profiling.profile_fused(
+                            fresh_state(run_config, device_data), device_data),
                     })  # fmt: skip
         del device_data, fixed
     print(benchmark_table(rows, peak))
-    print(profile_table(profiles))
+    print(profiling.profile_table(profiles))
     return {
         "device": str(device),
         "backend": jax.default_backend(),
@@ -375,21 +231,6 @@ def benchmark_table(rows: Sequence[dict[str, Any]], peak: float) -> str:
             for r in rows
         ],
     ).format()  # fmt: skip
-
-
-def profile_table(profiles: Sequence[dict[str, Any]]) -> str:
-    rows = []
-    for p in profiles:
-        ops = p["op_us_per_step"]
-        share = ops[OP_KINDS[0]] / sum(ops.values()) if sum(ops.values()) else float("nan")
-        rows.append((p["batch_size"], p["dtype"], *(f"{ops[k]:,.0f}" for k in OP_KINDS),
-                     f"{p['wall_us_per_step']:,.0f}", f"{share:.0%}"))  # fmt: skip
-    return Table.of(
-        "Where the fused step's time goes (jax.profiler trace: each op kind's time summed over "
-        "threads, microseconds per step)",
-        ("Batch", "Dtype", *(k.capitalize() for k in OP_KINDS), "Wall", "Matmul share"),
-        rows,
-    ).format()
 
 
 def whole_run(steps: int, tmp: pathlib.Path, data_dir: str = "") -> dict[str, Any]:
@@ -458,7 +299,11 @@ def run_benchmark(
     if jax.process_count() > 1:
         raise UserError("--mode=benchmark times one device; run it as a single process")
     workdir_lib.check_output_path(output)
-    dataset = data.load_dataset(config.data_dir or None)
+    if config.dataset.name != "fashion_mnist":
+        raise UserError(
+            "--mode=benchmark times the codelab on Fashion-MNIST; drop --config.dataset"
+        )
+    dataset = datasets.load(config)
     result = run_suite(
         config, dataset, batch_sizes=batch_sizes, dtypes=dtypes, steps=steps, repeats=repeats
     )
@@ -477,7 +322,7 @@ def run_benchmark(
             + f"main.py / plain JAX wall time: {whole['wall_ratio_cold']:.2f}x cold, "
             f"{whole['wall_ratio_warm']:.2f}x with a warm compilation cache"
         )  # fmt: skip
-    result["versions"] = train.versions()
+    result["versions"] = workdir_lib.versions()
     result["date"] = time.strftime("%Y-%m-%d")
     if output:
         workdir_lib.write_json(pathlib.Path(output).expanduser(), result)

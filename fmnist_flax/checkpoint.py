@@ -1,8 +1,9 @@
 """Orbax checkpoints: save asynchronously, resume exactly, restore for inference, survive faults.
 
-Each step directory under `<workdir>/checkpoints` holds four items: `model` and `optimizer`
-(array trees, tensorstore/OCDBT), `progress` (step and data position, JSON) and `config` (the
-config that built the model, JSON). Nothing is pickled.
+Each step directory under `<workdir>/checkpoints` holds five items: `model` and `optimizer`
+(array trees, tensorstore/OCDBT), `progress` (step and data position), `config` (the config
+that built the model) and `dataset` (its name, class names and image shape), the last three as
+JSON. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -28,7 +29,16 @@ CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never deleted
 
 
-ARRAY_ITEMS = ("model", "optimizer")  # array trees; the other items are JSON
+ARRAY_ITEMS = ("model", "optimizer")  # array trees
+JSON_ITEMS = ("progress", "config", "dataset")
+# What restore_model assumes for a checkpoint written before the `dataset` item existed.
+FASHION_MNIST_INFO = {
+    "name": "fashion_mnist",
+    "title": "Fashion-MNIST",
+    "class_names": ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+                    "Sneaker", "Bag", "Ankle boot"],
+    "image_shape": [28, 28],
+}  # fmt: skip
 
 
 def _is_key(x: Any) -> bool:
@@ -81,8 +91,17 @@ def check_shapes(target: Any, stored: Any, what: str) -> None:
 class Checkpoints:
     """An Orbax CheckpointManager for one workdir, with the project's fault handling."""
 
-    def __init__(self, workdir: str | os.PathLike, *, max_to_keep: int = 3, create: bool = True):
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        *,
+        max_to_keep: int = 3,
+        create: bool = True,
+        metadata: dict[str, dict[str, Any]] | None = None,
+    ):
+        """`metadata`: the JSON items every save writes besides progress (config, dataset)."""
         self.directory = checkpoint_dir(workdir)
+        self.metadata = metadata or {}
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             create=create,
@@ -93,10 +112,8 @@ class Checkpoints:
             self.directory,
             options=options,
             item_handlers={
-                "model": ocp.StandardCheckpointHandler(),
-                "optimizer": ocp.StandardCheckpointHandler(),
-                "progress": ocp.JsonCheckpointHandler(),
-                "config": ocp.JsonCheckpointHandler(),
+                **{name: ocp.StandardCheckpointHandler() for name in ARRAY_ITEMS},
+                **{name: ocp.JsonCheckpointHandler() for name in JSON_ITEMS},
             },
         )
 
@@ -109,16 +126,15 @@ class Checkpoints:
         model: nnx.Module,
         optimizer: nnx.Optimizer,
         progress: dict[str, Any],
-        config: ml_collections.ConfigDict,
     ) -> None:
         """Start an asynchronous save; training goes on while it is written."""
+        json_items = {**self.metadata, "progress": progress}
         self._manager.save(
             step,
             args=ocp.args.Composite(
                 model=ocp.args.StandardSave(_key_data(nnx.state(model))),
                 optimizer=ocp.args.StandardSave(_key_data(nnx.state(optimizer))),
-                progress=ocp.args.JsonSave(progress),
-                config=ocp.args.JsonSave(config.to_dict()),
+                **{name: ocp.args.JsonSave(value) for name, value in json_items.items()},
             ),
             force=True,
         )
@@ -196,14 +212,46 @@ class Checkpoints:
             return {**restored, "step": candidate}
         return None
 
+    def resume(self, model: nnx.Module, optimizer: nnx.Optimizer, expected: dict[str, int]) -> int:
+        """Restore the newest intact checkpoint into model and optimizer; returns its step (0:
+        none). The data position must match `expected` (batch size, seed, batches per epoch)."""
+        restored = self.restore(
+            {"model": nnx.state(model), "optimizer": nnx.state(optimizer), "progress": None}
+        )
+        if restored is None:
+            return 0
+        saved = restored["progress"]
+        for key in ("batch_size", "seed", "num_batches"):
+            if saved[key] != expected[key]:
+                raise UserError(
+                    f"{self.directory} was trained with {key}={saved[key]}, this run has "
+                    f"{expected[key]}; resume with the same value or use a new --workdir"
+                )
+        nnx.update(model, restored["model"])
+        nnx.update(optimizer, restored["optimizer"])
+        return restored["step"]
+
+
+def saved_item(directory: pathlib.Path, step: int, item: str) -> dict[str, Any] | None:
+    """A JSON item of a checkpoint step (config, dataset), or None if that step has none."""
+    path = directory / str(step) / item / "metadata"
+    if not path.exists():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read the saved {item} {path}: {exc}") from None
+    if not isinstance(value, dict) or not value:
+        raise UserError(f"the saved {item} {path} is empty or not a JSON object")
+    return value
+
 
 def saved_config(directory: pathlib.Path, step: int) -> ml_collections.ConfigDict:
     """The config a checkpoint step was trained with, read from its JSON item."""
-    path = directory / str(step) / "config" / "metadata"
-    try:
-        return ml_collections.ConfigDict(json.loads(path.read_text()))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read the saved config {path}: {exc}") from None
+    config = saved_item(directory, step, "config")
+    if config is None:
+        raise UserError(f"checkpoint {step} in {directory} has no saved config")
+    return ml_collections.ConfigDict(config)
 
 
 def restore_model(
@@ -211,13 +259,14 @@ def restore_model(
     step: int | None = None,
     compute_dtype: str | None = None,
     mesh: jax.sharding.Mesh | None = None,
-) -> tuple[nnx.Module, int, ml_collections.ConfigDict]:
+) -> tuple[nnx.Module, int, ml_collections.ConfigDict, dict[str, Any]]:
     """Rebuild a workdir's model from its saved config and restore only its parameters.
 
-    Returns the model, the step it was restored from and the config (with `compute_dtype`
-    applied). On a `mesh` the parameters are read straight into the saved run's layout over
-    it, whatever the device and process count of the run that saved them. Every problem is a
-    one-line UserError, raised before anything compiles.
+    Returns the model, the step it was restored from, the config (with `compute_dtype`
+    applied) and the dataset's info (name, title, class names, image shape). On a `mesh` the
+    parameters are read straight into the saved run's layout over it, whatever the device and
+    process count of the run that saved them. Every problem is a one-line UserError, raised
+    before anything compiles.
     """
     path = pathlib.Path(workdir).expanduser()
     if not path.is_dir():
@@ -231,7 +280,9 @@ def restore_model(
             raise UserError(f"--workdir {path} has no checkpoints; train there first")
         if step is not None and step not in steps:
             raise UserError(f"--step={step}: {path} has checkpoints for steps {steps}")
-        config = saved_config(checkpoints.directory, steps[-1] if step is None else step)
+        chosen = steps[-1] if step is None else step
+        config = saved_config(checkpoints.directory, chosen)
+        info = saved_item(checkpoints.directory, chosen, "dataset") or FASHION_MNIST_INFO
         if compute_dtype is not None:
             config.compute_dtype = compute_dtype
         if config.compute_dtype not in model_lib.COMPUTE_DTYPES:
@@ -239,7 +290,7 @@ def restore_model(
                 f"--compute_dtype={config.compute_dtype!r} is not supported; "
                 f"use one of {', '.join(model_lib.COMPUTE_DTYPES)}"
             )
-        model = model_lib.create_model(config)
+        model = model_lib.create_model(config, tuple(info["image_shape"]), len(info["class_names"]))
         if mesh is not None:
             parallel.place_module(model, mesh, config.get("param_sharding", "replicated"))
         restored = checkpoints.restore({"model": nnx.state(model)}, step)
@@ -249,7 +300,7 @@ def restore_model(
     finally:
         checkpoints.close()
     model.eval()  # inference: no dropout, BatchNorm on its running statistics
-    return model, restored["step"], config
+    return model, restored["step"], config, info
 
 
 def load_model(
@@ -258,6 +309,16 @@ def load_model(
     """The trained model of a workdir (newest checkpoint by default), ready for `predict`.
 
     Only parameters are read, no optimizer state; `compute_dtype` ('float32' or 'bfloat16')
-    overrides the dtype it was trained in.
+    overrides the dtype it was trained in. `class_names(workdir)` names its outputs.
     """
     return restore_model(workdir, step, compute_dtype)[0]
+
+
+def class_names(workdir: str | os.PathLike, step: int | None = None) -> tuple[str, ...]:
+    """The class names of the dataset a workdir's model was trained on (its newest step)."""
+    directory = checkpoint_dir(workdir)
+    steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
+    if not steps:
+        raise UserError(f"--workdir {workdir} has no checkpoints; train there first")
+    info = saved_item(directory, steps[-1] if step is None else step, "dataset")
+    return tuple((info or FASHION_MNIST_INFO)["class_names"])

@@ -1,20 +1,28 @@
-"""The command line: flags -> config -> `train_and_evaluate`; user mistakes exit with one line."""
+"""The command line: flags -> config -> a mode (train, eval, predict, benchmark).
+
+Every user mistake, `--config` ones included, exits non-zero with one line.
+"""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
-import pathlib
+import runpy
 import sys
 from collections.abc import Sequence
 
 import jax
+import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from fmnist_flax import benchmark, data, inference, parallel, train
+from fmnist_flax import config as config_lib
+from fmnist_flax import datasets, experiment, inference, parallel
 from fmnist_flax.errors import UserError, error_line
 
-DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "default.py"
+DEFAULT_CONFIG = config_lib.__file__  # its get_config(): the codelab's values
+EXTENSIONS = ("fmnist_flax.codelab",)  # added to every run when present; delete freely
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", str(DEFAULT_CONFIG), "Config file; override fields with --config.FIELD=VALUE."
@@ -24,7 +32,7 @@ _WORKDIR = flags.DEFINE_string(
 )
 _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache",
-    str(data.CACHE_DIR / "jax"),
+    str(datasets.CACHE_ROOT / "jax"),
     "JAX's persistent compilation cache; runs after the first skip most compiling. '' disables.",
 )
 _MODE = flags.DEFINE_enum(
@@ -80,7 +88,7 @@ flags.DEFINE_integer("batch_size", None, "Examples per training and evaluation b
 flags.DEFINE_float("learning_rate", None, "AdamW learning rate.")
 flags.DEFINE_integer("seed", None, "Seed for the data shuffle and parameter init.")
 flags.DEFINE_integer("log_every", None, "Pull metrics to the host every this many steps.")
-flags.DEFINE_string("data_dir", None, "Directory holding the four Fashion-MNIST .gz files.")
+flags.DEFINE_string("data_dir", None, "Directory holding the dataset's four IDX files.")
 flags.DEFINE_integer("checkpoint_every", None, "Save a checkpoint every this many steps.")
 flags.DEFINE_string("report", None, "full | basic (skip the timing comparisons) | none.")
 
@@ -95,12 +103,67 @@ def fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def parse_flags(argv: Sequence[str]) -> list[str]:
-    """absl's parser, with a bad flag reported in one line instead of a usage dump."""
+def config_path(argv: Sequence[str]) -> str:
+    """The --config file named on the command line, or the default."""
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    return given[-1] if given else DEFAULT_CONFIG
+
+
+def explain_config_error(argv: Sequence[str], exc: Exception) -> str:
+    """One line for a --config mistake: a file that does not load, or a field it lacks."""
+    path = config_path(argv)
     try:
-        return flags.FLAGS(argv)
+        config = runpy.run_path(path)["get_config"]()
+    except Exception as load_error:  # any error in the user's file is reported, not raised
+        lines = str(load_error).strip().splitlines()
+        reason = lines[-1] if lines else type(load_error).__name__
+        if isinstance(load_error, KeyError):
+            reason = "it defines no get_config()"
+        return (
+            f"--config={path} cannot be loaded ({reason}); pass a Python file whose "
+            "get_config() returns a config, e.g. configs/bf16.py"
+        )
+    for arg in argv:
+        name, _, value = arg.lstrip("-").partition("=")
+        if not name.startswith("config."):
+            continue
+        node, *parents = config, "config"
+        for key in name.split(".")[1:]:
+            if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+                fields = (
+                    ", ".join(node.keys()) if isinstance(node, ml_collections.ConfigDict) else ""
+                )
+                return f"--{name}: {'.'.join(parents)} has no field {key!r}" + (
+                    f"; its fields are {fields}" if fields else ""
+                )
+            node, parents = node[key], [*parents, key]
+        if value:
+            return (
+                f"--{name}={value}: not a valid {type(node).__name__} for this field ({node!r} now)"
+            )
+    return f"{str(exc).splitlines()[0]} (see --help)"
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+    """absl's parser, with --help listing this project's flags and every mistake in one line."""
+    if any(a in ("-h", "--help", "-help", "--helpshort") for a in argv[1:]):
+        print(flags.FLAGS.module_help(__name__))
+        print("\nAny config field: --config.FIELD=VALUE (e.g. --config.model.hidden='(512, 128)').")
+        sys.exit(0)
+    try:
+        remaining = flags.FLAGS(argv)
+        _CONFIG.value  # noqa: B018 - loading the file may fail only here
+    except flags.UnrecognizedFlagError as exc:
+        if exc.flagname.startswith("config."):
+            fail(explain_config_error(argv, exc), 2)
+        fail(f"{exc} (see --help)", 2)
     except flags.Error as exc:
-        fail(f"{exc} (see --helpfull)", 2)
+        if str(exc).startswith("flag --config"):
+            fail(explain_config_error(argv, exc), 2)
+        fail(f"{str(exc).splitlines()[0]} (see --help)", 2)
+    except Exception as exc:  # the config file failed to load
+        fail(explain_config_error(argv, exc), 2)
+    return remaining
 
 
 def main(argv: Sequence[str]) -> None:
@@ -128,8 +191,10 @@ def main(argv: Sequence[str]) -> None:
             timeout_s=_DISTRIBUTED_TIMEOUT.value,
         )
         if _MODE.value == "train":
-            train.train_and_evaluate(config, _WORKDIR.value)
+            experiment.train_and_evaluate(config, _WORKDIR.value, extensions())
         elif _MODE.value == "benchmark":
+            from fmnist_flax import benchmark  # the training path never imports it
+
             try:
                 batch_sizes = [int(b) for b in _BENCH_BATCH_SIZES.value]
             except ValueError:
@@ -168,6 +233,12 @@ def main(argv: Sequence[str]) -> None:
         fail(str(exc), getattr(exc, "exit_code", 1))
     except KeyboardInterrupt:
         fail("interrupted; checkpoints saved so far are kept", 130)
+
+
+def extensions() -> list[experiment.Extension]:
+    """One instance of each extension module in EXTENSIONS that exists (its `EXTENSION`)."""
+    found = [name for name in EXTENSIONS if importlib.util.find_spec(name) is not None]
+    return [importlib.import_module(name).EXTENSION for name in found]
 
 
 def run() -> None:

@@ -10,7 +10,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from fmnist_flax import data, parallel
+from fmnist_flax import parallel
+from fmnist_flax.input_pipeline import PIXEL_SCALE
 
 
 @nnx.jit
@@ -92,14 +93,14 @@ def _probabilities(model: nnx.Module, x: jax.Array) -> jax.Array:
 def predict(
     model: nnx.Module, images: np.ndarray, mesh: jax.sharding.Mesh | None = None
 ) -> np.ndarray:
-    """Class probabilities (N, 10) for images shaped (N, 28, 28) or (N, 784).
+    """Class probabilities (N, classes) for images shaped (N, H, W) or (N, H * W).
 
     uint8 pixels are scaled to [0, 1]; float pixels are taken as already in [0, 1]. On a mesh
     the images are padded to a multiple of its size and split along `data`.
     """
     images = np.asarray(images)
     x = images.reshape(len(images), -1)
-    x = x.astype(np.float32) * data.PIXEL_SCALE if x.dtype == np.uint8 else x.astype(np.float32)
+    x = x.astype(np.float32) * PIXEL_SCALE if x.dtype == np.uint8 else x.astype(np.float32)
     if mesh is None:
         return np.asarray(_probabilities(model, jnp.asarray(x)))
     pad = -len(x) % parallel.data_size(mesh)

@@ -7,10 +7,11 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
+import ml_collections
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from fmnist_flax import checkpoint, data, evaluate, parallel, tables
+from fmnist_flax import checkpoint, datasets, evaluate, input_pipeline, parallel, tables
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
 
@@ -24,24 +25,34 @@ def run_eval(
     compute_dtype: str | None = None,
     data_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Restore parameters only and evaluate all 10,000 test images on every device; writes
-    eval.json. The batch is the training batch rounded up to a multiple of the device count."""
+    """Restore parameters only and evaluate the whole test set of the dataset the model was
+    trained on, on every device; writes eval.json. The batch is the training batch rounded up
+    to a multiple of the device count."""
     mesh = parallel.make_mesh()
-    model, step, config = checkpoint.restore_model(workdir, step, compute_dtype, mesh)
-    dataset = data.load_dataset(data_dir or config.data_dir or None)
-    x = data.prepare_images(dataset.test_images)
+    model, step, config, info = checkpoint.restore_model(workdir, step, compute_dtype, mesh)
+    if "dataset" not in config:  # a checkpoint older than config.dataset
+        config.dataset = ml_collections.ConfigDict({"name": info["name"]})
+    dataset = datasets.load(config, data_dir)
+    if list(dataset.image_shape) != list(info["image_shape"]):
+        raise UserError(
+            f"the test images are {dataset.image_shape} but the model was trained on "
+            f"{tuple(info['image_shape'])}; pass the --data_dir it was trained with"
+        )
+    x = input_pipeline.prepare_images(dataset.test_images)
     ways = parallel.data_size(mesh)
     batch_size = -(-config.batch_size // ways) * ways
-    batches = data.padded_batches(x, dataset.test_labels, batch_size)
-    result = evaluate.evaluate(model, *data.shard_batches(batches, mesh))
-    counts = evaluate.confusion_matrix(dataset.test_labels, result["predictions"], data.NUM_CLASSES)
+    batches = input_pipeline.padded_batches(x, dataset.test_labels, batch_size)
+    result = evaluate.evaluate(model, *input_pipeline.shard_batches(batches, mesh))
+    names = info["class_names"]
+    counts = evaluate.confusion_matrix(dataset.test_labels, result["predictions"], len(names))
     report = {
         "step": step,
         "compute_dtype": config.compute_dtype,
         "test_accuracy": result["accuracy"],
         "test_loss": result["loss"],
         "test_examples": result["examples"],
-        "class_names": list(data.CLASS_NAMES),
+        "dataset": info["name"],
+        "class_names": list(names),
         "confusion_matrix": counts.tolist(),
     }
     if not parallel.is_primary():
@@ -52,8 +63,8 @@ def run_eval(
         ).format(),
         tables.Table.of(
             "Confusion matrix (rows: true class, columns: predicted)",
-            ("", *(name[:7] for name in data.CLASS_NAMES)),
-            [(name, *row) for name, row in zip(data.CLASS_NAMES, counts, strict=True)],
+            ("", *(name[:7] for name in names)),
+            [(name, *row) for name, row in zip(names, counts, strict=True)],
         ).format(),
         sep="\n",
     )
@@ -61,22 +72,27 @@ def run_eval(
     return report
 
 
-def read_images(path: pathlib.Path) -> tuple[list[tuple[str, np.ndarray]], list[str]]:
-    """(name, 28x28 float32 in [0, 1]) for each image in a PNG/JPEG or .npy file, and notes.
+def read_images(
+    path: pathlib.Path, image_shape: tuple[int, int] = (28, 28)
+) -> tuple[list[tuple[str, np.ndarray]], list[str]]:
+    """(name, HxW float32 in [0, 1]) for each image in a PNG/JPEG or .npy file, and notes.
 
     PNGs of another size are resized and colour ones converted to grayscale, with a note;
-    .npy arrays must be (28, 28) or (N, 28, 28). Raises UserError when the file can't be used.
+    .npy arrays must be (H, W) or (N, H, W). Raises UserError when the file can't be used.
     """
-    name, notes = str(path), []
+    name, notes, shape = str(path), [], tuple(image_shape)
+    h, w = shape
     if path.suffix.lower() == ".npy":
         try:
             array = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise UserError(f"{name}: cannot read it as a .npy array ({exc})") from None
-        if array.shape == data.IMAGE_SHAPE:
+        if array.shape == shape:
             array = array[None]
-        if array.ndim != 3 or array.shape[1:] != data.IMAGE_SHAPE:
-            raise UserError(f"{name}: array shape {array.shape}; expected (28, 28) or (N, 28, 28)")
+        if array.ndim != 3 or array.shape[1:] != shape:
+            raise UserError(
+                f"{name}: array shape {array.shape}; expected ({h}, {w}) or (N, {h}, {w})"
+            )
         if not np.issubdtype(array.dtype, np.number):
             raise UserError(f"{name}: array dtype {array.dtype} is not numeric")
         scale = 255.0 if array.dtype == np.uint8 or array.max() > 1 else 1.0
@@ -88,9 +104,9 @@ def read_images(path: pathlib.Path) -> tuple[list[tuple[str, np.ndarray]], list[
             if image.mode != "L":
                 notes.append(f"{name}: converted from {image.mode} to grayscale")
                 image = image.convert("L")
-            if image.size != data.IMAGE_SHAPE[::-1]:
-                notes.append(f"{name}: resized from {image.size[0]}x{image.size[1]} to 28x28")
-                image = image.resize(data.IMAGE_SHAPE[::-1], Image.Resampling.BILINEAR)
+            if image.size != (w, h):
+                notes.append(f"{name}: resized from {image.size[0]}x{image.size[1]} to {w}x{h}")
+                image = image.resize((w, h), Image.Resampling.BILINEAR)
             pixels = np.asarray(image, np.float32) / 255.0
     except (OSError, UnidentifiedImageError) as exc:
         raise UserError(f"{name}: cannot read it as an image ({exc})") from None
@@ -113,11 +129,12 @@ def run_predict(
         raise UserError("--mode=predict needs --images=a.png,b.npy,...")
     workdir_lib.check_output_path(output)
     mesh = parallel.make_mesh()
-    model = checkpoint.restore_model(workdir, step, compute_dtype, mesh)[0]
+    model, _, _, info = checkpoint.restore_model(workdir, step, compute_dtype, mesh)
+    names = info["class_names"]
     named, errors = [], []
     for path in paths:
         try:
-            images, notes = read_images(pathlib.Path(path))
+            images, notes = read_images(pathlib.Path(path), tuple(info["image_shape"]))
         except UserError as exc:
             errors.append(str(exc))
             continue
@@ -137,13 +154,13 @@ def run_predict(
             predictions.append(
                 {
                     "image": name,
-                    "class": data.CLASS_NAMES[best],
+                    "class": names[best],
                     "class_index": best,
                     "probability": float(probs[best]),
                     "probabilities": [float(p) for p in probs],
                 }
             )
-            parallel.say(f"{name}: {data.CLASS_NAMES[best]} ({100 * probs[best]:.1f}%)")
+            parallel.say(f"{name}: {names[best]} ({100 * probs[best]:.1f}%)")
     if output and parallel.is_primary():
         workdir_lib.write_json(
             pathlib.Path(output).expanduser(), {"predictions": predictions, "errors": errors}

@@ -1,17 +1,25 @@
-"""The codelab's MLP as a Flax NNX module (section 5)."""
+"""The models as Flax NNX modules (the codelab's MLP, section 5), each checking its own fields.
+
+A model's `__init__` takes its config fields, then keyword-only `image_shape`, `num_classes`
+(both from the dataset), `compute_dtype` and `rngs`; `__call__` maps (B, H * W) float32 pixels
+to (B, num_classes) float32 logits. An optional `check_config(fields, image_shape)` classmethod
+refuses bad values with one line before anything is built.
+"""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from fmnist_flax.data import IMAGE_SHAPE, INPUT_DIM, NUM_CLASSES
 from fmnist_flax.errors import UserError
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -20,18 +28,33 @@ COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 he_normal = jax.nn.initializers.variance_scaling(2.0, "fan_in", "normal")
 
 
+def _check_widths(field: str, widths: Any) -> None:
+    if (
+        not isinstance(widths, Sequence)
+        or not widths
+        or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths)
+    ):
+        raise UserError(
+            f"--config.model.{field}={widths!r} must be a tuple of positive widths, "
+            "e.g. '(256, 128)'"
+        )
+
+
 class MLP(nnx.Module):
-    """784 -> hidden... -> 10 with GELU; float32 params, math in `compute_dtype`, float32 logits."""
+    """pixels -> hidden... -> classes with GELU; float32 params, math in `compute_dtype`,
+    float32 logits."""
 
     def __init__(
         self,
         hidden: Sequence[int] = (256, 128),
         *,
+        image_shape: tuple[int, int] = (28, 28),
+        num_classes: int = 10,
         compute_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
         self.compute_dtype = compute_dtype
-        sizes = (INPUT_DIM, *hidden, NUM_CLASSES)
+        sizes = (math.prod(image_shape), *hidden, num_classes)
         # Linear's `dtype` casts inputs, kernel and bias to the compute dtype, as the codelab does.
         self.layers = nnx.List(
             nnx.Linear(
@@ -46,6 +69,10 @@ class MLP(nnx.Module):
             for fan_in, fan_out in itertools.pairwise(sizes)
         )
 
+    @classmethod
+    def check_config(cls, fields: dict[str, Any], image_shape: tuple[int, int]) -> None:
+        _check_widths("hidden", fields.get("hidden", (256,)))
+
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(self.compute_dtype)
         for layer in self.layers[:-1]:
@@ -55,7 +82,7 @@ class MLP(nnx.Module):
 
 class CNN(nnx.Module):
     """A small conv net: [3x3 conv, BatchNorm, GELU, 2x2 max-pool] x len(features), dropout,
-    a dense layer and the 10-way head. Same dtype policy as the MLP; call `.train()` and
+    a dense layer and the classifier head. Same dtype policy as the MLP; call `.train()` and
     `.eval()` to switch dropout and BatchNorm between training and inference."""
 
     def __init__(
@@ -64,23 +91,43 @@ class CNN(nnx.Module):
         dense: int = 256,
         dropout: float = 0.25,
         *,
+        image_shape: tuple[int, int] = (28, 28),
+        num_classes: int = 10,
         compute_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
         self.compute_dtype = compute_dtype
+        self.image_shape = tuple(image_shape)
         channels = (1, *features)
         self.convs = nnx.List(
             nnx.Conv(c_in, c_out, (3, 3), dtype=compute_dtype, rngs=rngs)
             for c_in, c_out in itertools.pairwise(channels)
         )
         self.norms = nnx.List(nnx.BatchNorm(c, dtype=compute_dtype, rngs=rngs) for c in features)
-        side = IMAGE_SHAPE[0] // 2 ** len(features)
-        self.dense = nnx.Linear(side * side * features[-1], dense, dtype=compute_dtype, rngs=rngs)
+        height, width = (side // 2 ** len(features) for side in image_shape)
+        self.dense = nnx.Linear(
+            height * width * features[-1], dense, dtype=compute_dtype, rngs=rngs
+        )
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
-        self.head = nnx.Linear(dense, NUM_CLASSES, dtype=compute_dtype, rngs=rngs)
+        self.head = nnx.Linear(dense, num_classes, dtype=compute_dtype, rngs=rngs)
+
+    @classmethod
+    def check_config(cls, fields: dict[str, Any], image_shape: tuple[int, int]) -> None:
+        features = fields.get("features", (32,))
+        _check_widths("features", features)
+        if 2 ** len(features) > min(image_shape):
+            raise UserError(
+                f"--config.model.features={features!r}: each conv block halves the image, and "
+                f"{len(features)} blocks leave nothing of {image_shape[0]}x{image_shape[1]}"
+            )
+        dense = fields.get("dense", 1)
+        if isinstance(dense, bool) or not isinstance(dense, int) or dense < 1:
+            raise UserError(f"--config.model.dense={dense!r} must be a positive width")
+        if not 0 <= fields.get("dropout", 0) < 1:
+            raise UserError(f"--config.model.dropout={fields['dropout']!r} must be in [0, 1)")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x.reshape(len(x), *IMAGE_SHAPE, 1).astype(self.compute_dtype)  # (B, 784) -> NHWC
+        x = x.reshape(len(x), *self.image_shape, 1).astype(self.compute_dtype)  # -> NHWC
         for conv, norm in zip(self.convs, self.norms, strict=True):
             x = nnx.max_pool(nnx.gelu(norm(conv(x))), (2, 2), strides=(2, 2))
         x = self.dropout(nnx.gelu(self.dense(x.reshape(len(x), -1))))
@@ -88,29 +135,69 @@ class CNN(nnx.Module):
 
 
 MODELS = {"mlp": MLP, "cnn": CNN}  # config.model.name -> class; add new models here
+BUILT_IN_ARGS = ("image_shape", "num_classes", "compute_dtype", "rngs")  # not config fields
 
 
-def create_model(config: ml_collections.ConfigDict, seed: int | None = None) -> nnx.Module:
+def check_config(model_config: ml_collections.ConfigDict, image_shape: tuple[int, int]) -> None:
+    """Refuse an unknown model name, a field its constructor does not take, or (through the
+    model's own `check_config`) a value it cannot use: one line each, before anything builds."""
+    fields = model_config.to_dict()
+    name = fields.pop("name", "mlp")
+    if name not in MODELS:
+        raise UserError(f"--config.model.name={name!r} is not one of {', '.join(MODELS)}")
+    cls = MODELS[name]
+    parameters = inspect.signature(cls.__init__).parameters
+    takes = [p for p in parameters if p not in ("self", *BUILT_IN_ARGS)]
+    for field in fields:
+        if field not in takes:
+            raise UserError(
+                f"--config.model.{field}: model {name!r} takes no field {field!r}; its fields "
+                f"are {', '.join(takes) or 'none'}"
+            )
+    if hasattr(cls, "check_config"):
+        cls.check_config(fields, tuple(image_shape))
+
+
+def create_model(
+    config: ml_collections.ConfigDict,
+    image_shape: tuple[int, int],
+    num_classes: int,
+    seed: int | None = None,
+) -> nnx.Module:
     """Build the model a config describes (`config.model.name` and its other fields are the
-    constructor's arguments), initialised from `seed` (default: `config.seed`).
+    constructor's arguments) for the dataset's image shape and classes, initialised from
+    `seed` (default: `config.seed`).
 
     The initialisation is compiled as one program: eagerly, each random op would compile on
     its own, which costs over a second at start-up.
     """
+    check_config(config.model, image_shape)
     fields = config.model.to_dict()
     name = fields.pop("name", "mlp")
-    if name not in MODELS:
-        raise UserError(f"--config.model.name={name!r} is not one of {', '.join(MODELS)}")
     kwargs = tuple((k, tuple(v) if isinstance(v, list | tuple) else v) for k, v in fields.items())
     seed = config.seed if seed is None else seed
-    return _build(name, kwargs, config.compute_dtype, jnp.asarray(seed, jnp.uint32))
+    shape = (tuple(image_shape), int(num_classes))
+    try:
+        return _build(name, kwargs, shape, config.compute_dtype, jnp.asarray(seed, jnp.uint32))
+    except (TypeError, ValueError) as exc:  # a model without its own check_config
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"model {name!r} cannot be built from --config.model: {message}") from None
 
 
-@functools.partial(nnx.jit, static_argnums=(0, 1, 2))
-def _build(name: str, kwargs: tuple, compute_dtype: str, seed: jax.Array) -> nnx.Module:
+@functools.partial(nnx.jit, static_argnums=(0, 1, 2, 3))
+def _build(
+    name: str, kwargs: tuple, shape: tuple, compute_dtype: str, seed: jax.Array
+) -> nnx.Module:
     key = jax.random.key(seed)
     rngs = nnx.Rngs(params=key, dropout=jax.random.fold_in(key, 1))
-    return MODELS[name](**dict(kwargs), compute_dtype=COMPUTE_DTYPES[compute_dtype], rngs=rngs)
+    image_shape, num_classes = shape
+    return MODELS[name](
+        **dict(kwargs),
+        image_shape=image_shape,
+        num_classes=num_classes,
+        compute_dtype=COMPUTE_DTYPES[compute_dtype],
+        rngs=rngs,
+    )
 
 
 def count_params(model: nnx.Module) -> int:

@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from fmnist_flax import data
-from fmnist_flax.data import INPUT_DIM, NUM_CLASSES
+from fmnist_flax import datasets
+from fmnist_flax import input_pipeline as pipeline
 
+INPUT_DIM = 28 * 28  # the codelab's Fashion-MNIST images, flattened
+NUM_CLASSES = 10
 Params = dict[str, jax.Array]
 Batch = tuple[jax.Array, jax.Array]
 
@@ -98,12 +100,14 @@ def run_codelab(
 
     The baseline `python main.py` is measured against (start to exit, peak memory).
     """
-    dataset = data.load_dataset(data_dir or None, base_url=None)
-    x, y = data.shuffle(dataset.train_images, dataset.train_labels, seed=0)
-    x_batches, y_batches = jax.device_put(data.fixed_batches(data.prepare_images(x), y, batch_size))
+    dataset = datasets.load_dataset("fashion_mnist", data_dir or None, download=False)
+    x, y = pipeline.shuffle(dataset.train_images, dataset.train_labels, seed=0)
+    x_batches, y_batches = jax.device_put(
+        pipeline.fixed_batches(pipeline.prepare_images(x), y, batch_size)
+    )
     test_x, test_y = jax.device_put(
-        data.fixed_batches(data.prepare_images(dataset.test_images), dataset.test_labels,
-                           batch_size)
+        pipeline.fixed_batches(pipeline.prepare_images(dataset.test_images), dataset.test_labels,
+                               batch_size)
     )  # fmt: skip
     tx = optax.adamw(3e-3, weight_decay=1e-4)
     params = init_mlp_params(jax.random.key(3))
@@ -128,7 +132,7 @@ if __name__ == "__main__":
     import json
     import sys
 
-    from fmnist_flax.benchmark import peak_rss_mb
+    from fmnist_flax.workdir import peak_rss_mb
 
     args = sys.argv[1:]
     result = run_codelab(steps=int(args[0]) if args else 400, data_dir=args[1] if args[1:] else "")

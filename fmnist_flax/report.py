@@ -1,4 +1,8 @@
-"""The codelab's figures and one self-contained report.html: plain arrays in, files out."""
+"""The figures and one self-contained report.html: plain arrays in, files out.
+
+A report is a dict of sections (heading -> tables, figures, notes) that the run and its
+extensions fill; `write_report` orders them, saves each figure as a PNG and inlines it.
+"""
 
 from __future__ import annotations
 
@@ -12,37 +16,43 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure  # the Agg canvas, no pyplot state or display needed
 
-from fmnist_flax.data import CLASS_NAMES, NUM_CLASSES
 from fmnist_flax.tables import Table
+
+Item = Table | tuple[str, Figure] | str  # a table, (PNG file name, figure) or a note
 
 BLUE, GREEN, RED = "#0969da", "#1a7f37", "#d1242f"
 DPI = 100
 CONFUSION_LABEL_AT = 0.08  # cells at or above this fraction (and the diagonal) show a percentage
 PREDICTION_SAMPLES = 25
 PREDICTION_SEED = 7
-FIGURE_NAMES = (
-    "examples_per_class.png",
-    "training_curve.png",
-    "predictions.png",
-    "confusion_matrix.png",
-    "dispatch_vs_jit.png",
-    "precision.png",
-)
+# Where known sections go in the report; any other section follows them in the order added.
+SECTION_ORDER = (
+    "Set-up", "Data", "Batches", "Model", "Gradients", "Python dispatch vs jit", "Training",
+    "Evaluation", "Precision", "Device placement", "Throughput in tokens",
+)  # fmt: skip
 
 
-def examples_per_class(images: np.ndarray, labels: np.ndarray) -> Figure:
-    """Section 3: the first training example of each class, 2x5, titled with its class."""
-    fig = Figure(figsize=(10, 5))
-    for label, ax in enumerate(fig.subplots(2, 5).flat):
-        ax.imshow(images[np.flatnonzero(labels == label)[0]], cmap="gray")
-        ax.set_title(CLASS_NAMES[label], fontsize=10)
+def examples_per_class(
+    images: np.ndarray, labels: np.ndarray, class_names: Sequence[str], title: str
+) -> Figure:
+    """Section 3: the first training example of each class, 5 a row, titled with its class."""
+    rows = -(-len(class_names) // 5)
+    fig = Figure(figsize=(10, 2.5 * rows))
+    for label, ax in enumerate(np.ravel(fig.subplots(rows, 5, squeeze=False))):
         ax.axis("off")
-    fig.suptitle("One Fashion-MNIST example per class")
+        found = np.flatnonzero(labels == label)
+        if label < len(class_names) and len(found):
+            ax.imshow(images[found[0]], cmap="gray")
+        if label < len(class_names):
+            ax.set_title(class_names[label], fontsize=10)
+    fig.suptitle(f"One {title} example per class")
     fig.tight_layout()
     return fig
 
 
-def training_curve(steps: Sequence[int], losses: Sequence[float], accuracies: Sequence[float]):
+def training_curve(
+    steps: Sequence[int], losses: Sequence[float], accuracies: Sequence[float], title: str
+) -> Figure:
     """Section 9: loss and batch accuracy at the logged steps, on twin axes."""
     fig = Figure(figsize=(8, 4))
     ax1 = fig.subplots()
@@ -56,25 +66,29 @@ def training_curve(steps: Sequence[int], losses: Sequence[float], accuracies: Se
     ax2.set_ylabel("batch accuracy", color=GREEN)
     ax2.tick_params(axis="y", labelcolor=GREEN)
     ax2.set_ylim(0.0, 1.0)
-    fig.suptitle("Fashion-MNIST training curve")
+    fig.suptitle(f"{title} training curve")
     fig.tight_layout()
     return fig
 
 
 def sample_indices(num_examples: int) -> np.ndarray:
-    """The codelab's 25 random test images (seed 7)."""
+    """The codelab's 25 random test images (seed 7); all of them in a smaller test set."""
     rng = np.random.default_rng(PREDICTION_SEED)
-    return rng.choice(num_examples, size=PREDICTION_SAMPLES, replace=False)
+    return rng.choice(num_examples, size=min(PREDICTION_SAMPLES, num_examples), replace=False)
 
 
-def prediction_grid(images: np.ndarray, labels: np.ndarray, predictions: np.ndarray) -> Figure:
-    """Section 11: 5x5 images titled "pred / true", green when right and red when wrong."""
+def prediction_grid(
+    images: np.ndarray, labels: np.ndarray, predictions: np.ndarray, class_names: Sequence[str]
+) -> Figure:
+    """Section 11: up to 5x5 images titled "pred / true", green when right and red when wrong."""
     fig = Figure(figsize=(10, 10.6))
-    grid = zip(fig.subplots(5, 5).flat, images, labels, predictions, strict=True)
-    for ax, image, true, pred in grid:
+    axes = fig.subplots(5, 5).flat
+    for ax in axes:
+        ax.axis("off")
+    for ax, image, true, pred in zip(axes, images, labels, predictions, strict=False):
         ax.imshow(image, cmap="gray")
         ax.set_title(
-            f"{CLASS_NAMES[pred]} / {CLASS_NAMES[true]}",
+            f"{class_names[pred]} / {class_names[true]}",
             fontsize=9,
             color=GREEN if pred == true else RED,
         )
@@ -90,21 +104,21 @@ def row_normalise(counts: np.ndarray) -> np.ndarray:
     return np.divide(counts, totals, out=np.zeros(counts.shape), where=totals > 0)
 
 
-def confusion_figure(counts: np.ndarray) -> Figure:
+def confusion_figure(counts: np.ndarray, class_names: Sequence[str]) -> Figure:
     """Section 12: row-normalised confusion matrix with percentages where they matter."""
     fractions = row_normalise(counts)
     fig = Figure(figsize=(8, 7))
     ax = fig.subplots()
     image = ax.imshow(fractions, cmap="Blues", vmin=0.0, vmax=1.0)
-    ticks = np.arange(NUM_CLASSES)
-    ax.set_xticks(ticks, CLASS_NAMES, rotation=45, ha="right")
-    ax.set_yticks(ticks, CLASS_NAMES)
+    ticks = np.arange(len(class_names))
+    ax.set_xticks(ticks, class_names, rotation=45, ha="right")
+    ax.set_yticks(ticks, class_names)
     ax.set_xlabel("Predicted label")
     ax.set_ylabel("True label")
     ax.set_title(f"Confusion matrix over {int(counts.sum()):,} test images")
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="fraction of true class")
-    for i in range(NUM_CLASSES):
-        for j in range(NUM_CLASSES):
+    for i in range(len(class_names)):
+        for j in range(len(class_names)):
             value = fractions[i, j]
             if value >= CONFUSION_LABEL_AT or i == j:
                 color = "white" if value > 0.45 else "black"
@@ -183,106 +197,24 @@ def write_html(
     return path
 
 
-DISPATCH_TITLE = "Python dispatch vs jitted step"
-PRECISION_TITLE = "Mixed-precision timing after warm-up"
-TOKENS_PER_EXAMPLE = 16  # a 28x28 image cut into 7x7 patches, as a vision transformer would
-PROJECTION_NOTE = (
-    f"Projection, not a measurement: this MLP consumes whole images, not tokens. The figure "
-    f"multiplies the measured examples/sec by an assumed {TOKENS_PER_EXAMPLE} tokens per example "
-    "(7x7 patches of a 28x28 image). A model that really processes tokens spends different "
-    "work per token (attention grows with sequence length, embeddings and wider layers add "
-    "FLOPs), so its tokens/sec must be measured on that model."
-)
-
-
-def tokens_table(examples_per_sec: float) -> Table:
-    """Section 15: examples/sec related to tokens/sec under a stated assumption."""
-    return Table.of(
-        "Throughput in tokens (projection)",
-        ("Measured examples/sec", "Assumed tokens/example", "Projected tokens/sec"),
-        [(f"{examples_per_sec:,.0f}", TOKENS_PER_EXAMPLE,
-          f"{examples_per_sec * TOKENS_PER_EXAMPLE:,.0f}")],
-    )  # fmt: skip
-
-
-def timing_table(title: str, key: str, rows: Sequence[dict[str, Any]]) -> Table:
-    """Sections 7 and 13: steps, final loss, seconds and examples/sec per variant."""
-    return Table.of(
-        title,
-        (key.capitalize(), "Steps", "Final loss", "Accuracy", "Seconds", "Examples/sec"),
-        [
-            (r[key], r["steps"], f"{r['loss']:.4f}", f"{100 * r['accuracy']:.1f}%",
-             f"{r['seconds']:.3f}", f"{r['examples_per_sec']:,.0f}")
-            for r in rows
-        ],
-    )  # fmt: skip
-
-
 def write_report(
     report_dir: pathlib.Path,
     *,
-    tables: dict[str, Table],
-    train_images: np.ndarray,
-    train_labels: np.ndarray,
-    test_images: np.ndarray,
-    test_labels: np.ndarray,
-    test_predictions: np.ndarray,
-    confusion_counts: np.ndarray,
-    history: Sequence[dict[str, float]],
-    examples_per_sec: float,
-    dispatch: Sequence[dict[str, Any]] | None,
-    precision: Sequence[dict[str, Any]] | None,
+    title: str,
+    sections: dict[str, Sequence[Item]],
     config: dict[str, Any],
 ) -> pathlib.Path:
-    """Every figure as a PNG and report.html with every table, in the codelab's order."""
+    """Every figure as a PNG and report.html with every section, known ones in SECTION_ORDER."""
     report_dir.mkdir(exist_ok=True)
 
-    def png(name: str, fig: Figure) -> pathlib.Path:
-        return save_png(fig, report_dir / name)
+    def place(heading: str) -> int:
+        return SECTION_ORDER.index(heading) if heading in SECTION_ORDER else len(SECTION_ORDER)
 
-    picks = sample_indices(len(test_images))
-    per_class = png("examples_per_class.png", examples_per_class(train_images, train_labels))
-    sections = [
-        ("1. Set-up", [tables["setup"]]),
-        ("2. Data", [tables["splits"], per_class]),
-        ("3. Batches", [tables["batches"]]),
-        ("4. Model", [tables["params"]]),
-        ("5. Gradients", [tables["gradients"]]),
-    ]  # fmt: skip
-
-    def timing_section(heading: str, rows, key: str, name: str, title: str, bars_title: str):
-        rates = [r["examples_per_sec"] for r in rows]
-        figure = bars([r[key] for r in rows], rates, bars_title, "examples/s")
-        return heading, [timing_table(title, key, rows), png(name, figure)]
-
-    if dispatch:
-        sections.append(
-            timing_section("6. Python dispatch vs jit", dispatch, "mode", "dispatch_vs_jit.png",
-                           DISPATCH_TITLE, "Examples per second")
-        )  # fmt: skip
-    steps = [h["step"] for h in history]
-    curve = training_curve(steps, [h["loss"] for h in history], [h["accuracy"] for h in history])
-    sections += [
-        ("7. Training", [tables["training"], png("training_curve.png", curve)]),
-        ("8. Evaluation", [
-            tables["evaluation"],
-            png("predictions.png", prediction_grid(
-                test_images[picks], test_labels[picks], test_predictions[picks])),
-            png("confusion_matrix.png", confusion_figure(confusion_counts)),
-        ]),
-    ]  # fmt: skip
-    if precision:
-        sections.append(
-            timing_section("9. Precision", precision, "dtype", "precision.png", PRECISION_TITLE,
-                           "Mixed-precision examples/sec")
-        )  # fmt: skip
-    sections += [
-        ("10. Device placement", [tables["placement"]]),
-        ("11. Throughput in tokens", [tokens_table(examples_per_sec), PROJECTION_NOTE]),
-    ]
-    return write_html(
-        report_dir / "report.html",
-        title="fmnist-flax: Fashion-MNIST with Flax NNX",
-        sections=sections,
-        config=config,
-    )
+    numbered = []
+    for number, heading in enumerate(sorted(sections, key=place), start=1):
+        items = [
+            save_png(item[1], report_dir / item[0]) if isinstance(item, tuple) else item
+            for item in sections[heading]
+        ]
+        numbered.append((f"{number}. {heading}", items))
+    return write_html(report_dir / "report.html", title=title, sections=numbered, config=config)

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from fmnist_flax.datasets import Dataset
 from fmnist_flax.model import count_params
 
 
@@ -88,7 +89,7 @@ def params_table(model: nnx.Module) -> Table:
         for p, v in flat
     ]
     return Table.of(
-        f"MLP parameters: {total:,} trainable values",
+        f"{type(model).__name__} parameters: {total:,} trainable values",
         ("Parameter", "Shape", "Dtype", "Device", "Layout"),
         rows,
     )
@@ -106,14 +107,17 @@ def setup_table(versions: dict[str, str], layout: str) -> Table:
     return Table.of("Set-up", ("Item", "Value"), rows)
 
 
-def splits_table(splits: Sequence[tuple[str, Any, Any, str]]) -> Table:
-    """Section 2: (split, images, labels, source) -> counts and image shape."""
+def splits_table(dataset: Dataset) -> Table:
+    """Section 2: each split's counts, image shape and source, and whether MD5s were checked."""
+    splits = (("train", dataset.train_images, dataset.train_labels, dataset.sources[0]),
+              ("test", dataset.test_images, dataset.test_labels, dataset.sources[2]))  # fmt: skip
     rows = [
         (split, f"{len(images):,}", images.shape[1:], f"{len(labels):,}", source)
         for split, images, labels, source in splits
     ]
+    checked = "MD5-checked" if dataset.checked else "not MD5-checked"
     return Table.of(
-        "Fashion-MNIST loaded from IDX files",
+        f"{dataset.title} loaded from IDX files ({dataset.num_classes} classes, {checked})",
         ("Split", "Images", "Image shape", "Labels", "Source"),
         rows,
     )
@@ -127,15 +131,23 @@ def arrays_table(title: str, arrays: dict[str, Any]) -> Table:
     return Table.of(title, ("Array", "Shape", "Dtype", "Device", "Layout"), rows)
 
 
+def metric_cell(name: str, value: float) -> str:
+    """Accuracies as percentages, every other metric with 4 decimals."""
+    return f"{100 * value:.1f}%" if "accuracy" in name else f"{value:.4f}"
+
+
+def metric_names(row: dict[str, float]) -> list[str]:
+    """The metrics of a logged row: the loss first, then the others by name."""
+    return sorted((n for n in row if n != "step"), key=lambda n: (n != "loss", n))
+
+
 def training_log_table(history: Sequence[dict[str, float]], examples_per_sec: float) -> Table:
-    """Section 9: the metrics pulled to the host at logging points."""
-    rows = [
-        (h["step"], f"{h['loss']:.4f}", f"{100 * h['accuracy']:.1f}%", f"{h['grad_norm']:.3f}")
-        for h in history
-    ]
+    """Section 9: every metric pulled to the host at logging points, one column each."""
+    names = metric_names(history[0]) if history else []
+    rows = [(h["step"], *(metric_cell(n, h[n]) for n in names)) for h in history]
     return Table.of(
         f"Training metrics, {examples_per_sec:,.0f} examples/sec",
-        ("Step", "Loss", "Accuracy", "Grad norm"),
+        ("Step", *(n.replace("_", " ").capitalize() for n in names)),
         rows,
     )
 
@@ -174,10 +186,10 @@ class ProgressBar:
 
     def update(self, row: dict[str, float]) -> None:
         done = int(self.WIDTH * row["step"] / self.total)
+        values = "  ".join(f"{n} {metric_cell(n, row[n])}" for n in metric_names(row))
         line = (
             f"[{'#' * done}{'.' * (self.WIDTH - done)}] {row['step']:>{len(str(self.total))}}"
-            f"/{self.total}  loss {row['loss']:.4f}  accuracy {row['accuracy']:.3f}  "
-            f"grad norm {row['grad_norm']:.3f}"
+            f"/{self.total}  {values}"
         )
         self.stream.write(("\r" + line) if self.in_place else line + "\n")
         self.stream.flush()

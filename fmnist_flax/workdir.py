@@ -1,13 +1,18 @@
-"""Where a run's outputs go: the work directory and its JSON files."""
+"""Where a run's outputs go: the work directory, its JSON files and what they record."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+import resource
 import tempfile
 import time
 from typing import Any
+
+import flax
+import jax
+import optax
 
 from fmnist_flax.errors import UserError
 
@@ -89,3 +94,20 @@ class MetricsLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def versions() -> dict[str, str]:
+    """The library versions a summary records."""
+    return {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory. Linux's VmHWM starts afresh at exec, unlike
+    ru_maxrss, which a child inherits from the process that started it."""
+    try:
+        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,217 @@
+"""The codelab's demonstrations, added to a run as an extension (sections 6, 7, 13 and 15).
+
+The gradient check, Python dispatch vs the jitted step, float32 vs bfloat16 timing and the
+tokens/sec projection. Nothing on the training path imports this module: the CLI adds
+`Codelab()` to the run when it exists, so a project that starts from this template can delete
+it (with `reference.py`, `benchmark.py` and their tests) and keep a working trainer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+
+from fmnist_flax import input_pipeline, parallel, report, tables, train
+from fmnist_flax.experiment import Extension, Run
+from fmnist_flax.tables import Table
+
+EAGER_STEPS = 20  # the codelab's sizes
+JIT_STEPS = 100
+PRECISION_STEPS = 100
+COMPARISON_SEED = 10  # fresh models, never the trained one
+DISTINCT_BATCHES = 8  # timed steps cycle through these, gathered before the clock starts
+TOKENS_PER_EXAMPLE = 16  # a 28x28 image cut into 7x7 patches, as a vision transformer would
+PROJECTION_NOTE = (
+    f"Projection, not a measurement: this MLP consumes whole images, not tokens. The figure "
+    f"multiplies the measured examples/sec by an assumed {TOKENS_PER_EXAMPLE} tokens per example "
+    "(7x7 patches of a 28x28 image). A model that really processes tokens spends different "
+    "work per token (attention grows with sequence length, embeddings and wider layers add "
+    "FLOPs), so its tokens/sec must be measured on that model."
+)
+DISPATCH = "Python dispatch vs jit"  # report sections
+PRECISION = "Precision"
+
+
+class Codelab(Extension):
+    """Adds the codelab's demonstrations to a run; the timing ones only with --report=full."""
+
+    def before_training(self, run: Run) -> None:
+        d = run.device_data
+        order = input_pipeline.epoch_order(run.config.seed, 0, len(d.train_labels))
+        first_batch = jax.jit(input_pipeline.batch_at, static_argnums=(4, 5))(
+            d.train_images, d.train_labels, order, 0, d.batch_size, d.mesh
+        )
+        table, check = gradient_check(run.model, *first_batch, run.config.optimizer.learning_rate)
+        run.show("Gradients", table)
+        run.summary["gradient_check"] = check
+
+    def after_training(self, run: Run) -> None:
+        run.checkpoints.wait()  # the final save's writer thread would otherwise share the CPU
+        if run.config.report == "full":
+            self._timing(run, DISPATCH, "mode", dispatch_vs_jit(run), "dispatch_vs_jit")
+            self._timing(run, PRECISION, "dtype", precision_comparison(run), "precision")
+        heading = "Throughput in tokens"
+        run.show(heading, tokens_table(run.examples_per_sec))
+        run.note(heading, PROJECTION_NOTE)
+
+    @staticmethod
+    def _timing(run: Run, heading: str, key: str, rows: list[dict[str, Any]], name: str) -> None:
+        """A timing comparison's table, bar chart (`name`.png) and summary entry (`name`)."""
+        run.summary[name] = rows
+        run.show(heading, timing_table(heading, key, rows))
+        rates = [r["examples_per_sec"] for r in rows]
+        labels, title = [r[key] for r in rows], f"{heading}: examples per second"
+        run.figure(heading, f"{name}.png", lambda: report.bars(labels, rates, title, "examples/s"))
+
+
+@nnx.jit
+def _gradient_check(model, x, y, learning_rate):
+    def loss(model):
+        return train.loss_fn(model, x, y)[0]
+
+    grads_only = nnx.grad(loss)(model)
+    value, grads = nnx.value_and_grad(loss)(model)
+    # The codelab's hand-written SGD step: a new parameter tree, the model left untouched.
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    stepped = jax.tree.map(lambda p, g: p - learning_rate * g, params, grads)
+    scalars = {
+        "loss": value,
+        "grad_norm": optax.tree.norm(grads),
+        "grad_vs_value_and_grad": optax.tree.norm(jax.tree.map(jnp.subtract, grads, grads_only)),
+        "loss_after_one_sgd_step": loss(nnx.merge(graphdef, stepped, rest)),
+    }
+    return grads, scalars
+
+
+def gradient_check(
+    model: nnx.Module, x: jax.Array, y: jax.Array, learning_rate: float
+) -> tuple[Table, dict[str, Any]]:
+    """Section 6: `nnx.grad` and `nnx.value_and_grad` agree and mirror the parameter tree.
+
+    Compiled as one program, norms included: the codelab runs these eagerly, which here costs
+    seconds of op-by-op compilation and shows nothing more.
+    """
+    # On a copy in eval mode: BatchNorm statistics and dropout's RNG state must stay as they
+    # are, or a resumed run would not repeat the uninterrupted one.
+    probe = nnx.clone(model)
+    probe.eval()
+    grads, scalars = _gradient_check(probe, x, y, learning_rate)
+    params = nnx.state(model, nnx.Param)
+    check = {
+        "trees_match": jax.tree.structure(grads) == jax.tree.structure(params),
+        **{name: float(value) for name, value in parallel.to_host(scalars).items()},
+    }
+    rows = [
+        (tables.path_name(path), tuple(p.shape), tuple(g.shape), g.dtype)
+        for (path, p), (_, g) in zip(
+            nnx.to_flat_state(params), nnx.to_flat_state(grads), strict=True
+        )
+    ]
+    table = Table.of(
+        "Gradient tree matches the parameter tree"
+        f" (loss {check['loss']:.4f}, grad L2 norm {check['grad_norm']:.4f},"
+        f" grad vs value_and_grad difference {check['grad_vs_value_and_grad']:.6f},"
+        f" loss after one SGD step {check['loss_after_one_sgd_step']:.4f})",
+        ("Leaf", "Param shape", "Grad shape", "Grad dtype"),
+        rows,
+    )
+    return table, check
+
+
+def time_steps(
+    step_fn: Callable[..., train.Metrics],
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    device_data: input_pipeline.DeviceData,
+    steps: int,
+) -> dict[str, float]:
+    """One untimed warm-up step, then `steps` timed ones until the state is ready.
+
+    Batches come from epoch 0's order, gathered before the clock starts.
+    """
+    d = device_data
+    order = input_pipeline.epoch_order(COMPARISON_SEED, 0, len(d.train_labels))
+    batches = [
+        input_pipeline.batch_at(d.train_images, d.train_labels, order, i, d.batch_size, d.mesh)
+        for i in range(min(steps + 1, DISTINCT_BATCHES))
+    ]
+    jax.block_until_ready(step_fn(model, optimizer, *batches[0]))
+    start = time.perf_counter()
+    for i in range(steps):
+        metrics = step_fn(model, optimizer, *batches[(i + 1) % len(batches)])
+    jax.block_until_ready((metrics, nnx.state((model, optimizer))))
+    seconds = time.perf_counter() - start
+    metrics = parallel.to_host(metrics)
+    return {
+        "steps": steps,
+        "loss": float(metrics["loss"]),
+        "accuracy": float(metrics["accuracy"]),
+        "seconds": seconds,
+        "examples_per_sec": steps * d.batch_size / seconds,
+    }
+
+
+def fresh_state(
+    config: ml_collections.ConfigDict,
+    device_data: input_pipeline.DeviceData,
+    num_classes: int,
+    compute_dtype: str | None = None,
+) -> tuple[nnx.Module, nnx.Optimizer]:
+    """A new model and optimizer from COMPARISON_SEED (never the trained one)."""
+    config = ml_collections.ConfigDict(config.to_dict())
+    if compute_dtype:
+        config.compute_dtype = compute_dtype
+    return train.create_train_state(
+        config, device_data.image_shape, num_classes, device_data.mesh, seed=COMPARISON_SEED
+    )
+
+
+def dispatch_vs_jit(run: Run) -> list[dict[str, Any]]:
+    """Section 7: the same AdamW step run op by op from Python, and compiled with nnx.jit."""
+    d, n = run.device_data, run.dataset.num_classes
+    eager = time_steps(train.train_step, *fresh_state(run.config, d, n), d, EAGER_STEPS)
+    jitted = time_steps(train.jit_train_step, *fresh_state(run.config, d, n), d, JIT_STEPS)
+    return [{"mode": "Python dispatch", **eager}, {"mode": "jitted step", **jitted}]
+
+
+def precision_comparison(run: Run) -> list[dict[str, Any]]:
+    """Section 13: float32 and bfloat16 compute (params stay float32), fresh init each."""
+    d, n = run.device_data, run.dataset.num_classes
+    return [
+        {"dtype": dtype, **time_steps(train.jit_train_step,
+                                      *fresh_state(run.config, d, n, dtype), d, PRECISION_STEPS)}
+        for dtype in ("float32", "bfloat16")
+    ]  # fmt: skip
+
+
+def tokens_table(examples_per_sec: float) -> Table:
+    """Section 15: examples/sec related to tokens/sec under a stated assumption."""
+    return Table.of(
+        "Throughput in tokens (projection)",
+        ("Measured examples/sec", "Assumed tokens/example", "Projected tokens/sec"),
+        [(f"{examples_per_sec:,.0f}", TOKENS_PER_EXAMPLE,
+          f"{examples_per_sec * TOKENS_PER_EXAMPLE:,.0f}")],
+    )  # fmt: skip
+
+
+def timing_table(title: str, key: str, rows: Sequence[dict[str, Any]]) -> Table:
+    """Sections 7 and 13: steps, final loss, seconds and examples/sec per variant."""
+    return Table.of(
+        title,
+        (key.capitalize(), "Steps", "Final loss", "Accuracy", "Seconds", "Examples/sec"),
+        [
+            (r[key], r["steps"], f"{r['loss']:.4f}", f"{100 * r['accuracy']:.1f}%",
+             f"{r['seconds']:.3f}", f"{r['examples_per_sec']:,.0f}")
+            for r in rows
+        ],
+    )  # fmt: skip
+
+
+EXTENSION = Codelab()  # what the CLI adds to every run

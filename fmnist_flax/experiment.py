@@ -1,0 +1,281 @@
+"""One training run, stage by stage: set up, describe, fit, evaluate, write the outputs.
+
+`train_and_evaluate` is what `main.py` runs. Extensions (the codelab's demonstrations in
+`codelab.py`) add tables, figures and summary entries before and after training; nothing on
+the training path imports them, so deleting one leaves a working trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import pathlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import ml_collections
+from absl import logging
+from flax import nnx
+from matplotlib.figure import Figure
+
+from fmnist_flax import checkpoint as checkpoint_lib
+from fmnist_flax import config as config_lib
+from fmnist_flax import datasets, evaluate, input_pipeline, parallel, report, tables, train
+from fmnist_flax import model as model_lib
+from fmnist_flax import workdir as workdir_lib
+from fmnist_flax.errors import UserError
+from fmnist_flax.tables import Table
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything one run holds, handed from stage to stage and to the extensions."""
+
+    config: ml_collections.ConfigDict
+    workdir: pathlib.Path
+    dataset: datasets.Dataset
+    device_data: input_pipeline.DeviceData
+    checkpoints: checkpoint_lib.Checkpoints
+    model: nnx.Module
+    optimizer: nnx.Optimizer
+    start_step: int
+    sections: dict[str, list[report.Item]] = dataclasses.field(default_factory=dict)
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)  # extensions' entries
+    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    examples_per_sec: float = float("nan")
+
+    @property
+    def reporting(self) -> bool:
+        """Whether this process writes report/ (process 0, unless --report=none)."""
+        return self.config.report != "none" and parallel.is_primary()
+
+    def show(self, heading: str, table: Table) -> None:
+        """Print a table once (process 0) and keep it for the report's section `heading`."""
+        self.sections.setdefault(heading, []).append(table)
+        parallel.say(table.format())
+
+    def figure(self, heading: str, name: str, make: Callable[[], Figure]) -> None:
+        """Add the figure `make()` builds as `name` (a PNG) to a section, only when reporting."""
+        if self.reporting:
+            self.sections.setdefault(heading, []).append((name, make()))
+
+    def note(self, heading: str, text: str) -> None:
+        self.sections.setdefault(heading, []).append(text)
+
+
+class Extension:
+    """Something a run does besides training; override either hook."""
+
+    def before_training(self, run: Run) -> None:
+        """After the set-up tables, before the first step."""
+
+    def after_training(self, run: Run) -> None:
+        """After the evaluation, before the summary and report are written."""
+
+
+def train_and_evaluate(
+    config: ml_collections.ConfigDict,
+    workdir: str | pathlib.Path | None,
+    extensions: Sequence[Extension] = (),
+) -> dict[str, Any]:
+    """Train (resuming from the workdir's checkpoints), evaluate and write every output.
+
+    Writes summary.json, metrics.jsonl, checkpoints/ and report/ in the workdir and returns
+    the summary.
+    """
+    wall_start = time.perf_counter()
+    run = set_up(config, workdir)
+    try:
+        summary_path = run.workdir / workdir_lib.SUMMARY_FILE
+        if run.start_step > config.steps or (
+            run.start_step == config.steps and summary_path.exists()
+        ):
+            parallel.say(
+                f"workdir {run.workdir} already holds step {run.start_step}; nothing to do for "
+                f"--steps={config.steps} (pass a larger --steps to continue)"
+            )
+            return workdir_lib.read_json(summary_path)
+        describe(run)
+        for extension in extensions:
+            extension.before_training(run)
+        fit(run)
+        evaluation = evaluate_model(run)
+        for extension in extensions:
+            extension.after_training(run)
+        return write_outputs(run, evaluation, time.perf_counter() - wall_start)
+    finally:
+        run.checkpoints.wait()
+        run.checkpoints.close()
+
+
+def set_up(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None) -> Run:
+    """Check everything a user can get wrong, load the data, build the state, resume."""
+    config_lib.validate(config)
+    datasets.get(config)  # an unknown dataset or a missing --data_dir, before any I/O
+    if jax.process_count() > 1 and not workdir:
+        raise UserError(
+            "a multi-process run needs --workdir=DIR, on a filesystem every process shares"
+        )
+    workdir = workdir_lib.prepare_workdir(workdir)
+    dataset = datasets.load(config)
+    model_lib.check_config(config.model, dataset.image_shape)
+    mesh = parallel.make_mesh()
+    device_data = input_pipeline.to_device(dataset, config.batch_size, mesh)
+    model, optimizer = train.create_train_state(
+        config, dataset.image_shape, dataset.num_classes, mesh
+    )
+    checkpoints = checkpoint_lib.Checkpoints(
+        workdir,
+        max_to_keep=config.max_to_keep,
+        metadata={"config": config.to_dict(), "dataset": dataset.info()},
+    )
+    try:
+        expected = train.progress_of(0, device_data.batches_per_epoch, config)
+        start_step = checkpoints.resume(model, optimizer, expected)
+    except BaseException:
+        checkpoints.close()
+        raise
+    return Run(config, workdir, dataset, device_data, checkpoints, model, optimizer, start_step)
+
+
+def describe(run: Run) -> None:
+    """The set-up tables: versions and layout, the data, the arrays on the device, the model."""
+    parallel.say(f"workdir: {run.workdir}")
+    if run.start_step:
+        parallel.say(f"resuming from checkpoint {run.start_step} in {run.checkpoints.directory}")
+    mesh, d = run.device_data.mesh, run.dataset
+    layout = parallel.describe(mesh, run.config.batch_size, run.config.param_sharding)
+    versions = {name.capitalize(): v for name, v in workdir_lib.versions().items()}
+    run.show("Set-up", tables.setup_table(versions, layout))
+    if parallel.is_primary() and jax.default_backend() != "gpu":
+        logging.warning(
+            "No GPU found: running on %s. Install '.[cuda12]' on a GPU host.", jax.devices()[0]
+        )
+    run.show("Data", tables.splits_table(d))
+    run.figure("Data", "examples_per_class.png", lambda: report.examples_per_class(
+        d.train_images, d.train_labels, d.class_names, d.title))  # fmt: skip
+    arrays = {k: v for k, v in vars(run.device_data).items() if isinstance(v, jax.Array)}
+    run.show("Batches", tables.arrays_table("Data arrays on the device", arrays))
+    run.show("Model", tables.params_table(run.model))
+
+
+def fit(run: Run) -> None:
+    """Train to `config.steps`, logging to metrics.jsonl and the progress bar (process 0)."""
+    metrics_path = run.workdir / workdir_lib.METRICS_FILE
+    primary = parallel.is_primary()
+    with contextlib.ExitStack() as outputs:
+        if primary:
+            metrics_log = workdir_lib.MetricsLog(metrics_path, keep_until=run.start_step)
+            progress = tables.ProgressBar(run.config.steps)
+            outputs.callback(metrics_log.close)
+            outputs.callback(progress.close)
+
+        def on_log(row: dict[str, float]) -> None:
+            if primary:
+                metrics_log.write(row)
+                progress.update(row)
+
+        run.examples_per_sec = train.fit(
+            run.model, run.optimizer, run.device_data, run.config,
+            start_step=run.start_step, checkpoints=run.checkpoints, on_log=on_log,
+        )  # fmt: skip
+    compared = parallel.check_replicas(nnx.state(run.model, nnx.Param), "the trained parameters")
+    if jax.process_count() > 1:
+        parallel.say(
+            f"the {compared} replicated parameter arrays are identical in all "
+            f"{jax.process_count()} processes"
+        )
+    if not primary:
+        return
+    run.history = workdir_lib.read_jsonl(metrics_path)  # every logged step, resumes included
+    run.show("Training", tables.training_log_table(run.history, run.examples_per_sec))
+    steps = [h["step"] for h in run.history]
+    run.figure("Training", "training_curve.png", lambda: report.training_curve(
+        steps, [h["loss"] for h in run.history], [h["accuracy"] for h in run.history],
+        run.dataset.title))  # fmt: skip
+
+
+def evaluate_model(run: Run) -> dict[str, Any]:
+    """The `nnx.vmap` evaluation over every test example, its tables and figures."""
+    d, data = run.dataset, run.device_data
+    full = evaluate.evaluate(run.model, data.test_x, data.test_y, data.test_mask)
+    codelab = evaluate.first_batches(full, data.codelab_test_batches)
+    counts = evaluate.confusion_matrix(d.test_labels, full["predictions"], d.num_classes)
+    result = {"full": full, "codelab": codelab, "confusion": counts}
+    if not parallel.is_primary():
+        return result
+    last = run.history[-1] if run.history else {}
+    rows = {
+        "test, codelab (whole batches only)": codelab,
+        "test, full (last batch padded, masked)": full,
+    }
+    if "loss" in last and "accuracy" in last:
+        rows = {"last train batch": {**last, "examples": run.config.batch_size}, **rows}
+    run.show("Evaluation", tables.evaluation_table(rows))
+    picks = report.sample_indices(len(d.test_images))
+    run.figure("Evaluation", "predictions.png", lambda: report.prediction_grid(
+        d.test_images[picks], d.test_labels[picks], full["predictions"][picks],
+        d.class_names))  # fmt: skip
+    run.figure("Evaluation", "confusion_matrix.png",
+               lambda: report.confusion_figure(counts, d.class_names))  # fmt: skip
+    run.show("Device placement", tables.placement_table({
+        "params": nnx.state(run.model, nnx.Param),
+        "optimizer state": nnx.state(run.optimizer, nnx.OptState),
+        "train data": (data.train_images, data.train_labels),
+        "test batches": (data.test_x, data.test_y),
+    }))  # fmt: skip
+    return result
+
+
+def write_outputs(run: Run, evaluation: dict[str, Any], wall_seconds: float) -> dict[str, Any]:
+    """summary.json and report/ (process 0), then the results where a person looks first."""
+    full, codelab = evaluation["full"], evaluation["codelab"]
+    if not parallel.is_primary():
+        return {"test_accuracy": full["accuracy"], "process_index": jax.process_index()}
+    config, mesh = run.config, run.device_data.mesh
+    report_path = None
+    if run.reporting:
+        report_path = report.write_report(
+            run.workdir / "report",
+            title=f"fmnist-flax: {run.dataset.title} with Flax NNX",
+            sections=run.sections,
+            config=config.to_dict(),
+        )
+    last = run.history[-1] if run.history else {}
+    summary = {
+        **{f"test_{k}": full[k] for k in ("accuracy", "loss", "examples")},
+        **{f"codelab_test_{k}": codelab[k] for k in ("accuracy", "loss", "examples")},
+        **{f"final_train_{k}": v for k, v in last.items() if k != "step"},
+        "train_examples_per_sec": run.examples_per_sec,
+        "steps": config.steps,
+        "resumed_from_step": run.start_step,
+        "batch_size": config.batch_size,
+        "compute_dtype": config.compute_dtype,
+        "seed": config.seed,
+        "dataset": run.dataset.info(),
+        "backend": jax.default_backend(),
+        "num_devices": mesh.size,
+        "num_processes": jax.process_count(),
+        "mesh": dict(mesh.shape),
+        "param_sharding": config.param_sharding,
+        "layout": parallel.describe(mesh, config.batch_size, config.param_sharding),
+        "confusion_matrix": evaluation["confusion"].tolist(),
+        "report": str(report_path) if report_path else None,
+        "wall_seconds": wall_seconds,
+        "peak_rss_mb": workdir_lib.peak_rss_mb(),
+        "versions": workdir_lib.versions(),
+        "config": config.to_dict(),
+        **run.summary,
+    }
+    workdir_lib.write_json(run.workdir / workdir_lib.SUMMARY_FILE, summary)
+    print(
+        f"test accuracy {full['accuracy']:.4f} on {full['examples']:,} examples "
+        f"({codelab['accuracy']:.4f} on the codelab's {codelab['examples']:,})",
+        f"report: {report_path}" if report_path else "report: none (--report=none)",
+        f"workdir: {run.workdir}",
+        sep="\n",
+        flush=True,
+    )
+    return summary

@@ -1,0 +1,168 @@
+"""Batches on the devices: the dataset placed on the mesh once, batches gathered inside the step.
+
+The train images stay uint8 on every device; each epoch visits them in a fresh permutation made
+on the device from (seed, epoch), and each device gathers only its slice of every batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from fmnist_flax import parallel
+from fmnist_flax.datasets import Dataset
+from fmnist_flax.errors import UserError
+
+# uint8 -> [0, 1]. A multiply, not a division: XLA turns x / 255 into x * (1 / 255) anyway, and
+# host (NumPy) and device preprocessing must agree to the bit.
+PIXEL_SCALE = np.float32(1 / 255)
+
+
+def prepare_images(images: np.ndarray) -> np.ndarray:
+    """uint8 (N, H, W) -> float32 (N, H * W) in [0, 1], as the codelab does."""
+    return (images.astype(np.float32) * PIXEL_SCALE).reshape(len(images), -1)
+
+
+def shuffle(images: np.ndarray, labels: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """One seeded permutation of a split (the codelab shuffles the train set once, seed 0)."""
+    order = np.random.default_rng(seed).permutation(len(images))
+    return images[order], labels[order]
+
+
+def fixed_batches(x: np.ndarray, y: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Drop the trailing examples that do not fill a batch: (num_batches, batch_size, ...)."""
+    num_batches = len(x) // batch_size
+    usable = num_batches * batch_size
+    return (
+        x[:usable].reshape(num_batches, batch_size, *x.shape[1:]),
+        y[:usable].reshape(num_batches, batch_size).astype(np.int32),
+    )
+
+
+def padded_batches(
+    x: np.ndarray, y: np.ndarray, batch_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every example, the last batch padded with zeros; the mask marks the real ones."""
+    num_batches = -(-len(x) // batch_size)
+    pad = num_batches * batch_size - len(x)
+    mask = np.concatenate([np.ones(len(x), np.float32), np.zeros(pad, np.float32)])
+    x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
+    y = np.concatenate([y.astype(np.int32), np.zeros(pad, np.int32)])
+    return (
+        x.reshape(num_batches, batch_size, *x.shape[1:]),
+        y.reshape(num_batches, batch_size),
+        mask.reshape(num_batches, batch_size),
+    )
+
+
+def normalize(images: jax.Array) -> jax.Array:
+    """uint8 pixels (..., H * W) -> float32 in [0, 1] on the device, the codelab's scaling."""
+    return images.astype(jnp.float32) * PIXEL_SCALE
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceData:
+    """What training and evaluation read, moved to the devices once; shapes never change.
+
+    Train images stay uint8 (4x less device memory than float32), a copy on every device, and
+    are normalised inside the compiled step; each epoch visits them in a fresh on-device
+    permutation, and each device gathers only its slice of every batch. Test batches are split
+    along the mesh's `data` axis.
+    """
+
+    train_images: jax.Array  # (N, H * W) uint8
+    train_labels: jax.Array  # (N,) int32
+    test_x: jax.Array  # (ceil(M / B), B, H * W) float32: every test example, last batch padded
+    test_y: jax.Array  # (ceil(M / B), B) int32
+    test_mask: jax.Array  # (ceil(M / B), B) float32, 1 for a real example
+    batch_size: int
+    test_examples: int  # real (unpadded) test examples, known on the host
+    image_shape: tuple[int, int]
+    mesh: Mesh
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Whole batches per epoch; the remainder of each permutation is dropped."""
+        return len(self.train_labels) // self.batch_size
+
+    @property
+    def codelab_test_batches(self) -> int:
+        """The codelab evaluates only whole batches: 19 of 512 = 9,728 of 10,000."""
+        return self.test_examples // self.batch_size
+
+
+def to_device(dataset: Dataset, batch_size: int, mesh: Mesh) -> DeviceData:
+    """Flatten, pad the test set into masked batches and put everything on the mesh once."""
+    if batch_size > len(dataset.train_images):
+        raise UserError(
+            f"--batch_size={batch_size} is larger than the {len(dataset.train_images):,} "
+            "training examples; use a smaller batch"
+        )
+    parallel.check_batch(batch_size, parallel.data_size(mesh))
+    train_images = dataset.train_images.reshape(len(dataset.train_images), -1)
+    train = (train_images, dataset.train_labels.astype(np.int32))
+    test = padded_batches(prepare_images(dataset.test_images), dataset.test_labels, batch_size)
+    return DeviceData(
+        *(parallel.shard_host_array(a, parallel.replicated(mesh)) for a in train),
+        *shard_batches(test, mesh),
+        batch_size=batch_size,
+        test_examples=len(dataset.test_labels),
+        image_shape=dataset.image_shape,
+        mesh=mesh,
+    )
+
+
+def shard_batches(stacked: tuple[np.ndarray, ...], mesh: Mesh) -> tuple[jax.Array, ...]:
+    """Stacked host batches (num_batches, B, ...) -> arrays split along B over the mesh."""
+    return tuple(
+        parallel.shard_host_array(a, parallel.batch_sharding(mesh, axis=1)) for a in stacked
+    )
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def epoch_order(seed: int, epoch: int, num_examples: int) -> jax.Array:
+    """The permutation of the train set for one epoch, made on the device from (seed, epoch)."""
+    key = jax.random.fold_in(jax.random.key(seed), epoch)
+    return jax.random.permutation(key, num_examples)
+
+
+def batch_at(
+    images: jax.Array,
+    labels: jax.Array,
+    order: jax.Array,
+    index: jax.Array | int,
+    batch_size: int,
+    mesh: Mesh | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Batch `index` of an epoch's order, gathered and normalised (works inside jit too).
+
+    On a mesh the picks are split along `data` first, so each device gathers only its slice.
+    """
+    picks = jax.lax.dynamic_slice_in_dim(order, index * batch_size, batch_size)
+    if mesh is not None:
+        picks = jax.lax.with_sharding_constraint(picks, parallel.batch_sharding(mesh))
+    return normalize(images[picks]), labels[picks]
+
+
+def augment(
+    x: jax.Array, key: jax.Array, image_shape: tuple[int, int], max_shift: int, flip: bool
+) -> jax.Array:
+    """Random left-right flips and shifts of up to `max_shift` pixels (zero fill), per example,
+    on the device; (B, H * W) in and out, labels untouched."""
+    images = x.reshape(len(x), *image_shape)
+    flip_key, shift_key = jax.random.split(key)
+    if flip:
+        mirror = jax.random.bernoulli(flip_key, 0.5, (len(images), 1, 1))
+        images = jnp.where(mirror, images[:, :, ::-1], images)
+    if max_shift:
+        pad = ((0, 0), (max_shift, max_shift), (max_shift, max_shift))
+        offsets = jax.random.randint(shift_key, (len(images), 2), 0, 2 * max_shift + 1)
+        images = jax.vmap(lambda image, at: jax.lax.dynamic_slice(image, at, image_shape))(
+            jnp.pad(images, pad), offsets
+        )
+    return images.reshape(len(images), -1)
