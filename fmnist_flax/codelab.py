@@ -37,6 +37,10 @@ PROJECTION_NOTE = (
 )
 DISPATCH = "Python dispatch vs jit"  # report sections
 PRECISION = "Precision"
+TITLES = {
+    DISPATCH: "Python dispatch vs jitted step",
+    PRECISION: "Mixed-precision timing after warm-up",
+}
 
 
 class Codelab(Extension):
@@ -65,7 +69,7 @@ class Codelab(Extension):
     def _timing(run: Run, heading: str, key: str, rows: list[dict[str, Any]], name: str) -> None:
         """A timing comparison's table, bar chart (`name`.png) and summary entry (`name`)."""
         run.summary[name] = rows
-        run.show(heading, timing_table(heading, key, rows))
+        run.show(heading, timing_table(TITLES[heading], key, rows))
         rates = [r["examples_per_sec"] for r in rows]
         labels, title = [r[key] for r in rows], f"{heading}: examples per second"
         run.figure(heading, f"{name}.png", lambda: report.bars(labels, rates, title, "examples/s"))

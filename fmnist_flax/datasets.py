@@ -62,6 +62,7 @@ class DatasetSpec:
     system_dir: pathlib.Path | None = None  # where a system package installs the files
     base_url: str | None = None  # where to download them; None: never
     apt_package: str | None = None
+    cache_root: pathlib.Path = CACHE_ROOT  # downloads go to cache_root/name
 
     @property
     def checked(self) -> bool:
@@ -69,7 +70,7 @@ class DatasetSpec:
 
     @property
     def cache_dir(self) -> pathlib.Path:
-        return CACHE_ROOT / self.name
+        return self.cache_root / self.name
 
     def how_to_get(self) -> str:
         ways = []

@@ -82,7 +82,7 @@ def prediction_grid(
 ) -> Figure:
     """Section 11: up to 5x5 images titled "pred / true", green when right and red when wrong."""
     fig = Figure(figsize=(10, 10.6))
-    axes = fig.subplots(5, 5).flat
+    axes = list(fig.subplots(5, 5).flat)
     for ax in axes:
         ax.axis("off")
     for ax, image, true, pred in zip(axes, images, labels, predictions, strict=False):

@@ -2,34 +2,40 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import pathlib
+import runpy
 import struct
 
 import numpy as np
 import pytest
 
-from configs import default
-from fmnist_flax import data
+from fmnist_flax import datasets
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_config(name: str):
+    """A config of configs/ loaded by path, as --config loads it."""
+    return runpy.run_path(str(REPO / "configs" / f"{name}.py"))["get_config"]()
 
 
 def idx_bytes(array: np.ndarray, magic: int | None = None) -> bytes:
     """An IDX payload for uint8 images (N, H, W) or labels (N,)."""
     if magic is None:
-        magic = data.IMAGES_MAGIC if array.ndim == 3 else data.LABELS_MAGIC
+        magic = datasets.IMAGES_MAGIC if array.ndim == 3 else datasets.LABELS_MAGIC
     header = struct.pack(f">I{array.ndim}I", magic, *array.shape)
     return header + array.astype(np.uint8).tobytes()
 
 
-def write_idx(path: pathlib.Path, payload: bytes, *, compress: bool) -> data.IdxFile:
+def write_idx(path: pathlib.Path, payload: bytes, *, compress: bool) -> datasets.IdxFile:
     """Write `payload` (gzipped or raw) and return the spec that publishes its MD5s."""
     stem = path.name.removesuffix(".gz")
     blob = gzip.compress(payload) if compress else payload
     path.write_bytes(blob)
-    return data.IdxFile(stem, hashlib.md5(blob).hexdigest(), hashlib.md5(payload).hexdigest())
+    return datasets.IdxFile(stem, hashlib.md5(blob).hexdigest(), hashlib.md5(payload).hexdigest())
 
 
 def small_arrays(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -40,9 +46,14 @@ def small_arrays(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
+def offline(spec: datasets.DatasetSpec, root: pathlib.Path) -> datasets.DatasetSpec:
+    """A dataset spec whose cache and system directory are empty and that never downloads."""
+    return dataclasses.replace(spec, cache_root=root / "cache", system_dir=root, base_url=None)
+
+
 @pytest.fixture
-def small_dataset_dir(tmp_path: pathlib.Path) -> tuple[pathlib.Path, data.DatasetFiles]:
-    """Four valid small IDX files (train 64, test 20) and the specs with their MD5s."""
+def small_dataset_dir(tmp_path: pathlib.Path) -> tuple[pathlib.Path, datasets.DatasetSpec]:
+    """Four valid small IDX files (train 64, test 20) and a dataset spec with their MD5s."""
     specs = []
     for stem, n, seed in (
         ("train-images-idx3-ubyte", 64, 1),
@@ -53,19 +64,22 @@ def small_dataset_dir(tmp_path: pathlib.Path) -> tuple[pathlib.Path, data.Datase
         images, labels = small_arrays(n, seed)
         array = images if "images" in stem else labels
         specs.append(write_idx(tmp_path / f"{stem}.gz", idx_bytes(array), compress=True))
-    return tmp_path, data.DatasetFiles(*specs)
+    spec = datasets.DatasetSpec(
+        "small", "Small", tuple(specs), datasets.DATASETS["mnist"].class_names
+    )
+    return tmp_path, spec
 
 
 @pytest.fixture(scope="session")
-def real_dataset() -> data.Dataset:
+def real_dataset() -> datasets.Dataset:
     """The real Fashion-MNIST from Debian's dataset-fashion-mnist (never downloaded in tests)."""
-    return data.load_dataset(base_url=None)
+    return datasets.load_dataset(download=False)
 
 
 @pytest.fixture
 def quick_config():
     """The codelab's config, shortened for tests."""
-    config = default.get_config()
+    config = load_config("default")
     config.steps = 100
     config.report = "none"  # the report has its own tests
     return config

@@ -12,10 +12,10 @@ import pathlib
 import sys
 
 import jax
+from conftest import load_config
 from flax import nnx
 
-from configs import default
-from fmnist_flax import checkpoint, data, evaluate, parallel, train
+from fmnist_flax import checkpoint, datasets, evaluate, input_pipeline, parallel, train
 
 PREDICTED = 5  # does not divide by 8: predict pads and unpads
 
@@ -27,12 +27,12 @@ def spec(array: jax.Array) -> str:
 def run(dataset, config, devices, param_sharding: str, workdir: pathlib.Path) -> dict:
     config.param_sharding = param_sharding
     mesh = parallel.make_mesh(devices)
-    device_data = data.to_device(dataset, config.batch_size, mesh)
-    model, optimizer = train.create_train_state(config, mesh)
+    device_data = input_pipeline.to_device(dataset, config.batch_size, mesh)
+    model, optimizer = train.create_train_state(config, (28, 28), 10, mesh)
     rows = []
     checkpoints = checkpoint.Checkpoints(workdir, max_to_keep=1)
     try:
-        train.train(
+        train.fit(
             model, optimizer, device_data, config,
             start_step=0, checkpoints=checkpoints, on_log=rows.append,
         )  # fmt: skip
@@ -40,8 +40,8 @@ def run(dataset, config, devices, param_sharding: str, workdir: pathlib.Path) ->
         restored = checkpoints.restore({"model": nnx.state(model)})["model"]
     finally:
         checkpoints.close()
-    order = data.epoch_order(config.seed, 0, len(device_data.train_labels))
-    x, _ = data.batch_at(
+    order = input_pipeline.epoch_order(config.seed, 0, len(device_data.train_labels))
+    x, _ = input_pipeline.batch_at(
         device_data.train_images, device_data.train_labels, order, 0, config.batch_size, mesh
     )
     params = nnx.state(model, nnx.Param)
@@ -73,8 +73,8 @@ def run(dataset, config, devices, param_sharding: str, workdir: pathlib.Path) ->
 
 
 def main(workdir: str) -> None:
-    dataset = data.load_dataset(base_url=None)
-    config = default.get_config()
+    dataset = datasets.load_dataset(download=False)
+    config = load_config("default")
     config.batch_size, config.steps, config.log_every = 128, 50, 5
     devices = jax.devices()
     results = [

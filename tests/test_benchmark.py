@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import load_config
 
-from configs import default
-from fmnist_flax import benchmark
+from fmnist_flax import benchmark, profiling
 from fmnist_flax.errors import UserError
 
 PATHS = {"codelab loop (reference)", "nnx.jit step", "fused (default)", "Python dispatch"}
@@ -28,7 +28,7 @@ def test_flops_per_example_matches_the_hand_count():
 def test_tiny_benchmark_writes_every_field(tmp_path, capsys):
     output = tmp_path / "bench.json"
     benchmark.run_benchmark(
-        default.get_config(),
+        load_config("default"),
         batch_sizes=[16],
         dtypes=["bfloat16"],
         steps=2,
@@ -52,7 +52,7 @@ def test_tiny_benchmark_writes_every_field(tmp_path, capsys):
     # The profile maps the trace's events to the compiled module's ops: each kind shows up.
     [profile] = result["profiles"]
     assert (profile["batch_size"], profile["dtype"]) == (16, "bfloat16")
-    assert set(profile["op_us_per_step"]) == set(benchmark.OP_KINDS)
+    assert set(profile["op_us_per_step"]) == set(profiling.OP_KINDS)
     assert all(us > 0 for us in profile["op_us_per_step"].values())
     assert profile["wall_us_per_step"] > 0
     whole = result["whole_run"]
@@ -79,7 +79,7 @@ ENTRY %main.3 (p0: f32[784,256], p1: f32[16,784]) -> (f32[784,256], f32[16,256])
   ROOT %tuple.4 = (f32[784,256]{1,0}, f32[16,256]{1,0}) tuple(%multiply_add_fusion.12, %gelu_fusion)
 }
 """
-    kinds = benchmark.op_kinds(hlo, {(784, 256)})
+    kinds = profiling.op_kinds(hlo, {(784, 256)})
     assert kinds["ynn_fusion.8"] == kinds["dot.9"] == "matmul"
     assert kinds["multiply_add_fusion.12"] == "elementwise over kernels"
     assert kinds["gelu_fusion"] == "everything else"
@@ -101,14 +101,13 @@ def test_bad_benchmark_options_are_one_line(kwargs, message):
         "whole_run_steps": 0, "output": None, **kwargs,
     }  # fmt: skip
     with pytest.raises(UserError, match=message):
-        benchmark.run_benchmark(default.get_config(), **options)
+        benchmark.run_benchmark(load_config("default"), **options)
 
 
 def test_benchmark_refuses_a_non_mlp_config():
-    from configs import cnn
 
     with pytest.raises(UserError, match="compares against the codelab's two-hidden-layer MLP"):
         benchmark.run_benchmark(
-            cnn.get_config(), batch_sizes=[16], dtypes=["float32"], steps=1, repeats=1,
+            load_config("cnn"), batch_sizes=[16], dtypes=["float32"], steps=1, repeats=1,
             whole_run_steps=0, output=None,
         )  # fmt: skip

@@ -13,9 +13,9 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, load_config
 
-from fmnist_flax import checkpoint, load_model, train
+from fmnist_flax import checkpoint, experiment, load_model
 from fmnist_flax.errors import UserError
 
 
@@ -31,23 +31,22 @@ def metric_rows(workdir):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A 200-step run with checkpoints at 100 and 200, shared read-only by several tests."""
-    from configs import default
 
-    config = default.get_config()
+    config = load_config("default")
     config.steps = 200
     config.report = "none"
     workdir = tmp_path_factory.mktemp("trained") / "w"
-    summary = train.train_and_evaluate(config, workdir)
+    summary = experiment.train_and_evaluate(config, workdir)
     return workdir, summary
 
 
 def test_400_steps_equal_200_then_resume_to_400_bit_for_bit(quick_config, tmp_path):
     quick_config.steps = 400
-    train.train_and_evaluate(quick_config, tmp_path / "one")
+    experiment.train_and_evaluate(quick_config, tmp_path / "one")
     quick_config.steps = 200
-    train.train_and_evaluate(quick_config, tmp_path / "two")
+    experiment.train_and_evaluate(quick_config, tmp_path / "two")
     quick_config.steps = 400
-    resumed = train.train_and_evaluate(quick_config, tmp_path / "two")
+    resumed = experiment.train_and_evaluate(quick_config, tmp_path / "two")
     assert resumed["resumed_from_step"] == 200
     for a, b in zip(params_of(tmp_path / "one"), params_of(tmp_path / "two"), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -57,14 +56,13 @@ def test_400_steps_equal_200_then_resume_to_400_bit_for_bit(quick_config, tmp_pa
 
 
 def test_steps_not_beyond_the_saved_step_is_nothing_to_do(trained, capsys):
-    from configs import default
 
     workdir, summary = trained
-    config = default.get_config()
+    config = load_config("default")
     config.steps = 150
     config.report = "none"
     before = (workdir / "metrics.jsonl").read_bytes()
-    result = train.train_and_evaluate(config, workdir)
+    result = experiment.train_and_evaluate(config, workdir)
     assert result == json.loads((workdir / "summary.json").read_text())
     assert result["test_accuracy"] == summary["test_accuracy"]
     assert "nothing to do" in capsys.readouterr().out
@@ -106,7 +104,7 @@ def test_damaged_latest_checkpoint_falls_back_with_one_warning(trained, tmp_path
         p for p in (workdir / "checkpoints" / "200" / "model" / "d").iterdir() if p.is_file()
     ][:1]
     data_file.write_bytes(data_file.read_bytes()[:10])
-    _, step, _ = checkpoint.restore_model(workdir)
+    _, step, _, _ = checkpoint.restore_model(workdir)
     assert step == 100
     assert (workdir / "damaged_checkpoints" / "200").is_dir()  # kept, not deleted
     warnings = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
@@ -120,29 +118,27 @@ def test_deleted_data_file_is_detected_too(trained, tmp_path):
     shutil.copytree(trained[0], workdir)
     for path in (workdir / "checkpoints" / "200" / "optimizer" / "d").iterdir():
         path.unlink()
-    from configs import default
 
-    config = default.get_config()
+    config = load_config("default")
     config.steps = 210
     config.report = "none"
-    summary = train.train_and_evaluate(config, workdir)
+    summary = experiment.train_and_evaluate(config, workdir)
     assert summary["resumed_from_step"] == 100
 
 
 def test_restoring_into_another_architecture_names_the_parameter(trained):
-    from configs import default
 
-    config = default.get_config()
+    config = load_config("default")
     config.steps = 300
     config.model.hidden = (512, 128)
     with pytest.raises(UserError) as exc:
-        train.train_and_evaluate(config, trained[0])
+        experiment.train_and_evaluate(config, trained[0])
     message = str(exc.value)
     assert "\n" not in message
     assert "parameter layers.0.bias has shape (256,) in the checkpoint but (512,)" in message
     config.model.hidden = (256,)  # a missing layer
     with pytest.raises(UserError, match=r"layers\.1\.bias has shape \(128,\) .* but \(10,\)"):
-        train.train_and_evaluate(config, trained[0])
+        experiment.train_and_evaluate(config, trained[0])
 
 
 @pytest.mark.parametrize(
@@ -160,7 +156,7 @@ def test_eval_workdir_problems_are_one_line(make, expected, tmp_path):
 def test_unwritable_training_workdir_is_one_line(quick_config, tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(UserError, match="is not writable"):
-        train.train_and_evaluate(quick_config, tmp_path / "file" / "run")
+        experiment.train_and_evaluate(quick_config, tmp_path / "file" / "run")
 
 
 def start_training(workdir, *flags):
@@ -231,9 +227,9 @@ def test_sigkill_resumes_from_the_last_complete_checkpoint(tmp_path):
 
 def test_a_run_killed_after_its_last_checkpoint_finishes_its_outputs(quick_config, tmp_path):
     quick_config.steps = 10
-    train.train_and_evaluate(quick_config, tmp_path / "w")
+    experiment.train_and_evaluate(quick_config, tmp_path / "w")
     (tmp_path / "w" / "summary.json").unlink()  # as if killed before evaluation
-    summary = train.train_and_evaluate(quick_config, tmp_path / "w")
+    summary = experiment.train_and_evaluate(quick_config, tmp_path / "w")
     assert summary["resumed_from_step"] == 10
     assert summary["test_examples"] == 10_000
     assert (tmp_path / "w" / "summary.json").exists()

@@ -64,7 +64,7 @@ def test_without_workdir_a_fresh_run_directory_is_made_and_printed(tmp_path):
 @pytest.mark.parametrize(
     ("flag", "expected"),
     [
-        ("--compute_dtype=float16x", "--compute_dtype='float16x' is not supported"),
+        ("--compute_dtype=float16x", "--compute_dtype='float16x' is not one of"),
         ("--steps=-1", "--steps=-1 must be a positive"),
         ("--batch_size=0", "--batch_size=0 must be a positive"),
         ("--batch_size=60001", "is larger than the 60,000 training examples"),

@@ -8,18 +8,18 @@ import optax
 import pytest
 from flax import nnx
 
-from fmnist_flax import data, evaluate, parallel
+from fmnist_flax import evaluate, input_pipeline, parallel
 from fmnist_flax.model import MLP
 
 
 @pytest.fixture(scope="module")
 def setup(real_dataset):
-    return MLP(rngs=nnx.Rngs(3)), data.to_device(real_dataset, 512, parallel.make_mesh())
+    return MLP(rngs=nnx.Rngs(3)), input_pipeline.to_device(real_dataset, 512, parallel.make_mesh())
 
 
 def numpy_metrics(model, images, labels):
     """Plain per-example evaluation, the ground truth for the vmapped one."""
-    logits = np.asarray(model(jnp.asarray(data.prepare_images(images))))
+    logits = np.asarray(model(jnp.asarray(input_pipeline.prepare_images(images))))
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels.astype(np.int32))
     predictions = logits.argmax(-1)
     return float(np.mean(losses)), float(np.mean(predictions == labels)), predictions
@@ -52,8 +52,8 @@ def test_padding_does_not_change_the_result():
     model = MLP(rngs=nnx.Rngs(0))
     x = np.random.default_rng(0).random((5, 784), np.float32)
     y = np.arange(5)
-    padded = evaluate.evaluate(model, *map(jnp.asarray, data.padded_batches(x, y, 4)))
-    exact = evaluate.evaluate(model, *map(jnp.asarray, data.padded_batches(x, y, 5)))
+    padded = evaluate.evaluate(model, *map(jnp.asarray, input_pipeline.padded_batches(x, y, 4)))
+    exact = evaluate.evaluate(model, *map(jnp.asarray, input_pipeline.padded_batches(x, y, 5)))
     assert padded["examples"] == exact["examples"] == 5
     np.testing.assert_allclose(padded["loss"], exact["loss"], rtol=1e-6)
     np.testing.assert_array_equal(padded["predictions"], exact["predictions"])

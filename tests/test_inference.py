@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO
 from PIL import Image
 
-from fmnist_flax import data, inference, load_model, predict
+from fmnist_flax import CLASS_NAMES, inference, load_model, predict
 from fmnist_flax.errors import UserError
 
 
@@ -84,7 +84,7 @@ def test_predict_mode_classifies_readable_images_and_names_the_rest(
     got = [out["predictions"][i]["class_index"] for i in (0, 2, 3, 4)]
     assert got == list(expected)
     for p in out["predictions"]:
-        assert p["class"] == data.CLASS_NAMES[p["class_index"]]
+        assert p["class"] == CLASS_NAMES[p["class_index"]]
         assert 0.0 < p["probability"] <= 1.0
         assert f"{p['class']} (" in result.stdout
 

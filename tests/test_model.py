@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
+from conftest import load_config
 from flax import nnx
 
-from configs import default
 from fmnist_flax import model as model_lib
+from fmnist_flax.errors import UserError
 
 
 def test_codelab_architecture_and_parameter_count():
@@ -43,14 +47,54 @@ def test_compute_dtype_casts_activations_and_returns_float32_logits(dtype):
 
 
 def test_create_model_follows_the_config_and_seed():
-    config = default.get_config()
+    config = load_config("default")
     config.model.hidden = (32,)
     config.compute_dtype = "bfloat16"
-    model = model_lib.create_model(config)
+    model = model_lib.create_model(config, (28, 28), 10)
     assert model.compute_dtype == jnp.bfloat16
     assert model_lib.count_params(model) == 784 * 32 + 32 + 32 * 10 + 10
-    again = model_lib.create_model(config)
-    other = model_lib.create_model(config, seed=1)
+    again = model_lib.create_model(config, (28, 28), 10)
+    other = model_lib.create_model(config, (28, 28), 10, seed=1)
     k = model.layers[0].kernel[...]
     np.testing.assert_array_equal(k, again.layers[0].kernel[...])
     assert not np.array_equal(k, other.layers[0].kernel[...])
+
+
+def test_models_take_their_shape_and_classes_from_the_data():
+    config = load_config("cnn")
+    model = model_lib.create_model(config, (20, 12), 3)
+    assert model(jnp.zeros((2, 240))).shape == (2, 3)
+    mlp = model_lib.create_model(load_config("default"), (5, 7), 4)
+    assert mlp.layers[0].kernel.shape == (35, 256) and mlp(jnp.zeros((1, 35))).shape == (1, 4)
+
+
+@pytest.mark.parametrize(
+    ("name", "field", "value", "message"),
+    [
+        ("default", "hidden", (256, 0), "--config.model.hidden=(256, 0) must be a tuple of pos"),
+        ("default", "hidden", 256, "--config.model.hidden=256 must be a tuple of positive"),
+        ("default", "hiden", (8,), "model 'mlp' takes no field 'hiden'; its fields are hidden"),
+        ("default", "name", "resnet", "--config.model.name='resnet' is not one of mlp, cnn"),
+        ("cnn", "features", (), "--config.model.features=() must be a tuple of positive"),
+        ("cnn", "features", (8,) * 5, "5 blocks leave nothing of 28x28"),
+        ("cnn", "dropout", 1.5, "--config.model.dropout=1.5 must be in"),
+    ],
+)
+def test_each_model_checks_its_own_fields_in_one_line(name, field, value, message):
+    config = load_config(name)
+    config.model = ml_collections.ConfigDict({**config.model.to_dict(), field: value})
+    with pytest.raises(UserError, match=re.escape(message)) as exc:
+        model_lib.create_model(config, (28, 28), 10)
+    assert "\n" not in str(exc.value)
+
+
+def test_a_model_without_its_own_check_fails_in_one_line_not_a_traceback(monkeypatch):
+    class Tiny(nnx.Module):
+        def __init__(self, width: int = 4, *, image_shape, num_classes, compute_dtype, rngs):
+            self.head = nnx.Linear(image_shape[0] * image_shape[1], width * num_classes, rngs=rngs)
+
+    monkeypatch.setitem(model_lib.MODELS, "tiny", Tiny)
+    config = load_config("default")
+    config.model = ml_collections.ConfigDict({"name": "tiny", "width": -1})
+    with pytest.raises(UserError, match=r"model 'tiny' cannot be built from --config\.model: "):
+        model_lib.create_model(config, (28, 28), 10)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from fmnist_flax import checkpoint, data, evaluate, parallel
+from fmnist_flax import checkpoint, evaluate, input_pipeline, parallel
 from fmnist_flax.errors import UserError
 
 # Measured on 2 CPU cores, 50 AdamW steps at batch 128: the 8-device runs differ from the
@@ -121,9 +121,9 @@ def test_two_processes_train_one_model_and_one_process_restores_it(tmp_path, rea
     assert [r["step"] for r in rows] == [1, 10, 20, 30]  # one writer: no duplicated rows
 
     # The checkpoint both processes wrote restores in this single-device process.
-    model, step, config = checkpoint.restore_model(workdir, mesh=parallel.make_mesh())
+    model, step, config, _ = checkpoint.restore_model(workdir, mesh=parallel.make_mesh())
     assert (step, config.batch_size) == (30, 256)
-    device_data = data.to_device(real_dataset, 256, parallel.make_mesh())
+    device_data = input_pipeline.to_device(real_dataset, 256, parallel.make_mesh())
     result = evaluate.evaluate(model, device_data.test_x, device_data.test_y, device_data.test_mask)
     assert result["accuracy"] == pytest.approx(summary["test_accuracy"], abs=2e-4)
     assert result["loss"] == pytest.approx(summary["test_loss"], rel=1e-5)

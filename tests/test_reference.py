@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import load_config
 from flax import nnx
 
-from configs import default
-from fmnist_flax import data, reference, train
+from fmnist_flax import codelab, input_pipeline, reference, train
 from fmnist_flax.model import MLP
 
 RTOL = 1e-6  # float32 parity
@@ -19,7 +19,7 @@ BF16_ATOL = 0.05  # bfloat16 vs float32 logits: 8 mantissa bits through three la
 
 @pytest.fixture(scope="module")
 def batch(real_dataset):
-    x = data.prepare_images(real_dataset.train_images[:512])
+    x = input_pipeline.prepare_images(real_dataset.train_images[:512])
     return jnp.asarray(x), jnp.asarray(real_dataset.train_labels[:512].astype(np.int32))
 
 
@@ -44,7 +44,7 @@ def test_logits_loss_and_grads_match_the_reference(batch):
     model = MLP(rngs=nnx.Rngs(0))
     params = reference.params_from_model(model)
     np.testing.assert_allclose(model(x), reference.mlp(params, x), rtol=RTOL, atol=1e-6)
-    (loss, aux), grads = nnx.value_and_grad(train.loss_with_metrics, has_aux=True)(model, x, y)
+    (loss, aux), grads = nnx.value_and_grad(train.loss_fn, has_aux=True)(model, x, y)
     (ref_loss, ref_aux), ref_grads = jax.value_and_grad(reference.loss_with_metrics, has_aux=True)(
         params, (x, y)
     )
@@ -55,13 +55,13 @@ def test_logits_loss_and_grads_match_the_reference(batch):
 
 def test_one_adamw_step_gives_the_same_params_and_metrics(batch):
     x, y = batch
-    config = default.get_config()
+    config = load_config("default")
     model = MLP(rngs=nnx.Rngs(0))
     params = jax.tree.map(np.array, reference.params_from_model(model))  # the step donates
     tx = optax.adamw(config.optimizer.learning_rate, weight_decay=config.optimizer.weight_decay)
     ref_step = reference.make_train_step(tx, jnp.float32)
     ref_params, _, ref_metrics = ref_step(params, tx.init(params), (x, y))
-    metrics = train.train_step(model, train.create_optimizer(model, config), x, y)
+    metrics = train.jit_train_step(model, train.create_optimizer(model, config), x, y)
     assert_trees_close(reference.params_from_model(model), ref_params, atol=1e-7)
     assert_trees_close(metrics, ref_metrics)
     # The step really moved the weights (by about the learning rate: Adam's first step is ~lr).
@@ -89,7 +89,7 @@ def test_the_gradient_checks_sgd_step_matches_the_codelabs(batch):
     """The codelab's hand-written SGD step (pure PyTree) and the NNX gradient check's agree."""
     x, y = batch
     model = MLP(rngs=nnx.Rngs(0))
-    _, check = train.gradient_check(model, x, y, 3e-3)
+    _, check = codelab.gradient_check(model, x, y, 3e-3)
     params = reference.params_from_model(model)
     stepped, loss = reference.sgd_step(params, (x, y), 3e-3)
     np.testing.assert_allclose(loss, check["loss"], rtol=RTOL)

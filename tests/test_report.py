@@ -6,10 +6,11 @@ import re
 
 import numpy as np
 import pytest
+from conftest import load_config
 from flax import nnx
 from PIL import Image
 
-from fmnist_flax import data, evaluate, report, train
+from fmnist_flax import codelab, datasets, evaluate, experiment, report
 from fmnist_flax.model import MLP
 
 TABLE_TITLES = (
@@ -37,18 +38,18 @@ FIGURE_SIZES = {  # (width, height) in pixels: figsize * DPI
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
-    from configs import default
 
-    config = default.get_config()
+    config = load_config("default")
     config.steps = 30
     config.log_every = 10
     workdir = tmp_path_factory.mktemp("report") / "w"
-    return workdir, train.train_and_evaluate(config, workdir)
+    return workdir, experiment.train_and_evaluate(config, workdir, [codelab.Codelab()])
 
 
 def test_a_full_run_writes_every_figure_readable_and_not_blank(full_run):
     workdir, summary = full_run
-    assert sorted(FIGURE_SIZES) == sorted(report.FIGURE_NAMES)
+    assert summary["gradient_check"]["trees_match"]
+    assert summary["gradient_check"]["grad_vs_value_and_grad"] == 0.0
     for name, size in FIGURE_SIZES.items():
         with Image.open(workdir / "report" / name) as image:
             assert image.size == size, name
@@ -62,11 +63,11 @@ def test_report_html_is_self_contained_with_every_table_figure_and_the_config(fu
     page = (workdir / "report" / "report.html").read_text()
     for title in TABLE_TITLES:
         assert f"<h3>{title}" in page, title
-    for name in report.FIGURE_NAMES:
+    for name in FIGURE_SIZES:
         assert f"alt='{name}' src='data:image/png;base64," in page, name
     assert "235,146" in page
     assert "Projection, not a measurement" in page
-    assert f"{summary['train_examples_per_sec'] * report.TOKENS_PER_EXAMPLE:,.0f}" in page
+    assert f"{summary['train_examples_per_sec'] * codelab.TOKENS_PER_EXAMPLE:,.0f}" in page
     assert re.search(r"""(src|href)\s*=\s*['"]?\s*(https?:)?//""", page) is None
     assert "<script" not in page and "<link" not in page and "@import" not in page
     assert '"steps": 30' in page  # the run's config
@@ -87,23 +88,23 @@ def test_prediction_grid_marks_a_known_wrong_prediction_red(real_dataset):
     images, labels = real_dataset.test_images[picks], real_dataset.test_labels[picks]
     predictions = evaluate.predict(model, images).argmax(axis=1)
     assert (predictions == 0).all()
-    fig = report.prediction_grid(images, labels, predictions)
+    names = datasets.DATASETS["fashion_mnist"].class_names
+    fig = report.prediction_grid(images, labels, predictions, names)
     for ax, label in zip(fig.axes, labels, strict=True):
         expected = report.GREEN if label == 0 else report.RED
         assert ax.title.get_color() == expected
-        assert ax.title.get_text() == f"{data.CLASS_NAMES[0]} / {data.CLASS_NAMES[label]}"
+        assert ax.title.get_text() == f"{names[0]} / {names[label]}"
     assert (labels != 0).any() and (labels == 0).any()  # both colours were exercised
 
 
 def test_basic_report_skips_the_timing_comparisons(quick_config, tmp_path):
     quick_config.steps = 5
     quick_config.report = "basic"
-    summary = train.train_and_evaluate(quick_config, tmp_path / "w")
+    summary = experiment.train_and_evaluate(quick_config, tmp_path / "w", [codelab.Codelab()])
     names = {p.name for p in (tmp_path / "w" / "report").iterdir()}
-    assert names == set(report.FIGURE_NAMES) - {"dispatch_vs_jit.png", "precision.png"} | {
-        "report.html"
-    }
-    assert summary["dispatch_vs_jit"] is None and summary["precision"] is None
+    assert names == set(FIGURE_SIZES) - {"dispatch_vs_jit.png", "precision.png"} | {"report.html"}
+    assert "dispatch_vs_jit" not in summary and "precision" not in summary
+    assert summary["gradient_check"]["trees_match"]
 
 
 def test_progress_bar_redraws_only_when_told(tmp_path):

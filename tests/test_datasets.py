@@ -1,0 +1,200 @@
+"""Finding, verifying, parsing and batching the data, on small IDX files and the real set."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import http.server
+import threading
+
+import numpy as np
+import pytest
+from conftest import idx_bytes, offline, small_arrays, write_idx
+
+from fmnist_flax import datasets
+from fmnist_flax.errors import UserError
+
+
+def one_line(exc: pytest.ExceptionInfo) -> str:
+    message = str(exc.value)
+    assert "\n" not in message
+    return message
+
+
+def test_real_debian_files_load_with_the_published_counts_and_balance(real_dataset):
+    assert real_dataset.train_images.shape == (60_000, 28, 28)
+    assert real_dataset.test_images.shape == (10_000, 28, 28)
+    assert real_dataset.train_images.dtype == np.uint8
+    np.testing.assert_array_equal(np.bincount(real_dataset.train_labels), [6_000] * 10)
+    np.testing.assert_array_equal(np.bincount(real_dataset.test_labels), [1_000] * 10)
+
+
+def test_debian_recompressed_gz_is_accepted_by_its_payload_md5():
+    fashion = datasets.DATASETS["fashion_mnist"]
+    test_labels = fashion.files[3]
+    path = fashion.system_dir / test_labels.gz_name
+    assert datasets.md5_hex(path.read_bytes()) != test_labels.gz_md5  # Debian re-compressed it
+    payload = datasets.verified_payload(path, test_labels)
+    assert datasets.md5_hex(payload) == test_labels.raw_md5
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_small_gz_and_raw_files_load(tmp_path, compress):
+    images, labels = small_arrays(7)
+    name = "x-images-idx3-ubyte" + (".gz" if compress else "")
+    spec = write_idx(tmp_path / name, idx_bytes(images), compress=compress)
+    payload = datasets.verified_payload(tmp_path / name, spec)
+    np.testing.assert_array_equal(datasets.parse_idx(payload, name, images=True), images)
+    label_spec = write_idx(tmp_path / "y", idx_bytes(labels), compress=compress)
+    payload = datasets.verified_payload(tmp_path / "y", label_spec)
+    np.testing.assert_array_equal(datasets.parse_idx(payload, "y", images=False), labels)
+
+
+def test_small_dataset_loads_from_data_dir(small_dataset_dir, tmp_path_factory):
+    directory, spec = small_dataset_dir
+    dataset = datasets.load_dataset(offline(spec, tmp_path_factory.mktemp("empty")), directory)
+    assert dataset.train_images.shape == (64, 28, 28)
+    assert dataset.test_labels.shape == (20,)
+    assert dataset.sources[0] == str(directory / spec.files[0].gz_name)
+    assert dataset.checked and dataset.num_classes == 10
+
+
+def test_wrong_magic_is_refused_naming_the_file():
+    images, _ = small_arrays(3)
+    with pytest.raises(UserError, match=r"bad-file: IDX magic number 2049, expected 2051") as exc:
+        datasets.parse_idx(idx_bytes(images, magic=2049), "bad-file", images=True)
+    one_line(exc)
+
+
+def test_any_image_size_parses_but_an_empty_side_is_refused():
+    payload = idx_bytes(np.zeros((2, 32, 20), np.uint8))
+    assert datasets.parse_idx(payload, "f", images=True).shape == (2, 32, 20)
+    with pytest.raises(UserError, match="images are 0x28; both sides must be positive"):
+        datasets.parse_idx(idx_bytes(np.zeros((2, 0, 28), np.uint8)), "f", images=True)
+
+
+@pytest.mark.parametrize("cut", [1, 784, 10_000])
+def test_truncated_file_is_refused(cut):
+    payload = idx_bytes(small_arrays(20)[0])
+    with pytest.raises(UserError, match="truncated") as exc:
+        datasets.parse_idx(payload[:-cut], "short-file", images=True)
+    assert "short-file" in one_line(exc)
+
+
+def test_trailing_bytes_are_refused():
+    with pytest.raises(UserError, match="trailing bytes"):
+        datasets.parse_idx(idx_bytes(small_arrays(2)[1]) + b"\0", "f", images=False)
+
+
+def test_label_out_of_range_is_refused():
+    labels = np.array([0, 9, 10, 3], np.uint8)
+    parsed = datasets.parse_idx(idx_bytes(labels), "labels", images=False)
+    with pytest.raises(UserError, match=r"labels: label 10 at index 2 is outside 0\.\.9"):
+        datasets.check_labels(parsed, "labels", 10)
+
+
+def test_image_and_label_counts_must_agree(small_dataset_dir, tmp_path_factory):
+    directory, spec = small_dataset_dir
+    _, labels = small_arrays(63)
+    bad = write_idx(directory / spec.files[1].gz_name, idx_bytes(labels), compress=True)
+    spec = dataclasses.replace(spec, files=(spec.files[0], bad, *spec.files[2:]))
+    with pytest.raises(UserError, match=r"has 64 images but .* has 63 labels") as exc:
+        datasets.load_dataset(offline(spec, tmp_path_factory.mktemp("empty")), directory)
+    one_line(exc)
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_md5_mismatch_is_refused(tmp_path, compress):
+    images, _ = small_arrays(4)
+    spec = write_idx(tmp_path / "f", idx_bytes(images), compress=compress)
+    tampered = bytearray(idx_bytes(images))
+    tampered[-1] ^= 1
+    (tmp_path / "f").write_bytes(gzip.compress(bytes(tampered)) if compress else bytes(tampered))
+    with pytest.raises(UserError, match="MD5 mismatch") as exc:
+        datasets.verified_payload(tmp_path / "f", spec)
+    assert str(tmp_path / "f") in one_line(exc)
+
+
+def test_no_data_and_no_network_names_the_three_ways(tmp_path):
+    spec = dataclasses.replace(
+        datasets.DATASETS["fashion_mnist"], cache_root=tmp_path / "cache", system_dir=tmp_path,
+        base_url="http://127.0.0.1:9",
+    )  # fmt: skip
+    with pytest.raises(UserError) as exc:
+        datasets.load_dataset(spec)
+    message = one_line(exc)
+    for way in ("apt-get install dataset-fashion-mnist", "--data_dir", "download"):
+        assert way in message
+
+
+def test_missing_data_dir_is_refused(tmp_path):
+    with pytest.raises(UserError, match="is not a directory"):
+        datasets.load_dataset("fashion_mnist", tmp_path / "nope", download=False)
+
+
+class _Server:
+    """A loopback HTTP server that serves `bodies[name]` in turn, one per request."""
+
+    def __init__(self, bodies: dict[str, list[bytes]]):
+        requests = self.requests = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                name = self.path.rsplit("/", 1)[-1]
+                requests.append(name)
+                body = bodies[name].pop(0)
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}/data"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def web_spec(tmp_path, url):
+    """Fashion-MNIST's spec downloading from a loopback `url` into an empty cache."""
+    return dataclasses.replace(
+        datasets.DATASETS["fashion_mnist"], cache_root=tmp_path / "cache",
+        system_dir=tmp_path / "none", base_url=url,
+    )  # fmt: skip
+
+
+def test_download_with_wrong_md5_is_deleted_and_fetched_once_more(tmp_path):
+    _, labels = small_arrays(5)
+    good = gzip.compress(idx_bytes(labels))
+    spec = write_idx(tmp_path / "src", idx_bytes(labels), compress=False)
+    spec = datasets.IdxFile("y-labels", datasets.md5_hex(good), spec.raw_md5)
+    server = _Server({"y-labels.gz": [b"\x1f\x8b garbage", good]})
+    dataset = web_spec(tmp_path, server.url)
+    cache = dataset.cache_dir
+    try:
+        payload, source = datasets.find_payload(spec, dataset, None, download=True)
+    finally:
+        server.close()
+    assert server.requests == ["y-labels.gz", "y-labels.gz"]
+    assert payload == idx_bytes(labels)
+    assert source.startswith("http://127.0.0.1")
+    assert (cache / "y-labels.gz").read_bytes() == good
+
+
+def test_download_that_stays_wrong_is_refused_and_not_kept(tmp_path):
+    _, labels = small_arrays(5)
+    spec = datasets.IdxFile("y-labels", "0" * 32, "1" * 32)
+    bad = gzip.compress(idx_bytes(labels))
+    server = _Server({"y-labels.gz": [bad, bad, bad]})
+    try:
+        with pytest.raises(UserError, match="MD5 mismatch"):
+            datasets.find_payload(spec, web_spec(tmp_path, server.url), None, download=True)
+    finally:
+        server.close()
+    assert server.requests == ["y-labels.gz", "y-labels.gz"]
+    assert list(web_spec(tmp_path, server.url).cache_dir.iterdir()) == []
