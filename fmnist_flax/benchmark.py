@@ -66,73 +66,75 @@ def fresh_state(config: ml_collections.ConfigDict, device_data: input_pipeline.D
     )  # fmt: skip
 
 
-def _runners(
-    config: ml_collections.ConfigDict, device_data: input_pipeline.DeviceData, fixed
-) -> dict[str, Callable[[], Callable[[int], Any]]]:
-    """Each training path as `run(steps) -> something to block on`, all from the same start."""
-    dtype = model_lib.COMPUTE_DTYPES[config.compute_dtype]
+Runner = Callable[[int], Any]  # run(steps) -> something to block on
+
+
+def codelab_runner(config: ml_collections.ConfigDict, fixed: tuple[jax.Array, jax.Array]) -> Runner:
+    """The codelab's pure-PyTree jitted Optax step over fixed host-made batches."""
     fixed_x, fixed_y = fixed
-    num_fixed = fixed_x.shape[0]
+    tx = optax.adamw(config.optimizer.learning_rate, weight_decay=config.optimizer.weight_decay)
+    step = reference.make_train_step(tx, model_lib.COMPUTE_DTYPES[config.compute_dtype])
+    params = reference.init_mlp_params(jax.random.key(COMPARISON_SEED), *config.model.hidden)
+    carry = [params, tx.init(params), 0]
 
-    def codelab():
-        tx = optax.adamw(config.optimizer.learning_rate, weight_decay=config.optimizer.weight_decay)
-        step = reference.make_train_step(tx, dtype)
-        params = reference.init_mlp_params(jax.random.key(COMPARISON_SEED), *config.model.hidden)
-        carry = [params, tx.init(params), 0]
+    def run(steps):
+        params, opt_state, i = carry
+        for _ in range(steps):
+            j = i % fixed_x.shape[0]
+            params, opt_state, metrics = step(params, opt_state, (fixed_x[j], fixed_y[j]))
+            i += 1
+        carry[:] = params, opt_state, i
+        return params, metrics
 
-        def run(steps):
-            params, opt_state, i = carry
-            for _ in range(steps):
-                j = i % num_fixed
-                params, opt_state, metrics = step(params, opt_state, (fixed_x[j], fixed_y[j]))
-                i += 1
-            carry[:] = params, opt_state, i
-            return params, metrics
+    return run
 
-        return run
 
-    def per_step(step_fn):
-        def make():
-            model, optimizer = fresh_state(config, device_data)
-            counter = [0]
+def per_step_runner(step_fn, config, device_data, fixed) -> Runner:
+    """One call of `step_fn` (the nnx.jit step, or the same step dispatched op by op) a batch."""
+    fixed_x, fixed_y = fixed
+    model, optimizer = fresh_state(config, device_data)
+    counter = [0]
 
-            def run(steps):
-                for _ in range(steps):
-                    j = counter[0] % num_fixed
-                    metrics = step_fn(model, optimizer, fixed_x[j], fixed_y[j])
-                    counter[0] += 1
-                return metrics, nnx.state(model)
+    def run(steps):
+        for _ in range(steps):
+            j = counter[0] % fixed_x.shape[0]
+            metrics = step_fn(model, optimizer, fixed_x[j], fixed_y[j])
+            counter[0] += 1
+        return metrics, nnx.state(model)
 
-            return run
+    return run
 
-        return make
 
-    def fused():
-        model, optimizer = fresh_state(config, device_data)
-        graphdef, state = nnx.split((model, optimizer))
-        chunk = train.make_train_chunk(graphdef, device_data.batch_size, mesh=device_data.mesh)
-        order = input_pipeline.epoch_order(COMPARISON_SEED, 0, len(device_data.train_labels))
-        per_epoch = device_data.batches_per_epoch
-        carry = [state, 0]
+def fused_runner(config, device_data: input_pipeline.DeviceData) -> Runner:
+    """The default path: `log_every` steps per compiled call, batches gathered on the device."""
+    model, optimizer = fresh_state(config, device_data)
+    graphdef, state = nnx.split((model, optimizer))
+    chunk = train.make_train_chunk(graphdef, device_data.batch_size, mesh=device_data.mesh)
+    order = input_pipeline.epoch_order(COMPARISON_SEED, 0, len(device_data.train_labels))
+    per_epoch = device_data.batches_per_epoch
+    carry = [state, 0]
 
-        def run(steps):
-            state, i = carry
-            while steps:
-                index = i % per_epoch
-                count = min(config.log_every, steps, per_epoch - index)
-                state, metrics = chunk(state, device_data.train_images,
-                                       device_data.train_labels, order, index, count)  # fmt: skip
-                i, steps = i + count, steps - count
-            carry[:] = state, i
-            return state, metrics
+    def run(steps):
+        state, i = carry
+        while steps:
+            index = i % per_epoch
+            count = min(config.log_every, steps, per_epoch - index)
+            state, metrics = chunk(state, device_data.train_images,
+                                   device_data.train_labels, order, index, count)  # fmt: skip
+            i, steps = i + count, steps - count
+        carry[:] = state, i
+        return state, metrics
 
-        return run
+    return run
 
+
+def _runners(config, device_data, fixed) -> dict[str, Callable[[], Runner]]:
+    """Each training path's runner factory, all from the same start; the codelab's first."""
     return {
-        "codelab loop (reference)": codelab,
-        "nnx.jit step": per_step(train.jit_train_step),
-        "fused (default)": fused,
-        "Python dispatch": per_step(train.train_step),
+        "codelab loop (reference)": lambda: codelab_runner(config, fixed),
+        "nnx.jit step": lambda: per_step_runner(train.jit_train_step, config, device_data, fixed),
+        "fused (default)": lambda: fused_runner(config, device_data),
+        "Python dispatch": lambda: per_step_runner(train.train_step, config, device_data, fixed),
     }
 
 

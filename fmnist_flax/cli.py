@@ -24,9 +24,7 @@ from fmnist_flax.errors import UserError, error_line
 DEFAULT_CONFIG = config_lib.__file__  # its get_config(): the codelab's values
 EXTENSIONS = ("fmnist_flax.codelab",)  # added to every run when present; delete freely
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", str(DEFAULT_CONFIG), "Config file; override fields with --config.FIELD=VALUE."
-)
+_CONFIG: flags.FlagHolder | None = None  # defined by run(): see define_config_flag
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory for the run's outputs; default: a fresh directory under runs/."
 )
@@ -113,6 +111,8 @@ def explain_config_error(argv: Sequence[str], exc: Exception) -> str:
     """One line for a --config mistake: a file that does not load, or a field it lacks."""
     path = config_path(argv)
     try:
+        if os.path.isdir(path):
+            raise IsADirectoryError("it is a directory")
         config = runpy.run_path(path)["get_config"]()
     except Exception as load_error:  # any error in the user's file is reported, not raised
         lines = str(load_error).strip().splitlines()
@@ -152,7 +152,7 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
         sys.exit(0)
     try:
         remaining = flags.FLAGS(argv)
-        _CONFIG.value  # noqa: B018 - loading the file may fail only here
+        _CONFIG.value.to_dict()  # a file that failed to load raises only when used
     except flags.UnrecognizedFlagError as exc:
         if exc.flagname.startswith("config."):
             fail(explain_config_error(argv, exc), 2)
@@ -175,12 +175,9 @@ def main(argv: Sequence[str]) -> None:
         jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE.value)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     config = _CONFIG.value
+    shorthands = {flag: flags.FLAGS[flag].value for flag in SHORTHANDS}
     config.update_from_flattened_dict(
-        {
-            field: flags.FLAGS[flag].value
-            for flag, field in SHORTHANDS.items()
-            if flags.FLAGS[flag].value is not None
-        }
+        {SHORTHANDS[flag]: value for flag, value in shorthands.items() if value is not None}
     )
     try:
         parallel.initialize(
@@ -190,49 +187,60 @@ def main(argv: Sequence[str]) -> None:
             auto=_DISTRIBUTED.value,
             timeout_s=_DISTRIBUTED_TIMEOUT.value,
         )
-        if _MODE.value == "train":
-            experiment.train_and_evaluate(config, _WORKDIR.value, extensions())
-        elif _MODE.value == "benchmark":
-            from fmnist_flax import benchmark  # the training path never imports it
-
-            try:
-                batch_sizes = [int(b) for b in _BENCH_BATCH_SIZES.value]
-            except ValueError:
-                fail(f"--bench_batch_sizes={','.join(_BENCH_BATCH_SIZES.value)}: whole numbers", 2)
-            benchmark.run_benchmark(
-                config,
-                batch_sizes=batch_sizes,
-                dtypes=_BENCH_DTYPES.value,
-                steps=_BENCH_STEPS.value,
-                repeats=_BENCH_REPEATS.value,
-                whole_run_steps=_BENCH_WHOLE_RUN_STEPS.value,
-                output=_OUTPUT.value,
-            )
-        elif not _WORKDIR.value:
-            fail(f"--mode={_MODE.value} needs --workdir=DIR of a training run", 2)
-        elif _MODE.value == "eval":
-            inference.run_eval(
-                _WORKDIR.value,
-                step=_STEP.value,
-                compute_dtype=flags.FLAGS.compute_dtype,
-                data_dir=flags.FLAGS.data_dir,
-            )
-        else:
-            _, errors = inference.run_predict(
-                _WORKDIR.value,
-                _IMAGES.value,
-                step=_STEP.value,
-                compute_dtype=flags.FLAGS.compute_dtype,
-                output=_OUTPUT.value,
-            )
-            for line in errors:
-                error_line(line)
-            if errors:
-                sys.exit(1)
+        run_mode(_MODE.value, config)
     except UserError as exc:
         fail(str(exc), getattr(exc, "exit_code", 1))
     except KeyboardInterrupt:
         fail("interrupted; checkpoints saved so far are kept", 130)
+
+
+def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
+    """Train, benchmark, evaluate or predict, as --mode says."""
+    if mode == "train":
+        experiment.train_and_evaluate(config, _WORKDIR.value, extensions())
+    elif mode == "benchmark":
+        run_benchmark(config)
+    elif not _WORKDIR.value:
+        raise UserError(f"--mode={mode} needs --workdir=DIR of a training run")
+    elif mode == "eval":
+        inference.run_eval(
+            _WORKDIR.value,
+            step=_STEP.value,
+            compute_dtype=flags.FLAGS.compute_dtype,
+            data_dir=flags.FLAGS.data_dir,
+        )
+    else:
+        _, errors = inference.run_predict(
+            _WORKDIR.value,
+            _IMAGES.value,
+            step=_STEP.value,
+            compute_dtype=flags.FLAGS.compute_dtype,
+            output=_OUTPUT.value,
+        )
+        for line in errors:
+            error_line(line)
+        if errors:
+            sys.exit(1)
+
+
+def run_benchmark(config: ml_collections.ConfigDict) -> None:
+    from fmnist_flax import benchmark  # the training path never imports it
+
+    try:
+        batch_sizes = [int(b) for b in _BENCH_BATCH_SIZES.value]
+    except ValueError:
+        raise UserError(
+            f"--bench_batch_sizes={','.join(_BENCH_BATCH_SIZES.value)}: whole numbers"
+        ) from None
+    benchmark.run_benchmark(
+        config,
+        batch_sizes=batch_sizes,
+        dtypes=_BENCH_DTYPES.value,
+        steps=_BENCH_STEPS.value,
+        repeats=_BENCH_REPEATS.value,
+        whole_run_steps=_BENCH_WHOLE_RUN_STEPS.value,
+        output=_OUTPUT.value,
+    )
 
 
 def extensions() -> list[experiment.Extension]:
@@ -241,6 +249,20 @@ def extensions() -> list[experiment.Extension]:
     return [importlib.import_module(name).EXTENSION for name in found]
 
 
+def define_config_flag() -> None:
+    """`--config`, defined when the CLI runs rather than at import: config_flags reads the
+    `--config.FIELD` overrides from sys.argv as it defines the flag, and a mistake there must
+    become one line like any other."""
+    global _CONFIG
+    try:
+        _CONFIG = config_flags.DEFINE_config_file(
+            "config", DEFAULT_CONFIG, "Config file; override fields with --config.FIELD=VALUE."
+        )
+    except Exception as exc:  # an unknown --config.FIELD, a file that does not load
+        fail(explain_config_error(sys.argv, exc), 2)
+
+
 def run() -> None:
-    """Entry point of `main.py` and the `fmnist-flax` console script."""
+    """Entry point of `main.py`, `python -m fmnist_flax` and the `fmnist-flax` script."""
+    define_config_flag()
     app.run(main, flags_parser=parse_flags)

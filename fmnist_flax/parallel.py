@@ -44,25 +44,9 @@ def initialize(
     The three explicit values go together; `auto` lets JAX detect the cluster (SLURM, Open MPI,
     Kubernetes, Cloud TPU). With neither, this is a single-process run and nothing happens.
     """
-    explicit = {
-        "--coordinator_address": coordinator_address,
-        "--num_processes": num_processes,
-        "--process_id": process_id,
-    }
-    given = [name for name, value in explicit.items() if value is not None]
+    given = check_process_flags(coordinator_address, num_processes, process_id)
     if not given and not auto:
         return
-    if given and len(given) < len(explicit):
-        missing = ", ".join(name for name in explicit if name not in given)
-        raise UserError(
-            f"{', '.join(given)} given without {missing}; a multi-process run needs all three "
-            "(or --distributed alone, on a cluster JAX can detect)"
-        )
-    if given and not 0 <= process_id < num_processes:
-        raise UserError(
-            f"--process_id={process_id} must be in 0..{num_processes - 1} "
-            f"for --num_processes={num_processes}"
-        )
     if given:
         host, port = split_address(coordinator_address)
         # JAX aborts the whole process (a C++ fatal error, no exception) when the coordinator
@@ -103,6 +87,30 @@ def initialize(
     # JAX's preemption notifier takes SIGTERM over; give it back, so SIGTERM stops a process as
     # in a single-process run (the training loop saves and stops on it).
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def check_process_flags(
+    coordinator_address: str | None, num_processes: int | None, process_id: int | None
+) -> bool:
+    """Whether the three explicit flags are given; they go together, the id in range."""
+    explicit = {
+        "--coordinator_address": coordinator_address,
+        "--num_processes": num_processes,
+        "--process_id": process_id,
+    }
+    given = [name for name, value in explicit.items() if value is not None]
+    if given and len(given) < len(explicit):
+        missing = ", ".join(name for name in explicit if name not in given)
+        raise UserError(
+            f"{', '.join(given)} given without {missing}; a multi-process run needs all three "
+            "(or --distributed alone, on a cluster JAX can detect)"
+        )
+    if given and not 0 <= process_id < num_processes:
+        raise UserError(
+            f"--process_id={process_id} must be in 0..{num_processes - 1} "
+            f"for --num_processes={num_processes}"
+        )
+    return bool(given)
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -25,6 +25,7 @@ def test_flops_per_example_matches_the_hand_count():
     assert benchmark.flops_per_example((784, 256, 128, 10)) == 1_007_104
 
 
+@pytest.mark.slow
 def test_tiny_benchmark_writes_every_field(tmp_path, capsys):
     output = tmp_path / "bench.json"
     benchmark.run_benchmark(

@@ -40,6 +40,7 @@ def trained(tmp_path_factory):
     return workdir, summary
 
 
+@pytest.mark.slow
 def test_400_steps_equal_200_then_resume_to_400_bit_for_bit(quick_config, tmp_path):
     quick_config.steps = 400
     experiment.train_and_evaluate(quick_config, tmp_path / "one")
@@ -176,6 +177,7 @@ def wait_for(condition, timeout=120):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_signal_saves_the_current_step_and_says_how_to_resume(signum, tmp_path):
     workdir = tmp_path / "w"
@@ -195,6 +197,7 @@ def test_signal_saves_the_current_step_and_says_how_to_resume(signum, tmp_path):
     assert saved > 1 and f"at step {saved}:" in lines[0]
 
 
+@pytest.mark.slow
 def test_sigkill_resumes_from_the_last_complete_checkpoint(tmp_path):
     workdir = tmp_path / "w"
     process = start_training(workdir, "--steps=1000000", "--checkpoint_every=20")

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zipfile
 
 import pytest
 from conftest import REPO
+
+from fmnist_flax import cli
 
 
 def run_main(*args, cwd=REPO):
@@ -28,6 +31,7 @@ def assert_one_line_error(result, expected):
     assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_main_trains_with_shorthand_flags_and_config_overrides(tmp_path):
     args = (
         "--compute_dtype=bfloat16",
@@ -53,6 +57,7 @@ def test_main_trains_with_shorthand_flags_and_config_overrides(tmp_path):
     assert (tmp_path / "w" / "summary.json").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_without_workdir_a_fresh_run_directory_is_made_and_printed(tmp_path):
     result = run_main("--steps=2", "--report=none", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -61,6 +66,7 @@ def test_without_workdir_a_fresh_run_directory_is_made_and_printed(tmp_path):
     assert (run_dir / "summary.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flag", "expected"),
     [
@@ -77,3 +83,68 @@ def test_without_workdir_a_fresh_run_directory_is_made_and_printed(tmp_path):
 )
 def test_bad_flags_exit_non_zero_with_one_line(flag, expected, tmp_path):
     assert_one_line_error(run_main(flag, f"--workdir={tmp_path / 'w'}"), expected)
+
+
+@pytest.mark.slow
+def test_help_lists_the_projects_flags_and_exits_zero():
+    result = run_main("--help")
+    assert result.returncode == 0, result.stderr
+    for flag in ("--steps", "--compute_dtype", "--workdir", "--mode", "--config.FIELD"):
+        assert flag in result.stdout, flag
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("config_file", "flag", "expected"),
+    [
+        (None, "--config=configs/nope.py", "--config=configs/nope.py cannot be loaded"),
+        (None, "--config=configs", "--config=configs cannot be loaded (it is a directory)"),
+        ("x = 1\n", None, "cannot be loaded (it defines no get_config())"),
+        ("def get_config():\n    raise ValueError('boom')\n", None, "cannot be loaded (boom)"),
+        ("def get_config(:\n", None, "cannot be loaded ("),
+        (None, "--config.nonexistent=1", "--config.nonexistent: config has no field"),
+        (None, "--config.model.hiden=1", "config.model has no field 'hiden'; its fields are"),
+        (None, "--config.steps=abc", "--config.steps=abc: not a valid int for this field"),
+    ],
+)
+def test_every_config_mistake_is_one_line(config_file, flag, expected, tmp_path):
+    if config_file is not None:
+        (tmp_path / "bad.py").write_text(config_file)
+        flag = f"--config={tmp_path / 'bad.py'}"
+    assert_one_line_error(run_main(flag, f"--workdir={tmp_path / 'w'}"), expected)
+
+
+@pytest.mark.slow
+def test_python_m_runs_the_packaged_default_from_any_directory(tmp_path):
+    """No configs/ around: the default config comes from the package."""
+    result = subprocess.run(
+        [sys.executable, "-m", "fmnist_flax", "--steps=3", "--report=none", "--workdir=w"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "w" / "summary.json").read_text())["steps"] == 3
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_no_top_level_configs_package(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    [wheel] = tmp_path.glob("fmnist_flax-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "fmnist_flax/config.py" in names and "fmnist_flax/__main__.py" in names
+    assert {name.split("/")[0] for name in names if "dist-info" not in name} == {"fmnist_flax"}
+
+
+def test_config_mistakes_are_explained_in_process(tmp_path):
+    """The fast tier's check of the explanations the slow tests above see as a user does."""
+    (tmp_path / "bad.py").write_text("x = 1\n")
+    bad = f"--config={tmp_path / 'bad.py'}"
+    assert "defines no get_config()" in cli.explain_config_error(["m", bad], ValueError())
+    assert "its fields are hidden, name" in cli.explain_config_error(
+        ["m", "--config.model.hiden=1"], ValueError()
+    )
+    assert cli.explain_config_error(["m", "--config.steps=x"], ValueError()).startswith(
+        "--config.steps=x: not a valid int"
+    )

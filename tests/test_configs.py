@@ -42,6 +42,7 @@ def cnn_smoke(steps):
     return config
 
 
+@pytest.mark.slow
 def test_cnn_trains_resumes_exactly_and_restores_for_predict(tmp_path, real_dataset):
     """Dropout's RNG state and BatchNorm's statistics travel in the checkpoint."""
     experiment.train_and_evaluate(cnn_smoke(6), tmp_path / "one")

@@ -27,6 +27,7 @@ def workdir(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow
 def test_eval_mode_writes_accuracy_loss_and_confusion_counts(workdir, real_dataset):
     report = inference.run_eval(workdir, compute_dtype="bfloat16")
     saved = json.loads((workdir / "eval.json").read_text())
@@ -40,6 +41,7 @@ def test_eval_mode_writes_accuracy_loss_and_confusion_counts(workdir, real_datas
     assert abs(report["test_accuracy"] - summary["test_accuracy"]) < 0.01
 
 
+@pytest.mark.slow
 def test_load_model_and_predict_api_matches_the_evaluation(workdir, real_dataset):
     model = load_model(workdir)
     probabilities = predict(model, real_dataset.test_images)
@@ -50,6 +52,7 @@ def test_load_model_and_predict_api_matches_the_evaluation(workdir, real_dataset
     assert accuracy == pytest.approx(summary["test_accuracy"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_predict_mode_classifies_readable_images_and_names_the_rest(
     workdir, real_dataset, tmp_path
 ):
@@ -89,6 +92,7 @@ def test_predict_mode_classifies_readable_images_and_names_the_rest(
         assert f"{p['class']} (" in result.stdout
 
 
+@pytest.mark.slow
 def test_predict_without_images_or_workdir_is_one_line(tmp_path):
     with pytest.raises(UserError, match="needs --images"):
         inference.run_predict(tmp_path, [])

@@ -24,6 +24,9 @@ LOSS_RTOL = 1e-5
 PARAM_ATOL = 2e-4
 
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
+
 def env_with_devices(count: int) -> dict[str, str]:
     return {
         **os.environ,

@@ -46,6 +46,7 @@ def full_run(tmp_path_factory):
     return workdir, experiment.train_and_evaluate(config, workdir, [codelab.Codelab()])
 
 
+@pytest.mark.slow
 def test_a_full_run_writes_every_figure_readable_and_not_blank(full_run):
     workdir, summary = full_run
     assert summary["gradient_check"]["trees_match"]
@@ -58,6 +59,7 @@ def test_a_full_run_writes_every_figure_readable_and_not_blank(full_run):
     assert summary["report"] == str(workdir / "report" / "report.html")
 
 
+@pytest.mark.slow
 def test_report_html_is_self_contained_with_every_table_figure_and_the_config(full_run):
     workdir, summary = full_run
     page = (workdir / "report" / "report.html").read_text()
@@ -73,6 +75,7 @@ def test_report_html_is_self_contained_with_every_table_figure_and_the_config(fu
     assert '"steps": 30' in page  # the run's config
 
 
+@pytest.mark.slow
 def test_confusion_rows_sum_to_one_and_count_every_example(full_run):
     _, summary = full_run
     counts = np.array(summary["confusion_matrix"])

@@ -1,0 +1,221 @@
+"""What the template promises whoever copies it: one-way imports, short functions, a golden
+first step, a trainer that survives deleting the codelab, and the guide's recipes working
+when followed literally (they are read from docs/extending.md, so the guide cannot rot)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import numpy as np
+import pytest
+from conftest import REPO, idx_bytes, load_config
+
+from fmnist_flax import input_pipeline, parallel, train
+
+PACKAGE = REPO / "fmnist_flax"
+# What a template user may delete; nothing that trains, evaluates or reports may import them.
+DEMONSTRATIONS = {"codelab", "reference", "benchmark", "profiling"}
+MAX_FUNCTION_LINES = 60
+
+
+def imports_of(path: pathlib.Path, inside_functions: bool = True) -> set[str]:
+    """The fmnist_flax modules a file imports (inside functions too, unless told not to)."""
+    found = set()
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree) if inside_functions else tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "fmnist_flax":
+                found |= {alias.name for alias in node.names}
+            elif node.module.startswith("fmnist_flax."):
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("fmnist_flax.")}
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    return found & modules
+
+
+def test_imports_go_one_way_and_the_training_path_never_reaches_the_demonstrations():
+    graph = {p.stem: imports_of(p) - {p.stem} for p in PACKAGE.glob("*.py")}
+
+    def reach(start: str, seen: set[str]) -> set[str]:
+        for module in graph[start] - seen:
+            seen.add(module)
+            reach(module, seen)
+        return seen
+
+    for module in graph:
+        assert module not in reach(module, set()), f"{module} imports itself through a cycle"
+    for entry in ("experiment", "inference", "__init__"):
+        assert not (reach(entry, set()) & DEMONSTRATIONS), entry
+    # The CLI imports the benchmark only inside --mode=benchmark, the codelab only if present.
+    cli_imports = imports_of(PACKAGE / "cli.py", inside_functions=False)
+    assert not (set().union(*(reach(m, {m}) for m in cli_imports)) & DEMONSTRATIONS)
+
+
+def test_no_function_in_the_package_is_longer_than_60_lines():
+    for path in PACKAGE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                assert length <= MAX_FUNCTION_LINES, f"{path.name}:{node.name} has {length} lines"
+
+
+def test_golden_first_steps_on_fixed_real_images(real_dataset):
+    """The codelab's model from seed 0 on the first 512 training images of the file: any
+    change to the init, the loss, the optimizer or the data scaling moves these numbers."""
+    config = load_config("default")
+    model, optimizer = train.create_train_state(config, (28, 28), 10, parallel.make_mesh())
+    x = input_pipeline.prepare_images(real_dataset.train_images[:512])
+    y = real_dataset.train_labels[:512].astype(np.int32)
+    first = train.jit_train_step(model, optimizer, x, y)
+    second = train.jit_train_step(model, optimizer, x, y)
+    assert float(first["loss"]) == pytest.approx(2.5092971324920654, rel=1e-5)
+    assert float(first["grad_norm"]) == pytest.approx(1.989441990852356, rel=1e-5)
+    assert float(first["accuracy"]) == 27 / 512
+    assert float(second["loss"]) == pytest.approx(1.9706456661224365, rel=1e-5)
+    assert float(second["grad_norm"]) == pytest.approx(2.684241533279419, rel=1e-5)
+
+
+# --- The template as a user copies it -------------------------------------------------------
+
+
+def copy_project(tmp_path: pathlib.Path) -> pathlib.Path:
+    """The package, main.py and configs/ in a fresh directory, as someone copying it has."""
+    root = tmp_path / "project"
+    shutil.copytree(PACKAGE, root / "fmnist_flax", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "configs", root / "configs")
+    shutil.copy(REPO / "main.py", root)
+    return root
+
+
+def isolated(root: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    """`python ARGS` in a copied project, seeing its own package only: `-S` skips the .pth
+    files, so this checkout's editable install cannot fill in modules the copy deleted, and
+    the libraries come from site-packages on PYTHONPATH."""
+    env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    return subprocess.run(
+        [sys.executable, "-S", *args], cwd=root, env=env, capture_output=True, text=True
+    )
+
+
+def run(root: pathlib.Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`python main.py ARGS` in a copied project."""
+    done = isolated(root, "main.py", *args)
+    if check:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+QUICK = ("--steps=20", "--log_every=10", "--checkpoint_every=10", "--batch_size=128")
+
+
+@pytest.mark.slow
+def test_deleting_the_codelab_and_the_reference_leaves_a_working_trainer(tmp_path):
+    root = copy_project(tmp_path)
+    for name in ("codelab", "reference"):
+        (root / "fmnist_flax" / f"{name}.py").unlink()
+    work = root / "runs" / "w"
+    done = run(root, *QUICK, "--report=basic", f"--workdir={work}")
+    where = isolated(root, "-c", "import fmnist_flax; print(fmnist_flax.__file__)").stdout
+    assert where.startswith(str(root / "fmnist_flax"))  # the copy, not the install
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["test_accuracy"] > 0.5 and "gradient_check" not in summary
+    assert "Gradient tree" not in done.stdout and "Training metrics" in done.stdout
+    names = {p.name for p in (work / "report").iterdir()}
+    assert {"training_curve.png", "predictions.png", "confusion_matrix.png"} <= names
+    run(root, "--mode=eval", f"--workdir={work}")
+    assert json.loads((work / "eval.json").read_text())["test_examples"] == 10_000
+    np.save(root / "x.npy", np.zeros((2, 28, 28), np.uint8))
+    assert "x.npy[1]:" in run(root, "--mode=predict", f"--workdir={work}", "--images=x.npy").stdout
+    assert str(work / "checkpoints") in run(root, *QUICK, "--steps=30", f"--workdir={work}").stdout
+
+
+# --- docs/extending.md, followed literally ---------------------------------------------------
+
+GUIDE = REPO / "docs" / "extending.md"
+STEP = re.compile(r"<!-- test: (?P<action>[\w-]+) (?P<path>\S+)(?: \| (?P<anchor>.*?))? -->\n"
+                  r"```\w*\n(?P<body>.*?)```", re.S)  # fmt: skip
+
+
+def recipe(name: str) -> str:
+    """The text of the guide's section `## name`."""
+    text = GUIDE.read_text()
+    start = text.index(f"## {name}")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else None]
+
+
+def follow(section: str, root: pathlib.Path, **values: str) -> list[subprocess.CompletedProcess]:
+    """Apply each annotated code block of a guide section to the project at `root`: create,
+    insert before or after the line holding the anchor, or replace that line; `run` executes
+    the block's commands (`{NAME}` filled from `values`)."""
+    results = []
+    for step in STEP.finditer(section):
+        action, anchor, body = step["action"], step["anchor"], step["body"]
+        if action == "run":
+            for line in body.strip().splitlines():
+                words = line.format(**values).split()
+                assert words[:2] == ["python", "main.py"], line
+                results.append(run(root, *words[2:]))
+            continue
+        path = root / step["path"]
+        if action == "create":
+            path.write_text(body)
+            continue
+        lines = path.read_text().splitlines(keepends=True)
+        [at] = [i for i, line in enumerate(lines) if anchor in line][:1]
+        new = {"insert-before": [body, lines[at]], "insert-after": [lines[at], body],
+               "replace": [body]}[action]  # fmt: skip
+        path.write_text("".join(lines[:at] + new + lines[at + 1 :]))
+    return results
+
+
+def write_idx_dataset(directory: pathlib.Path, shape=(12, 12), classes=("cat", "dog", "fish")):
+    """A small IDX dataset of another image size with its own classes.txt."""
+    directory.mkdir()
+    rng = np.random.default_rng(0)
+    for stem, n in (("train", 96), ("t10k", 30)):
+        labels = np.arange(n) % len(classes)
+        images = rng.integers(0, 60, (n, *shape)).astype(np.uint8)
+        images[:, : shape[0] // 2 * 1] += (labels * 60).astype(np.uint8)[:, None, None]
+        (directory / f"{stem}-images-idx3-ubyte").write_bytes(idx_bytes(images))
+        (directory / f"{stem}-labels-idx1-ubyte").write_bytes(idx_bytes(labels.astype(np.uint8)))
+    (directory / "classes.txt").write_text("\n".join(classes) + "\n")
+
+
+@pytest.mark.slow
+def test_the_guides_recipes_work_when_followed_literally(tmp_path):
+    root = copy_project(tmp_path)
+    write_idx_dataset(root / "pets")
+    values = {"DATA_DIR": str(root / "pets"), "WORKDIR": str(root / "runs")}
+    np.save(root / "pets.npy", np.zeros((2, 12, 12), np.uint8))
+    assert follow(recipe("Add a metric"), root, **values) == []
+    assert follow(recipe("Add a model"), root, **values) == []
+    [config_run] = follow(recipe("Add a config"), root, **values)
+    assert "Linear parameters: 7,850 trainable values" in config_run.stdout
+    [data_run, _, predict_run] = follow(recipe("Use another dataset"), root, **values)
+
+    for done in (config_run, data_run):
+        assert re.search(r"Step +Loss +Accuracy +Grad norm +Top2 accuracy", done.stdout)
+        assert "top2_accuracy" in done.stdout  # the progress bar shows it too
+    rows = [
+        json.loads(line) for line in (root / "runs/pets/metrics.jsonl").read_text().splitlines()
+    ]
+    assert [row["step"] for row in rows] == [1, 5, 10, 15, 20]
+    assert all(row["accuracy"] <= row["top2_accuracy"] <= 1 for row in rows)
+    assert "IDX dataset loaded from IDX files (3 classes, not MD5-checked)" in data_run.stdout
+    assert "(12, 12)" in data_run.stdout
+    evaluation = json.loads((root / "runs/pets/eval.json").read_text())
+    assert evaluation["class_names"] == ["cat", "dog", "fish"]
+    assert evaluation["test_examples"] == 30 and evaluation["test_accuracy"] > 0.5
+    assert re.search(r"pets\.npy\[0\]: (cat|dog|fish) \(", predict_run.stdout)
+    page = (root / "runs/pets/report/report.html").read_text()
+    assert "IDX dataset" in page and "Fashion-MNIST" not in page.split("<h2>Config")[0]
