@@ -351,8 +351,9 @@ def load_dataset(
             f"{sources[0]} holds {images[0].shape[1:]} images but {sources[2]} holds "
             f"{images[1].shape[1:]}; train and test images must be the same size"
         )
+    title = f"{data_dir.name} (IDX)" if spec.name == "idx" else spec.title
     return Dataset(
-        spec.name, spec.title, class_names, images[0], labels[0], images[1], labels[1],
+        spec.name, title, class_names, images[0], labels[0], images[1], labels[1],
         sources, spec.checked,
     )  # fmt: skip
 

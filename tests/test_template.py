@@ -211,11 +211,11 @@ def test_the_guides_recipes_work_when_followed_literally(tmp_path):
     ]
     assert [row["step"] for row in rows] == [1, 5, 10, 15, 20]
     assert all(row["accuracy"] <= row["top2_accuracy"] <= 1 for row in rows)
-    assert "IDX dataset loaded from IDX files (3 classes, not MD5-checked)" in data_run.stdout
+    assert "pets (IDX) loaded from IDX files (3 classes, not MD5-checked)" in data_run.stdout
     assert "(12, 12)" in data_run.stdout
     evaluation = json.loads((root / "runs/pets/eval.json").read_text())
     assert evaluation["class_names"] == ["cat", "dog", "fish"]
     assert evaluation["test_examples"] == 30 and evaluation["test_accuracy"] > 0.5
     assert re.search(r"pets\.npy\[0\]: (cat|dog|fish) \(", predict_run.stdout)
     page = (root / "runs/pets/report/report.html").read_text()
-    assert "IDX dataset" in page and "Fashion-MNIST" not in page.split("<h2>Config")[0]
+    assert "pets (IDX)" in page and "Fashion-MNIST" not in page.split("<h2>Config")[0]
