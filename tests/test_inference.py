@@ -104,3 +104,17 @@ def test_predict_without_images_or_workdir_is_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "error: --mode=eval needs --workdir=DIR of a training run"
     ]
+
+
+def test_read_images_takes_pngs_and_arrays_of_the_models_size(tmp_path):
+    Image.fromarray(np.full((28, 28), 255, np.uint8)).save(tmp_path / "white.png")
+    [(name, pixels)], notes = inference.read_images(tmp_path / "white.png")
+    assert name.endswith("white.png") and notes == [] and pixels.max() == 1.0
+    Image.fromarray(np.zeros((40, 30, 3), np.uint8)).save(tmp_path / "rgb.png")
+    [(_, pixels)], notes = inference.read_images(tmp_path / "rgb.png", (12, 12))
+    assert pixels.shape == (12, 12) and len(notes) == 2  # converted and resized, each noted
+    np.save(tmp_path / "three.npy", np.zeros((3, 12, 12), np.uint8))
+    images, _ = inference.read_images(tmp_path / "three.npy", (12, 12))
+    assert [n for n, _ in images][-1].endswith("three.npy[2]")
+    with pytest.raises(UserError, match=r"expected \(28, 28\) or \(N, 28, 28\)"):
+        inference.read_images(tmp_path / "three.npy")

@@ -24,9 +24,6 @@ LOSS_RTOL = 1e-5
 PARAM_ATOL = 2e-4
 
 
-pytestmark = pytest.mark.slow  # every test here starts processes
-
-
 def env_with_devices(count: int) -> dict[str, str]:
     return {
         **os.environ,
@@ -51,6 +48,7 @@ def main_py(*flags: str, devices: int = 1, timeout: int = 120) -> subprocess.Com
     )
 
 
+@pytest.mark.slow
 def test_eight_devices_train_like_one_and_arrays_are_really_sharded(tmp_path):
     worker = subprocess.run(
         [sys.executable, str(REPO / "tests" / "mesh_worker.py"), str(tmp_path)],
@@ -104,6 +102,7 @@ def start_two_processes(workdir, *flags: str) -> list[subprocess.Popen]:
     ]
 
 
+@pytest.mark.slow
 def test_two_processes_train_one_model_and_one_process_restores_it(tmp_path, real_dataset):
     workdir = tmp_path / "run"
     processes = start_two_processes(workdir, "--steps=30", "--log_every=10", "--batch_size=256")
@@ -132,6 +131,7 @@ def test_two_processes_train_one_model_and_one_process_restores_it(tmp_path, rea
     assert result["loss"] == pytest.approx(summary["test_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_shard_only_one_process_can_read_stops_both_with_what_to_do(tmp_path):
     """FSDP: each process reads its own shards, so only process 1 meets the damage. Both stop
     at once with one line (no hang), and the fix the line names resumes the run."""
@@ -161,6 +161,7 @@ def test_a_shard_only_one_process_can_read_stops_both_with_what_to_do(tmp_path):
     assert json.loads((workdir / "summary.json").read_text())["resumed_from_step"] == 2
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
     workdir = tmp_path / "run"
     processes = start_two_processes(
@@ -181,6 +182,7 @@ def test_a_signal_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == [str(step)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, expected",
     [
@@ -200,6 +202,7 @@ def test_a_missing_peer_fails_in_one_line(tmp_path, flags, expected):
     assert expected.format(port=port) in result.stderr
 
 
+@pytest.mark.slow
 def test_indivisible_batch_on_eight_devices_is_one_line(tmp_path):
     result = main_py("--batch_size=100", f"--workdir={tmp_path}", devices=8)
     assert result.returncode == 1
