@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -11,6 +12,7 @@ import optax
 from flax import nnx
 
 from fmnist_flax import parallel
+from fmnist_flax.errors import UserError
 from fmnist_flax.input_pipeline import PIXEL_SCALE
 
 
@@ -90,20 +92,104 @@ def _probabilities(model: nnx.Module, x: jax.Array) -> jax.Array:
     return jax.nn.softmax(model(x), axis=-1)
 
 
-def predict(
-    model: nnx.Module, images: np.ndarray, mesh: jax.sharding.Mesh | None = None
-) -> np.ndarray:
-    """Class probabilities (N, classes) for images shaped (N, H, W) or (N, H * W).
+def model_input(images: Any, image_shape: tuple[int, int], name: str = "images") -> np.ndarray:
+    """The one input rule of `predict` and of --mode=predict's .npy files and PNGs: `images`
+    as float32 (N, H * W) in [0, 1], or a one-line UserError that starts with `name`.
 
-    uint8 pixels are scaled to [0, 1]; float pixels are taken as already in [0, 1]. On a mesh
-    the images are padded to a multiple of its size and split along `data`.
+    Shapes: (H, W) is one image; (N, H, W) and (N, H * W) are N >= 1 images.
+    Pixels: uint8 is 0..255 and is scaled by 1/255 (`PIXEL_SCALE`, as training does); any
+    other integer dtype must hold only 0..255 and is scaled the same; floats (16, 32 or 64
+    bits) must be finite and already in [0, 1], and are never rescaled (divide 0..255 floats
+    by 255 first). bool, complex, string, object, structured and date/time arrays are refused.
     """
-    images = np.asarray(images)
-    x = images.reshape(len(images), -1)
-    x = x.astype(np.float32) * PIXEL_SCALE if x.dtype == np.uint8 else x.astype(np.float32)
+    h, w = (int(side) for side in image_shape)
+    expected = f"expected ({h}, {w}) or (N, {h}, {w}) or (N, {h * w})"
+    try:
+        array = np.asarray(images)
+    except (ValueError, TypeError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"{name}: cannot be made into one array ({reason}); {expected}") from None
+    if array.dtype.kind == "V" and jnp.issubdtype(array.dtype, jnp.floating):
+        array = array.astype(np.float32)  # bfloat16 and other ml_dtypes floats: exact in f32
+    kind = array.dtype.kind
+    if kind not in "uif":  # timedelta64 counts as an integer for np.issubdtype: go by kind
+        raise UserError(
+            f"{name}: pixels of dtype {array.dtype} cannot be used; pass uint8 (0..255), "
+            "other integers in 0..255 or floats in [0, 1]"
+        )
+    if array.shape == (h, w):
+        array = array[None]
+    if not (array.ndim == 3 and array.shape[1:] == (h, w)) and not (
+        array.ndim == 2 and array.shape[1] == h * w
+    ):
+        raise UserError(f"{name}: array shape {array.shape}; {expected}")
+    if len(array) == 0:
+        raise UserError(f"{name}: no images in it (shape {array.shape}); {expected} with N >= 1")
+    if kind == "f":
+        finite = np.isfinite(array)
+        if not finite.all():
+            bad = int(array.size - np.count_nonzero(finite))
+            raise UserError(
+                f"{name}: {bad} non-finite pixel value{'s' * (bad != 1)} (NaN or infinity); "
+                "every pixel must be a number in [0, 1]"
+            )
+        low, high = array.min(), array.max()
+        if low < 0 or high > 1:
+            raise UserError(
+                f"{name}: float pixels must lie in [0, 1] but these range over "
+                f"[{low!s}, {high!s}]; divide 0..255 values by 255 first (or pass them as uint8)"
+            )
+        x = array.astype(np.float32)
+    else:
+        if array.dtype != np.uint8:
+            low, high = array.min(), array.max()
+            if low < 0 or high > 255:
+                raise UserError(
+                    f"{name}: integer pixels must lie in 0..255 but these range over "
+                    f"{low}..{high}; scale them to 0..255 (uint8) or to floats in [0, 1] first"
+                )
+        x = array.astype(np.float32) * PIXEL_SCALE  # bit for bit what training feeds the model
+    return x.reshape(len(x), h * w)
+
+
+def _image_shape(model: nnx.Module, image_shape: tuple[int, int] | None) -> tuple[int, int]:
+    """(H, W) of the images a model takes: the argument, the model's own `image_shape`, or the
+    square whose pixel count is the input width of an MLP's first layer."""
+    if image_shape is not None:
+        return tuple(image_shape)
+    if getattr(model, "image_shape", None) is not None:
+        return tuple(model.image_shape)
+    layers = getattr(model, "layers", None)
+    if layers and isinstance(layers[0], nnx.Linear):
+        side = math.isqrt(layers[0].in_features)
+        if side * side == layers[0].in_features:
+            return side, side
+    raise UserError(
+        f"predict: cannot tell the image size {type(model).__name__} takes; pass image_shape=(H, W)"
+    )
+
+
+def predict(
+    model: nnx.Module,
+    images: Any,
+    mesh: jax.sharding.Mesh | None = None,
+    *,
+    image_shape: tuple[int, int] | None = None,
+) -> np.ndarray:
+    """Class probabilities (N, classes) for images shaped (H, W), (N, H, W) or (N, H * W).
+
+    The same rule as --mode=predict (`model_input`): uint8 pixels (0..255) and other integers
+    in 0..255 are scaled by 1/255; floats must be finite and already in [0, 1] (they are never
+    rescaled: divide 0..255 floats by 255 first). Anything else is a one-line UserError: a
+    wrong shape, no images, NaN or infinite pixels, values out of range, a non-numeric dtype.
+    (H, W) is the model's `image_shape` or, for the MLP, the square of its input width; pass
+    `image_shape` for other models. On a mesh the images are padded to a multiple of its size
+    and split along `data`.
+    """
+    x = model_input(images, _image_shape(model, image_shape))
     if mesh is None:
         return np.asarray(_probabilities(model, jnp.asarray(x)))
     pad = -len(x) % parallel.data_size(mesh)
     x = np.concatenate([x, np.zeros((pad, x.shape[1]), x.dtype)])
     sharded = parallel.shard_host_array(x, parallel.batch_sharding(mesh))
-    return parallel.to_host(_probabilities(model, sharded))[: len(images)]
+    return parallel.to_host(_probabilities(model, sharded))[: len(x) - pad]

@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import resource
+import signal
+import struct
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pytest
 from conftest import REPO
+from flax import nnx
 from PIL import Image
 
-from fmnist_flax import CLASS_NAMES, inference, load_model, predict
+from fmnist_flax import CLASS_NAMES, evaluate, inference, load_model, predict
+from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
+from fmnist_flax.input_pipeline import PIXEL_SCALE
+from fmnist_flax.model import MLP
+
+SHAPES = "expected (28, 28) or (N, 28, 28) or (N, 784)"
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +130,308 @@ def test_read_images_takes_pngs_and_arrays_of_the_models_size(tmp_path):
     assert [n for n, _ in images][-1].endswith("three.npy[2]")
     with pytest.raises(UserError, match=r"expected \(28, 28\) or \(N, 28, 28\)"):
         inference.read_images(tmp_path / "three.npy")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return MLP(rngs=nnx.Rngs(0))  # untrained: 28x28 in, 10 classes out
+
+
+def refusal(call, *args, **kwargs) -> str:
+    """The message of the UserError `call` raises, checked to be one line."""
+    with pytest.raises(UserError) as exc:
+        call(*args, **kwargs)
+    message = str(exc.value)
+    assert "\n" not in message
+    return message
+
+
+def images_of(path, shape=(28, 28)) -> np.ndarray:
+    """--mode=predict's reading of a file, stacked as run_predict stacks it."""
+    named, _ = inference.read_images(path, shape)
+    return np.stack([image for _, image in named])
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A tiny PNG whose header claims an 8-bit grayscale image of any size: the claim is all a
+    reader sees before it decodes (the one row of pixels it holds would fail to decode)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + data))
+        return struct.pack(">I", len(data)) + kind + data + crc
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 9))
+        + chunk(b"IEND", b"")
+    )
+
+
+def test_nan_or_infinite_pixels_are_refused_with_their_count(model, tmp_path):
+    one = np.full((28, 28), 0.5, np.float32)
+    one[3, 4] = np.nan
+    np.save(tmp_path / "nan.npy", one)
+    three = np.zeros((2, 28, 28), np.float64)
+    three[0, 0, 0], three[1, 5, 5], three[1, 6, 6] = np.nan, np.inf, -np.inf
+    np.save(tmp_path / "three.npy", three)
+    rule = "(NaN or infinity); every pixel must be a number in [0, 1]"
+    assert refusal(inference.read_images, tmp_path / "nan.npy") == (
+        f"{tmp_path / 'nan.npy'}: 1 non-finite pixel value {rule}"
+    )
+    assert refusal(inference.read_images, tmp_path / "three.npy") == (
+        f"{tmp_path / 'three.npy'}: 3 non-finite pixel values {rule}"
+    )
+    assert refusal(predict, model, one) == f"images: 1 non-finite pixel value {rule}"
+    assert (
+        refusal(predict, model, three.reshape(2, 784))
+        == f"images: 3 non-finite pixel values {rule}"
+    )
+    Image.fromarray(one).save(tmp_path / "nan.tiff")  # a float (mode F) image file
+    assert refusal(inference.read_images, tmp_path / "nan.tiff") == (
+        f"{tmp_path / 'nan.tiff'}: 1 non-finite pixel value {rule}"
+    )
+
+
+def test_16_bit_png_is_scaled_by_its_own_range_not_clipped(model, tmp_path):
+    eight = np.random.default_rng(0).integers(0, 256, (28, 28), dtype=np.uint8)
+    sixteen = eight.astype(np.uint16) * 257  # the same shades at 16 bits: 255 -> 65535
+    sixteen[0, 0] = 300  # 8-bit clipping would make this white; it is nearly black
+    Image.fromarray(sixteen).save(tmp_path / "deep.png")
+    assert Image.open(tmp_path / "deep.png").mode == "I;16"
+    [(name, pixels)], notes = inference.read_images(tmp_path / "deep.png")
+    assert notes == [f"{name}: 16-bit grayscale (I;16) scaled by 1/65535 to [0, 1]"]
+    assert pixels.dtype == np.float32 and pixels[0, 0] == np.float32(300) / np.float32(65535)
+    expected = eight.astype(np.float32) * PIXEL_SCALE
+    np.testing.assert_allclose(pixels.ravel()[1:], expected.ravel()[1:], atol=1e-7)
+    assert len(np.unique(pixels)) > 2  # shades, not a binarised image
+    np.testing.assert_allclose(
+        predict(model, pixels), predict(model, sixteen.astype(np.float32) / 65535), atol=1e-6
+    )
+
+
+def test_float_pixels_must_lie_in_0_1_and_are_never_rescaled(model, tmp_path):
+    pixels = (np.random.default_rng(1).random((2, 28, 28)) * 0.5 + 0.25).astype(np.float32)
+    np.save(tmp_path / "good.npy", pixels)
+    np.testing.assert_array_equal(images_of(tmp_path / "good.npy"), pixels)  # taken as they are
+    pixels[1, 2, 3] = 1.5  # one pixel above 1 used to divide the whole file by 255
+    pixels[0, 0, 0] = np.float32(0.1) / 3  # the minimum, shown as float32 shows it
+    np.save(tmp_path / "one_above.npy", pixels)
+    advice = "divide 0..255 values by 255 first (or pass them as uint8)"
+    assert refusal(inference.read_images, tmp_path / "one_above.npy") == (
+        f"{tmp_path / 'one_above.npy'}: float pixels must lie in [0, 1] but these range over "
+        f"[0.033333335, 1.5]; {advice}"
+    )
+    assert refusal(predict, model, pixels) == (
+        f"images: float pixels must lie in [0, 1] but these range over [0.033333335, 1.5]; {advice}"
+    )
+    assert refusal(predict, model, np.full((28, 28), 255.0)) == (
+        f"images: float pixels must lie in [0, 1] but these range over [255.0, 255.0]; {advice}"
+    )
+    assert refusal(predict, model, np.full((28, 28), -0.25, np.float16)).startswith(
+        "images: float pixels must lie in [0, 1] but these range over [-0.25, -0.25]"
+    )
+
+
+def test_integer_pixels_are_0_to_255_whatever_their_dtype(model, tmp_path):
+    u8 = np.random.default_rng(2).integers(0, 256, (3, 28, 28), dtype=np.uint8)
+    scaled = u8.astype(np.float32) * PIXEL_SCALE
+    for dtype in (np.uint8, np.int16, np.uint16, np.int64):
+        np.save(tmp_path / "ints.npy", u8.astype(dtype))
+        np.testing.assert_array_equal(
+            images_of(tmp_path / "ints.npy").reshape(3, -1), scaled.reshape(3, -1)
+        )
+        np.testing.assert_array_equal(
+            evaluate.model_input(u8.astype(dtype), (28, 28)), scaled.reshape(3, -1)
+        )
+    wide = u8.astype(np.uint16)
+    wide[0, 0, 0] = 300
+    np.save(tmp_path / "wide.npy", wide)
+    assert refusal(inference.read_images, tmp_path / "wide.npy") == (
+        f"{tmp_path / 'wide.npy'}: integer pixels must lie in 0..255 but these range over "
+        f"{u8.min()}..300; scale them to 0..255 (uint8) or to floats in [0, 1] first"
+    )
+    assert refusal(predict, model, np.full((28, 28), -1, np.int8)) == (
+        "images: integer pixels must lie in 0..255 but these range over -1..-1; scale them to "
+        "0..255 (uint8) or to floats in [0, 1] first"
+    )
+
+
+def test_bool_complex_string_and_object_pixels_are_refused(model, tmp_path):
+    advice = "cannot be used; pass uint8 (0..255), other integers in 0..255 or floats in [0, 1]"
+    for array in (
+        np.zeros((28, 28), bool),
+        np.zeros((28, 28), np.complex64),
+        np.full((28, 28), "a"),
+        np.zeros((28, 28), "m8[s]"),  # timedelta64 passes np.issubdtype(..., np.integer)
+    ):
+        np.save(tmp_path / "odd.npy", array)
+        assert refusal(inference.read_images, tmp_path / "odd.npy") == (
+            f"{tmp_path / 'odd.npy'}: pixels of dtype {array.dtype} {advice}"
+        )
+        assert refusal(predict, model, array) == f"images: pixels of dtype {array.dtype} {advice}"
+    objects = np.empty((28, 28), object)
+    objects[...] = 0
+    assert refusal(predict, model, objects) == f"images: pixels of dtype object {advice}"
+    np.save(tmp_path / "objects.npy", objects, allow_pickle=True)
+    assert refusal(inference.read_images, tmp_path / "objects.npy").startswith(
+        f"{tmp_path / 'objects.npy'}: cannot read it as a .npy array ("
+    )
+
+
+def test_predict_takes_one_image_a_stack_or_rows_and_refuses_other_shapes(model, tmp_path):
+    images = np.random.default_rng(3).integers(0, 256, (3, 28, 28), dtype=np.uint8)
+    stack = predict(model, images)
+    assert stack.shape == (3, 10)
+    np.testing.assert_array_equal(predict(model, images.reshape(3, 784)), stack)
+    one = predict(model, images[1])  # a batch of 1: XLA may sum in another order
+    np.testing.assert_allclose(one, stack[1:2], rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(predict(model, images[1].tolist()), one)
+    for shape in ((5, 5), (784,), (3, 28, 28, 1), (2, 783), (28, 29), ()):
+        assert refusal(predict, model, np.zeros(shape, np.uint8)) == (
+            f"images: array shape {shape}; {SHAPES}"
+        )
+    np.save(tmp_path / "wrong.npy", np.zeros((2, 5, 5)))
+    assert refusal(inference.read_images, tmp_path / "wrong.npy") == (
+        f"{tmp_path / 'wrong.npy'}: array shape (2, 5, 5); {SHAPES}"
+    )
+    assert refusal(predict, model, [np.zeros((28, 28)), np.zeros(3)]).startswith(
+        "images: cannot be made into one array ("
+    )
+
+
+def test_an_empty_array_is_refused(model, tmp_path):
+    np.save(tmp_path / "empty.npy", np.zeros((0, 28, 28), np.uint8))
+    assert refusal(inference.read_images, tmp_path / "empty.npy") == (
+        f"{tmp_path / 'empty.npy'}: no images in it (shape (0, 28, 28)); {SHAPES} with N >= 1"
+    )
+    assert refusal(predict, model, np.zeros((0, 784), np.float32)) == (
+        f"images: no images in it (shape (0, 784)); {SHAPES} with N >= 1"
+    )
+
+
+def test_cli_files_and_the_python_api_give_identical_probabilities(model, tmp_path):
+    u8 = np.random.default_rng(4).integers(0, 256, (4, 28, 28), dtype=np.uint8)
+    for i, image in enumerate(u8):
+        Image.fromarray(image).save(tmp_path / f"{i}.png")
+    np.save(tmp_path / "all.npy", u8)
+    np.save(tmp_path / "rows.npy", u8.reshape(4, 784).astype(np.int32))
+    np.save(tmp_path / "floats.npy", u8.astype(np.float32) * PIXEL_SCALE)
+    expected = predict(model, u8)
+    from_pngs = np.stack([images_of(tmp_path / f"{i}.png")[0] for i in range(4)])
+    for read in (from_pngs, images_of(tmp_path / "all.npy"), images_of(tmp_path / "rows.npy"),
+                 images_of(tmp_path / "floats.npy")):  # fmt: skip
+        np.testing.assert_array_equal(evaluate.predict(model, read), expected)
+    np.testing.assert_array_equal(predict(model, u8.astype(np.float32) * PIXEL_SCALE), expected)
+    np.testing.assert_allclose(predict(model, u8 / 255.0), expected, atol=1e-6)
+    np.testing.assert_array_equal(predict(model, u8, image_shape=(28, 28)), expected)
+
+
+def test_a_resized_colour_png_is_noted_and_stays_in_0_1(tmp_path):
+    rgb = np.random.default_rng(5).integers(0, 256, (40, 30, 3), dtype=np.uint8)
+    Image.fromarray(rgb).save(tmp_path / "rgb.png")
+    [(name, pixels)], notes = inference.read_images(tmp_path / "rgb.png")
+    assert notes == [
+        f"{name}: converted from RGB to grayscale",
+        f"{name}: resized from 30x40 to 28x28",
+    ]
+    assert pixels.shape == (28, 28) and pixels.dtype == np.float32
+    assert pixels.min() >= 0 and pixels.max() <= 1
+
+
+def test_oversized_and_decompression_bomb_images_are_refused_before_decoding(tmp_path, monkeypatch):
+    (tmp_path / "bomb.png").write_bytes(png_header(100_000, 100_000))  # 10^10 pixels claimed
+    message = refusal(inference.read_images, tmp_path / "bomb.png")
+    assert re.fullmatch(
+        re.escape(f"{tmp_path / 'bomb.png'}: refused as a possible decompression bomb (")
+        + r"Image size \(10000000000 pixels\) exceeds limit of \d+ pixels.*\)",
+        message,
+    ), message
+    (tmp_path / "wide.png").write_bytes(png_header(5000, 10))  # under PIL's limits, over ours
+    assert refusal(inference.read_images, tmp_path / "wide.png") == (
+        f"{tmp_path / 'wide.png'}: 5000x10 pixels; images larger than 4096x4096 are refused, "
+        "shrink it first"
+    )
+    Image.new("L", (40, 40)).save(tmp_path / "modest.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 1600 pixels: PIL only warns
+    message = refusal(inference.read_images, tmp_path / "modest.png")
+    assert message.startswith(
+        f"{tmp_path / 'modest.png'}: refused as a possible decompression bomb (Image size (1600 "
+    ), message
+
+
+def test_unreadable_files_are_one_line_each(tmp_path):
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    (tmp_path / "broken.npy").write_bytes(b"not an array")
+    valid = tmp_path / "cut.png"
+    Image.fromarray(np.random.default_rng(6).integers(0, 256, (28, 28), np.uint8)).save(valid)
+    valid.write_bytes(valid.read_bytes()[:400])  # cut inside the pixel data
+    np.savez(tmp_path / "archive.npz", a=np.zeros((28, 28), np.uint8))
+    (tmp_path / "archive.npz").rename(tmp_path / "archive.npy")
+    for name, start in (
+        ("broken.png", "cannot read it as an image ("),
+        ("broken.npy", "cannot read it as a .npy array ("),
+        ("cut.png", "cannot read it as an image ("),
+        ("missing.png", "cannot read it as an image ("),
+        ("archive.npy", "is an .npz archive, not a .npy array; save one array with np.save"),
+    ):
+        assert refusal(inference.read_images, tmp_path / name).startswith(
+            f"{tmp_path / name}: {start}"
+        )
+
+
+def test_an_output_that_is_a_directory_is_refused_before_any_work(tmp_path):
+    Image.new("L", (28, 28)).save(tmp_path / "a.png")
+    message = refusal(
+        inference.run_predict, tmp_path / "no-such-workdir", [str(tmp_path / "a.png")],
+        output=str(tmp_path),
+    )  # fmt: skip
+    assert message.startswith(f"--output {tmp_path} is a directory")  # not the workdir's error
+    message = refusal(
+        inference.run_predict, tmp_path / "no-such-workdir", [str(tmp_path / "a.png")],
+        output=str(tmp_path / "missing" / "p.json"),
+    )  # fmt: skip
+    assert message.startswith(f"--output {tmp_path / 'missing' / 'p.json'}")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only directories")
+def test_an_output_in_an_unwritable_directory_is_refused_before_any_work(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    message = refusal(
+        inference.run_predict, tmp_path / "no-such-workdir", ["a.png"],
+        output=str(locked / "p.json"),
+    )  # fmt: skip
+    assert message.startswith(f"--output {locked / 'p.json'}") and "not writable" in message
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="workdir.write_atomically: the close() in its cleanup re-raises the failed flush, so "
+    "the os.unlink after it never runs",
+)
+def test_a_failed_output_write_leaves_no_temporary_file(tmp_path):
+    output = tmp_path / "p.json"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail: EFBIG
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, limit[1]))
+        message = refusal(workdir_lib.write_json, output, {"predictions": ["x" * 1000]})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert message.startswith(f"cannot write {output} (File too large")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.xfail(
+    strict=True, reason="workdir.write_atomically leaves its temporary when os.replace fails"
+)
+def test_an_output_replaced_by_a_directory_leaves_no_temporary_file(tmp_path):
+    output = tmp_path / "p.json"
+    output.mkdir()  # appears after check_output_path ran: the rename is what fails
+    assert refusal(workdir_lib.write_json, output, {"predictions": []}).startswith(
+        f"cannot write {output} ("
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["p.json"]
