@@ -8,10 +8,12 @@ JSON. Nothing is pickled.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pathlib
 import shutil
+import tempfile
 from typing import Any
 
 import jax
@@ -22,15 +24,18 @@ from flax import nnx
 
 from fmnist_flax import model as model_lib
 from fmnist_flax import parallel
+from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
 from fmnist_flax.tables import path_name
 
 CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never deleted
+STEP_MARKER = "_CHECKPOINT_METADATA"  # what Orbax writes in every step it finalises
+SPACE_MARGIN = 1.5  # bytes a save needs per byte of state, metadata included (measured ~1.1)
 
 
 ARRAY_ITEMS = ("model", "optimizer")  # array trees
-JSON_ITEMS = ("progress", "config", "dataset")
+JSON_ITEMS = ("progress", "config", "dataset", "changes")
 # What restore_model assumes for a checkpoint written before the `dataset` item existed.
 FASHION_MNIST_INFO = {
     "name": "fashion_mnist",
@@ -96,16 +101,25 @@ class Checkpoints:
         workdir: str | os.PathLike,
         *,
         max_to_keep: int = 3,
-        create: bool = True,
+        read_only: bool = False,
         metadata: dict[str, dict[str, Any]] | None = None,
     ):
-        """`metadata`: the JSON items every save writes besides progress (config, dataset)."""
+        """`metadata`: the JSON items every save writes besides progress (config, dataset).
+
+        A `read_only` reader (eval, predict, load_model) changes nothing in the directory: a
+        training run may be writing there. A writer must hold the workdir's lock.
+        """
         self.directory = checkpoint_dir(workdir)
         self.metadata = metadata or {}
+        self.read_only = read_only
+        if not read_only:
+            prepare_directory(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
-            create=create,
-            cleanup_tmp_directories=True,  # half-written saves of a killed process go away
+            create=False,
+            read_only=read_only,
+            # Half-written saves of a killed process go away; only the lock holder may do it.
+            cleanup_tmp_directories=not read_only,
             enable_async_checkpointing=True,
         )
         self._manager = ocp.CheckpointManager(
@@ -127,20 +141,64 @@ class Checkpoints:
         optimizer: nnx.Optimizer,
         progress: dict[str, Any],
     ) -> None:
-        """Start an asynchronous save; training goes on while it is written."""
+        """Start an asynchronous save; training goes on while it is written.
+
+        The space it needs is checked first: a save that fills the disk would fail in Orbax's
+        threads, with hundreds of lines of tracebacks, long after this call.
+        """
+        self.wait()  # the previous save is complete (or its failure reported) first
+        arrays = {
+            "model": _key_data(nnx.state(model)),
+            "optimizer": _key_data(nnx.state(optimizer)),
+        }
+        self._check_space(step, arrays)
         json_items = {**self.metadata, "progress": progress}
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                model=ocp.args.StandardSave(_key_data(nnx.state(model))),
-                optimizer=ocp.args.StandardSave(_key_data(nnx.state(optimizer))),
-                **{name: ocp.args.JsonSave(value) for name, value in json_items.items()},
-            ),
-            force=True,
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    **{name: ocp.args.StandardSave(tree) for name, tree in arrays.items()},
+                    **{name: ocp.args.JsonSave(value) for name, value in json_items.items()},
+                ),
+                force=True,
+            )
+        except Exception as exc:  # Orbax and tensorstore raise many types for a failed write
+            raise self._save_failed(step, exc) from None
+
+    def _check_space(self, step: int, arrays: dict[str, Any]) -> None:
+        need = (
+            SPACE_MARGIN
+            * sum(x.nbytes for x in jax.tree.leaves(arrays) if hasattr(x, "nbytes"))
+            // max(jax.process_count(), 1)
+        )
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise UserError(
+                f"checkpoint {step} needs about {need / 2**20:,.1f} MB in {self.directory}, "
+                f"which has {free / 2**20:,.1f} MB free; {self._resume_hint()}"
+            )
+
+    def _resume_hint(self) -> str:
+        kept = sorted(self._manager.all_steps())
+        last = f"checkpoint {kept[-1]}" if kept else "the start (no checkpoint was completed)"
+        return f"free some space and run the same command again to resume from {last}"
+
+    def _save_failed(self, step: int, exc: BaseException) -> UserError:
+        lines = str(exc).strip().splitlines()
+        reason = lines[0][:200] if lines else type(exc).__name__
+        if "No space left" in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC:
+            reason = workdir_lib.disk_problem(self.directory, OSError(errno.ENOSPC, "disk full"))
+        return UserError(
+            f"could not write checkpoint {step} in {self.directory} ({reason}); "
+            + self._resume_hint()
         )
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        """Block until the last save is on disk; a failed one is reported in one line."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as exc:  # the asynchronous write failed in Orbax's threads
+            raise self._save_failed(max(self._manager.all_steps(), default=0), exc) from None
 
     def close(self) -> None:
         self._manager.close()
@@ -165,9 +223,16 @@ class Checkpoints:
         }
 
     def _set_aside(self, step: int, reason: str) -> None:
+        """Move a damaged step out of the way, under a name that never replaces another."""
+        if self.read_only:  # a reader leaves the workdir as it found it
+            logging.warning("checkpoint %d is damaged (%s); using an older one", step, reason)
+            return
         damaged = self.directory.parent / DAMAGED_DIR / str(step)
         damaged.parent.mkdir(exist_ok=True)
-        shutil.rmtree(damaged, ignore_errors=True)
+        copy = 1
+        while damaged.exists():
+            damaged = damaged.with_name(f"{step}.{copy}")
+            copy += 1
         shutil.move(self.directory / str(step), damaged)
         self._manager.reload()
         logging.warning(
@@ -194,6 +259,7 @@ class Checkpoints:
             except UserError:
                 raise
             except Exception as exc:  # Orbax and tensorstore raise many types for a bad file
+                check_readable(self.directory / str(candidate))
                 reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
                 if step is not None:
                     raise UserError(
@@ -230,6 +296,38 @@ class Checkpoints:
         nnx.update(model, restored["model"])
         nnx.update(optimizer, restored["optimizer"])
         return restored["step"]
+
+
+def prepare_directory(directory: pathlib.Path) -> None:
+    """Create the checkpoint directory (a writer's), and refuse step directories this project
+    did not write: Orbax would take them for steps and delete them when rotating."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-").close()
+    except OSError as exc:
+        raise UserError(
+            f"cannot write checkpoints in {directory} ({workdir_lib.disk_problem(directory, exc)});"
+            " pick a --workdir you can write to"
+        ) from None
+    for path in sorted(directory.iterdir()):
+        if path.name.isdigit() and not (path / STEP_MARKER).exists():
+            raise UserError(
+                f"{path} is not a checkpoint this project wrote (no {STEP_MARKER}); move it out "
+                f"of {directory}, where the newest {CHECKPOINT_DIR} are rotated away"
+            )
+
+
+def check_readable(step_dir: pathlib.Path) -> None:
+    """A step that is intact but unreadable here (permissions) is the user's to fix, not
+    damage: say so, and leave it where it is."""
+    for root, dirs, files in os.walk(step_dir):
+        for name in [*dirs, *files]:
+            path = pathlib.Path(root, name)
+            if not os.access(path, os.R_OK) or (path.is_dir() and not os.access(path, os.X_OK)):
+                raise UserError(
+                    f"{path} cannot be read (permission denied); fix its permissions (or run as "
+                    "its owner) and run the same command again"
+                )
 
 
 def saved_item(directory: pathlib.Path, step: int, item: str) -> dict[str, Any] | None:
@@ -273,7 +371,7 @@ def restore_model(
         raise UserError(f"--workdir {path} does not exist; pass the directory of a training run")
     if not checkpoint_dir(path).is_dir():
         raise UserError(f"--workdir {path} has no checkpoints; train there first")
-    checkpoints = Checkpoints(path, create=False)
+    checkpoints = Checkpoints(path, read_only=True)
     try:
         steps = checkpoints.steps()
         if not steps:

@@ -53,6 +53,12 @@ _BENCH_WHOLE_RUN_STEPS = flags.DEFINE_integer(
 )
 _IMAGES = flags.DEFINE_list("images", [], "predict: PNG files or .npy arrays (28x28 or Nx28x28).")
 _OUTPUT = flags.DEFINE_string("output", None, "predict/benchmark: also write the results as JSON.")
+_ACCEPT_CONFIG_CHANGE = flags.DEFINE_bool(
+    "accept_config_change",
+    False,
+    "Resume even though values that change the computation differ from the checkpoint's; "
+    "summary.json records each change and its step.",
+)
 _STEP = flags.DEFINE_integer("step", None, "eval/predict: checkpoint step; default the newest.")
 
 # Multi-process runs (jax.distributed): start the same command on every host.
@@ -197,7 +203,9 @@ def main(argv: Sequence[str]) -> None:
 def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
     """Train, benchmark, evaluate or predict, as --mode says."""
     if mode == "train":
-        experiment.train_and_evaluate(config, _WORKDIR.value, extensions())
+        experiment.train_and_evaluate(
+            config, _WORKDIR.value, extensions(), accept_config_change=_ACCEPT_CONFIG_CHANGE.value
+        )
     elif mode == "benchmark":
         run_benchmark(config)
     elif not _WORKDIR.value:

@@ -7,6 +7,9 @@ the model itself (`model.check_config`), dataset fields by `datasets.get`.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import ml_collections
 
 from fmnist_flax.errors import UserError
@@ -81,3 +84,36 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise UserError(
             f"--config.optimizer.warmup_steps={warmup} must be below --steps={config.steps}"
         )
+
+
+# Fields a resumed run may change without changing what it computes.
+RESUMABLE_FIELDS = (
+    "steps", "log_every", "checkpoint_every", "max_to_keep", "report", "data_dir",
+    "fused_steps", "param_sharding",
+)  # fmt: skip
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:  # through JSON, as the checkpoint stores it: tuples become lists
+            flat[f"{prefix}{key}"] = json.loads(json.dumps(value))
+    return flat
+
+
+def training_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[dict[str, Any]]:
+    """The fields whose new value would change what a resumed run computes: every field but
+    RESUMABLE_FIELDS, and `steps` too under a schedule that decays over it."""
+    before, after = _flatten(saved), _flatten(now)
+    decays = "warmup_cosine" in (
+        before.get("optimizer.schedule"),
+        after.get("optimizer.schedule"),
+    )
+    free = set(RESUMABLE_FIELDS) - ({"steps"} if decays else set())
+    return [
+        {"field": key, "saved": before.get(key), "now": after.get(key)}
+        for key in sorted(before.keys() | after.keys())
+        if key not in free and before.get(key) != after.get(key)
+    ]

@@ -41,6 +41,7 @@ class Run:
     model: nnx.Module
     optimizer: nnx.Optimizer
     start_step: int
+    signals: train.StopSignals
     sections: dict[str, list[report.Item]] = dataclasses.field(default_factory=dict)
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)  # extensions' entries
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
@@ -79,15 +80,19 @@ def train_and_evaluate(
     config: ml_collections.ConfigDict,
     workdir: str | pathlib.Path | None,
     extensions: Sequence[Extension] = (),
+    *,
+    accept_config_change: bool = False,
 ) -> dict[str, Any]:
     """Train (resuming from the workdir's checkpoints), evaluate and write every output.
 
     Writes summary.json, metrics.jsonl, checkpoints/ and report/ in the workdir and returns
-    the summary.
+    the summary. SIGINT and SIGTERM stop it with a saved checkpoint and one line, whenever they
+    come; resuming with values that change the computation needs `accept_config_change`.
     """
     wall_start = time.perf_counter()
-    run = set_up(config, workdir)
-    try:
+    with contextlib.ExitStack() as cleanup:
+        signals = cleanup.enter_context(train.StopSignals())
+        run = set_up(config, workdir, signals, cleanup, accept_config_change)
         summary_path = run.workdir / workdir_lib.SUMMARY_FILE
         if run.start_step > config.steps or (
             run.start_step == config.steps and summary_path.exists()
@@ -101,17 +106,34 @@ def train_and_evaluate(
         for extension in extensions:
             extension.before_training(run)
         fit(run)
+        stop_if_signalled(run)
         evaluation = evaluate_model(run)
         for extension in extensions:
             extension.after_training(run)
+            stop_if_signalled(run)
         return write_outputs(run, evaluation, time.perf_counter() - wall_start)
-    finally:
-        run.checkpoints.wait()
-        run.checkpoints.close()
 
 
-def set_up(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None) -> Run:
-    """Check everything a user can get wrong, load the data, build the state, resume."""
+def stop_if_signalled(run: Run) -> None:
+    """After training, a signal still stops the run with its line and exit code; the final
+    checkpoint is on disk and the same command finishes the outputs."""
+    signum = max(parallel.from_every_process(run.signals.signum))
+    if signum:
+        raise train.interrupted(
+            signum, run.config.steps, run.checkpoints,
+            "; the summary and report were not written",
+        )  # fmt: skip
+
+
+def set_up(
+    config: ml_collections.ConfigDict,
+    workdir: str | pathlib.Path | None,
+    signals: train.StopSignals,
+    cleanup: contextlib.ExitStack,
+    accept_config_change: bool = False,
+) -> Run:
+    """Check everything a user can get wrong, claim the workdir, load the data, build the
+    state and resume; what needs closing is registered on `cleanup`."""
     config_lib.validate(config)
     datasets.get(config)  # an unknown dataset or a missing --data_dir, before any I/O
     if jax.process_count() > 1 and not workdir:
@@ -119,6 +141,8 @@ def set_up(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None
             "a multi-process run needs --workdir=DIR, on a filesystem every process shares"
         )
     workdir = workdir_lib.prepare_workdir(workdir)
+    if parallel.is_primary():  # the processes of one run share it
+        cleanup.callback(workdir_lib.Lock(workdir).release)
     dataset = datasets.load(config)
     model_lib.check_config(config.model, dataset.image_shape)
     mesh = parallel.make_mesh()
@@ -131,13 +155,38 @@ def set_up(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None
         max_to_keep=config.max_to_keep,
         metadata={"config": config.to_dict(), "dataset": dataset.info()},
     )
-    try:
-        expected = train.progress_of(0, device_data.batches_per_epoch, config)
-        start_step = checkpoints.resume(model, optimizer, expected)
-    except BaseException:
-        checkpoints.close()
-        raise
-    return Run(config, workdir, dataset, device_data, checkpoints, model, optimizer, start_step)
+    cleanup.callback(checkpoints.close)
+    cleanup.callback(checkpoints.wait)  # runs first: the last save is on disk before closing
+    changes = check_config_changes(checkpoints, config, accept_config_change)
+    checkpoints.metadata["changes"] = {"changes": changes}
+    expected = train.progress_of(0, device_data.batches_per_epoch, config)
+    start_step = checkpoints.resume(model, optimizer, expected)
+    run = Run(
+        config, workdir, dataset, device_data, checkpoints, model, optimizer, start_step, signals
+    )
+    run.summary["config_changes"] = changes
+    return run
+
+
+def check_config_changes(
+    checkpoints: checkpoint_lib.Checkpoints, config: ml_collections.ConfigDict, accept: bool
+) -> list[dict[str, Any]]:
+    """Refuse to resume with values that change what the run computes, in one line naming
+    each; with `accept`, return them (with the earlier accepted ones) for the record."""
+    steps = checkpoints.steps()
+    if not steps:
+        return []
+    saved = checkpoint_lib.saved_item(checkpoints.directory, steps[-1], "config") or {}
+    earlier = checkpoint_lib.saved_item(checkpoints.directory, steps[-1], "changes") or {}
+    changes = config_lib.training_changes(saved, config.to_dict())
+    if changes and not accept:
+        listed = ", ".join(f"{c['field']} {c['saved']!r} -> {c['now']!r}" for c in changes)
+        raise UserError(
+            f"{checkpoints.directory} holds step {steps[-1]} trained with other values: "
+            f"{listed}; resume with the saved values, pass a new --workdir, or pass "
+            "--accept_config_change to go on with the new ones (summary.json records them)"
+        )
+    return earlier.get("changes", []) + [{"step": steps[-1], **c} for c in changes]
 
 
 def describe(run: Run) -> None:
@@ -180,6 +229,7 @@ def fit(run: Run) -> None:
         run.examples_per_sec = train.fit(
             run.model, run.optimizer, run.device_data, run.config,
             start_step=run.start_step, checkpoints=run.checkpoints, on_log=on_log,
+            signals=run.signals,
         )  # fmt: skip
     compared = parallel.check_replicas(nnx.state(run.model, nnx.Param), "the trained parameters")
     if jax.process_count() > 1:

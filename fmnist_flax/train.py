@@ -7,6 +7,7 @@ default path). Metrics are one dict from `loss_fn` to `metrics.jsonl` and every 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
 import time
@@ -285,11 +286,15 @@ class Guard:
             self.stop("the parameters became non-finite", step)
 
 
-def interrupted(signum: int, step: int, checkpoints: checkpoint_lib.Checkpoints) -> Interrupted:
+def interrupted(
+    signum: int, step: int, checkpoints: checkpoint_lib.Checkpoints, unfinished: str
+) -> Interrupted:
+    """The one line a signal ends a run with, once the checkpoint of `step` is on disk."""
     checkpoints.wait()
     return Interrupted(
         f"{signal.Signals(signum).name} at step {step}: checkpoint {step} saved in "
-        f"{checkpoints.directory}; resume by running the same command with the same --workdir",
+        f"{checkpoints.directory}{unfinished}; resume by running the same command with the "
+        "same --workdir",
         signum,
     )
 
@@ -303,12 +308,14 @@ def fit(
     start_step: int,
     checkpoints: checkpoint_lib.Checkpoints,
     on_log: Callable[[dict[str, float]], None],
+    signals: StopSignals | None = None,
 ) -> float:
     """Run updates start_step+1..config.steps in fused chunks; returns examples/sec.
 
     Metrics reach the host only at step 1, every `log_every` steps and the last step. The clock
     starts after the first (compiling) step and stops at `block_until_ready` on the final state.
-    Checkpoints are saved every `checkpoint_every` steps, at the end and on SIGINT/SIGTERM.
+    Checkpoints are saved every `checkpoint_every` steps, at the end and on SIGINT/SIGTERM
+    (caught by `signals`, which the caller may keep active beyond training).
     """
     d, per_epoch = device_data, device_data.batches_per_epoch
     model.train()  # dropout on, BatchNorm on batch statistics (no-ops for the MLP)
@@ -316,7 +323,8 @@ def fit(
     train_chunk = chunk_for(graphdef, config, d.image_shape, d.mesh)
     aug_key, guard = augment_key(config), Guard(checkpoints, start_step)
     clock, order_epoch, step = None, None, start_step
-    with StopSignals() as signals:
+    with contextlib.ExitStack() as stack:
+        signals = signals or stack.enter_context(StopSignals())
         while step < config.steps:
             epoch, index = divmod(step, per_epoch)
             if epoch != order_epoch:
@@ -343,7 +351,7 @@ def fit(
                 guard.check_params(model, step)
                 checkpoints.save(step, model, optimizer, progress_of(step, per_epoch, config))
             if signum:
-                raise interrupted(signum, step, checkpoints)
+                raise interrupted(signum, step, checkpoints, "")
     jax.block_until_ready(state)
     nnx.update((model, optimizer), state)
     model.eval()

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
 import pathlib
 import resource
+import shutil
+import socket
 import tempfile
 import time
-from typing import Any
+from typing import Any, TextIO
 
 import flax
 import jax
@@ -19,6 +24,7 @@ from fmnist_flax.errors import UserError
 RUNS_DIR = pathlib.Path("runs")
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
+LOCK_FILE = ".lock"  # held (flock) by the training run that owns the workdir
 
 
 def prepare_workdir(workdir: str | os.PathLike | None) -> pathlib.Path:
@@ -52,16 +58,54 @@ def prepare_workdir(workdir: str | os.PathLike | None) -> pathlib.Path:
 
 
 def check_output_path(output: str | None) -> None:
-    """Refuse an --output whose directory does not exist, before any work is done."""
-    if output and not pathlib.Path(output).expanduser().absolute().parent.is_dir():
+    """Refuse an --output that cannot be written, before any work is done."""
+    if not output:
+        return
+    path = pathlib.Path(output).expanduser().absolute()
+    if path.is_dir():
+        raise UserError(
+            f"--output {output} is a directory; name a file in it, e.g. {path}/out.json"
+        )
+    if not path.parent.is_dir():
         raise UserError(f"--output {output}: its directory does not exist")
+    if not os.access(path.parent, os.W_OK):
+        raise UserError(f"--output {output}: {path.parent} is not writable; pick another place")
+
+
+def disk_problem(path: pathlib.Path, exc: BaseException | None = None) -> str:
+    """'No space left on device, 1.2 MB free in /w' for a failed write under `path`."""
+    reason = getattr(exc, "strerror", None) or (str(exc).splitlines()[0][:160] if exc else "")
+    try:
+        free = shutil.disk_usage(path if path.is_dir() else path.parent).free
+        where = f"{free / 2**20:,.1f} MB free in {path if path.is_dir() else path.parent}"
+    except OSError:
+        where = f"{path} cannot be examined"
+    return f"{reason}; {where}" if reason else where
+
+
+def write_atomically(path: pathlib.Path, text: str) -> None:
+    """Write via a uniquely named temporary file in the same directory, then rename: a crash
+    or a full disk leaves the old file or the new one, never half of one, and no temporary."""
+    with tempfile.NamedTemporaryFile(
+        "w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False
+    ) as partial:
+        try:
+            partial.write(text)
+            partial.flush()
+            os.fsync(partial.fileno())
+        except BaseException:
+            partial.close()
+            os.unlink(partial.name)
+            raise
+    os.replace(partial.name, path)
 
 
 def write_json(path: pathlib.Path, value: dict[str, Any]) -> None:
-    """Write atomically: a crash leaves the old file or the new one, never half of one."""
-    partial = path.with_suffix(path.suffix + ".tmp")
-    partial.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
-    partial.replace(path)
+    """Write a JSON file atomically; a failed write is one line that says why."""
+    try:
+        write_atomically(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
+    except OSError as exc:
+        raise UserError(f"cannot write {path} ({disk_problem(path, exc)})") from None
 
 
 def read_json(path: pathlib.Path) -> dict[str, Any]:
@@ -70,30 +114,82 @@ def read_json(path: pathlib.Path) -> dict[str, Any]:
 
 
 def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The rows of a JSON-lines file; a torn last line (a crash mid-write) is left out."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # only a line cut short by a crash or a full disk can be unreadable
+        if isinstance(row, dict) and "step" in row:
+            rows.append(row)
+    return rows
 
 
 class MetricsLog:
     """metrics.jsonl: one JSON object per logged step, flushed as it is written.
 
     A resumed run keeps the rows up to the step it resumes from and drops later ones (logged
-    by a run that died before its next checkpoint), so each step appears once.
+    by a run that died before its next checkpoint) and a torn last line, so each step appears
+    once; that rewrite is atomic, so a crash during it loses nothing.
     """
 
     def __init__(self, path: pathlib.Path, keep_until: int = 0):
+        self.path = path
         kept = []
         if keep_until and path.exists():
             kept = [row for row in read_jsonl(path) if row["step"] <= keep_until]
-        self._file = path.open("w")
-        for row in kept:
-            self.write(row)
+        try:
+            write_atomically(path, "".join(json.dumps(row) + "\n" for row in kept))
+            self._file: TextIO = path.open("a")
+        except OSError as exc:
+            raise UserError(f"cannot write {path} ({disk_problem(path, exc)})") from None
 
     def write(self, row: dict[str, Any]) -> None:
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            raise UserError(
+                f"cannot write {self.path} ({disk_problem(self.path, exc)}); free space and run "
+                "the same command again: it resumes from the last checkpoint"
+            ) from None
 
     def close(self) -> None:
-        self._file.close()
+        with contextlib.suppress(OSError):  # write() has already reported it
+            self._file.close()
+
+
+class Lock:
+    """The training run's claim on its workdir: an flock on <workdir>/.lock, released by the
+    kernel when the process ends however it ends, so a killed run never blocks the next."""
+
+    def __init__(self, workdir: pathlib.Path):
+        self.path = workdir / LOCK_FILE
+        try:
+            self._file = self.path.open("a+")
+        except OSError as exc:
+            raise UserError(f"cannot create {self.path} ({disk_problem(self.path, exc)})") from None
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise UserError(f"cannot lock {self.path} ({exc.strerror})") from None
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            raise UserError(
+                f"--workdir {workdir} is in use by a training run ({holder}); wait for it to "
+                "finish, stop it, or pass another --workdir"
+            ) from None
+        self._file.seek(0)
+        self._file.truncate()
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        self._file.write(f"pid {os.getpid()} on {socket.gethostname()} since {since}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        self._file.close()  # closing drops the flock
 
 
 def versions() -> dict[str, str]:

@@ -47,7 +47,9 @@ def test_cnn_trains_resumes_exactly_and_restores_for_predict(tmp_path, real_data
     """Dropout's RNG state and BatchNorm's statistics travel in the checkpoint."""
     experiment.train_and_evaluate(cnn_smoke(6), tmp_path / "one")
     experiment.train_and_evaluate(cnn_smoke(3), tmp_path / "two")
-    resumed = experiment.train_and_evaluate(cnn_smoke(6), tmp_path / "two")
+    resumed = experiment.train_and_evaluate(
+        cnn_smoke(6), tmp_path / "two", accept_config_change=True
+    )
     assert resumed["resumed_from_step"] == 3
     one, two = load_model(tmp_path / "one"), load_model(tmp_path / "two")
     assert isinstance(one, CNN)

@@ -57,7 +57,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(quick_config, 
     quick_config.log_every = 1
     quick_config.optimizer.learning_rate = 1e30  # diverges at once
     with pytest.raises(UserError, match=r"the loss became nan between steps 1\d and 1\d") as exc:
-        experiment.train_and_evaluate(quick_config, tmp_path / "run")
+        experiment.train_and_evaluate(quick_config, tmp_path / "run", accept_config_change=True)
     assert "\n" not in str(exc.value)
     assert "the last good checkpoint is 10" in str(exc.value)
     assert checkpoint.Checkpoints(tmp_path / "run").steps() == [10]
