@@ -18,6 +18,8 @@ from fmnist_flax.parallel import PARAM_SHARDINGS
 
 REPORT_CHOICES = ("full", "basic", "none")
 SCHEDULES = ("constant", "warmup_cosine")
+MAX_COUNT = 2**31 - 1  # the optimizer's step counter is an int32
+MAX_SEED = 2**32 - 1  # seeds become uint32 PRNG key data
 POSITIVE_FIELDS = ("steps", "batch_size", "log_every", "checkpoint_every", "max_to_keep")
 
 
@@ -67,8 +69,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _one_of("--config.param_sharding", config.param_sharding, PARAM_SHARDINGS)
     _one_of("--config.optimizer.schedule", config.optimizer.schedule, SCHEDULES)
     for name in POSITIVE_FIELDS:
-        if config[name] < 1:
-            raise UserError(f"--{name}={config[name]} must be a positive whole number")
+        if not 1 <= config[name] <= MAX_COUNT:
+            raise UserError(f"--{name}={config[name]} must be a whole number in 1..{MAX_COUNT:,}")
+    if not 0 <= config.seed <= MAX_SEED:
+        raise UserError(f"--seed={config.seed} must be a whole number in 0..{MAX_SEED:,}")
     if not config.optimizer.learning_rate > 0:
         raise UserError(f"--learning_rate={config.optimizer.learning_rate} must be positive")
     if config.optimizer.weight_decay < 0:
