@@ -37,7 +37,7 @@ _MODE = flags.DEFINE_enum(
     "mode",
     "train",
     ["train", "eval", "predict", "benchmark"],
-    "train (resumes from --workdir's checkpoints), eval (full test set -> eval.json), "
+    "train (resumes from --workdir's checkpoints), eval (the full test set), "
     "predict (classify --images) or benchmark (time every training path).",
 )
 _BENCH_BATCH_SIZES = flags.DEFINE_list(
@@ -52,7 +52,9 @@ _BENCH_WHOLE_RUN_STEPS = flags.DEFINE_integer(
     "bench_whole_run_steps", 400, "benchmark: steps of the whole-run comparison; 0 skips it."
 )
 _IMAGES = flags.DEFINE_list("images", [], "predict: PNG files or .npy arrays (28x28 or Nx28x28).")
-_OUTPUT = flags.DEFINE_string("output", None, "predict/benchmark: also write the results as JSON.")
+_OUTPUT = flags.DEFINE_string(
+    "output", None, "eval/predict/benchmark: also write the results to this JSON file."
+)
 _ACCEPT_CONFIG_CHANGE = flags.DEFINE_bool(
     "accept_config_change",
     False,
@@ -216,6 +218,7 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
             step=_STEP.value,
             compute_dtype=flags.FLAGS.compute_dtype,
             data_dir=flags.FLAGS.data_dir,
+            output=_OUTPUT.value,
         )
     else:
         _, errors = inference.run_predict(

@@ -35,7 +35,6 @@ from fmnist_flax import checkpoint, datasets, evaluate, input_pipeline, parallel
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
 
-EVAL_FILE = "eval.json"
 MAX_IMAGE_SIDE = 4096  # larger image files are refused before they are decoded
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # grayscale, scaled by 1/65535
 
@@ -46,10 +45,13 @@ def run_eval(
     step: int | None = None,
     compute_dtype: str | None = None,
     data_dir: str | None = None,
+    output: str | None = None,
 ) -> dict[str, Any]:
     """Restore parameters only and evaluate the whole test set of the dataset the model was
-    trained on, on every device; writes eval.json. The batch is the training batch rounded up
-    to a multiple of the device count."""
+    trained on, on every device; the results also go to `output` (JSON) when given, never into
+    the workdir, which a training run may own. The batch is the training batch rounded up to a
+    multiple of the device count."""
+    workdir_lib.check_output_path(output)
     mesh = parallel.make_mesh()
     model, step, config, info = checkpoint.restore_model(workdir, step, compute_dtype, mesh)
     if "dataset" not in config:  # a checkpoint older than config.dataset
@@ -90,7 +92,8 @@ def run_eval(
         ).format(),
         sep="\n",
     )
-    workdir_lib.write_json(pathlib.Path(workdir).expanduser() / EVAL_FILE, report)
+    if output:
+        workdir_lib.write_json(pathlib.Path(output).expanduser(), report)
     return report
 
 

@@ -8,6 +8,8 @@ import hashlib
 import pathlib
 import runpy
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,6 +17,24 @@ import pytest
 from fmnist_flax import datasets
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_main(*args, cwd=REPO, **kwargs) -> subprocess.CompletedProcess:
+    """`python main.py ARGS` in a process of its own, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "main.py"), *args],
+        cwd=cwd, capture_output=True, text=True, timeout=300, **kwargs,
+    )  # fmt: skip
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) -> str:
+    """The run failed with exactly one line on stderr, `error: ...` containing `expected`."""
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
+    return lines[0]
 
 
 def load_config(name: str):

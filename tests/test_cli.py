@@ -8,27 +8,9 @@ import sys
 import zipfile
 
 import pytest
-from conftest import REPO
+from conftest import REPO, assert_one_line_error, run_main
 
 from fmnist_flax import cli
-
-
-def run_main(*args, cwd=REPO):
-    return subprocess.run(
-        [sys.executable, str(REPO / "main.py"), *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def assert_one_line_error(result, expected):
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
 
 
 @pytest.mark.slow
@@ -71,8 +53,8 @@ def test_without_workdir_a_fresh_run_directory_is_made_and_printed(tmp_path):
     ("flag", "expected"),
     [
         ("--compute_dtype=float16x", "--compute_dtype='float16x' is not one of"),
-        ("--steps=-1", "--steps=-1 must be a positive"),
-        ("--batch_size=0", "--batch_size=0 must be a positive"),
+        ("--steps=-1", "--steps=-1 must be a whole number in 1.."),
+        ("--batch_size=0", "--batch_size=0 must be a whole number in 1.."),
         ("--batch_size=60001", "is larger than the 60,000 training examples"),
         ("--steps=many", "--steps"),
         ("--no_such_flag=1", "no_such_flag"),

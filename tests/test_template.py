@@ -131,8 +131,8 @@ def test_deleting_the_codelab_and_the_reference_leaves_a_working_trainer(tmp_pat
     assert "Gradient tree" not in done.stdout and "Training metrics" in done.stdout
     names = {p.name for p in (work / "report").iterdir()}
     assert {"training_curve.png", "predictions.png", "confusion_matrix.png"} <= names
-    run(root, "--mode=eval", f"--workdir={work}")
-    assert json.loads((work / "eval.json").read_text())["test_examples"] == 10_000
+    run(root, "--mode=eval", f"--workdir={work}", f"--output={tmp_path / 'eval.json'}")
+    assert json.loads((tmp_path / "eval.json").read_text())["test_examples"] == 10_000
     np.save(root / "x.npy", np.zeros((2, 28, 28), np.uint8))
     assert "x.npy[1]:" in run(root, "--mode=predict", f"--workdir={work}", "--images=x.npy").stdout
     assert str(work / "checkpoints") in run(root, *QUICK, "--steps=30", f"--workdir={work}").stdout
@@ -213,7 +213,7 @@ def test_the_guides_recipes_work_when_followed_literally(tmp_path):
     assert all(row["accuracy"] <= row["top2_accuracy"] <= 1 for row in rows)
     assert "pets (IDX) loaded from IDX files (3 classes, not MD5-checked)" in data_run.stdout
     assert "(12, 12)" in data_run.stdout
-    evaluation = json.loads((root / "runs/pets/eval.json").read_text())
+    evaluation = json.loads((root / "runs/pets-eval.json").read_text())
     assert evaluation["class_names"] == ["cat", "dog", "fish"]
     assert evaluation["test_examples"] == 30 and evaluation["test_accuracy"] > 0.5
     assert re.search(r"pets\.npy\[0\]: (cat|dog|fish) \(", predict_run.stdout)
