@@ -8,11 +8,12 @@ JSON. Nothing is pickled.
 
 from __future__ import annotations
 
-import errno
 import json
+import logging as std_logging
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 from typing import Any
 
@@ -32,10 +33,18 @@ CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never deleted
 STEP_MARKER = "_CHECKPOINT_METADATA"  # what Orbax writes in every step it finalises
 SPACE_MARGIN = 1.5  # bytes a save needs per byte of state, metadata included (measured ~1.1)
+INODES_PER_SAVE = 100  # files and directories a save creates (measured 51 for the MLP)
 
 
 ARRAY_ITEMS = ("model", "optimizer")  # array trees
 JSON_ITEMS = ("progress", "config", "dataset", "changes")
+# The fields a JSON item must hold; one without them is damaged.
+ITEM_FIELDS = {
+    "progress": ("step", "epoch", "index", "num_batches", "batch_size", "seed"),
+    "config": ("model", "compute_dtype", "batch_size", "seed"),
+    "dataset": ("name", "class_names", "image_shape"),
+    "changes": ("changes",),
+}
 # What restore_model assumes for a checkpoint written before the `dataset` item existed.
 FASHION_MNIST_INFO = {
     "name": "fashion_mnist",
@@ -93,6 +102,31 @@ def check_shapes(target: Any, stored: Any, what: str) -> None:
             )
 
 
+class _StorageTracebacks(std_logging.Filter):
+    """Drops Orbax's tracebacks for a write that failed for lack of space or permission: the
+    save's caller reports those in one line (what, where, how much is free)."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return exc is None or workdir_lib.storage_error(exc) is None
+
+
+logging.get_absl_logger().addFilter(_StorageTracebacks())
+
+
+def _quiet_abandoned_writes() -> None:
+    """After a failed save, tensorstore still completes the abandoned writes' futures and
+    their callbacks find Orbax's event loop closed; each would print a traceback through
+    sys.excepthook. Those say nothing the one-line error has not."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        if not (kind is RuntimeError and str(value) == "Event loop is closed"):
+            previous(kind, value, traceback)
+
+    sys.excepthook = hook
+
+
 class Checkpoints:
     """An Orbax CheckpointManager for one workdir, with the project's fault handling."""
 
@@ -112,6 +146,7 @@ class Checkpoints:
         self.directory = checkpoint_dir(workdir)
         self.metadata = metadata or {}
         self.read_only = read_only
+        self._saving = 0  # the step of the save in flight, named if it fails
         if not read_only:
             prepare_directory(self.directory)
         options = ocp.CheckpointManagerOptions(
@@ -152,6 +187,7 @@ class Checkpoints:
             "optimizer": _key_data(nnx.state(optimizer)),
         }
         self._check_space(step, arrays)
+        self._saving = step
         json_items = {**self.metadata, "progress": progress}
         try:
             self._manager.save(
@@ -171,11 +207,14 @@ class Checkpoints:
             * sum(x.nbytes for x in jax.tree.leaves(arrays) if hasattr(x, "nbytes"))
             // max(jax.process_count(), 1)
         )
-        free = shutil.disk_usage(self.directory).free
-        if free < need:
+        stats = os.statvfs(self.directory)
+        free = stats.f_bavail * stats.f_frsize
+        inodes = stats.f_favail if stats.f_files else INODES_PER_SAVE  # 0 files: no limit
+        if free < need or inodes < INODES_PER_SAVE:
             raise UserError(
-                f"checkpoint {step} needs about {need / 2**20:,.1f} MB in {self.directory}, "
-                f"which has {free / 2**20:,.1f} MB free; {self._resume_hint()}"
+                f"checkpoint {step} needs about {need / 2**20:,.1f} MB and {INODES_PER_SAVE} "
+                f"inodes in {self.directory}, which has {workdir_lib.disk_problem(self.directory)}"
+                f"; {self._resume_hint()}"
             )
 
     def _resume_hint(self) -> str:
@@ -184,10 +223,13 @@ class Checkpoints:
         return f"free some space and run the same command again to resume from {last}"
 
     def _save_failed(self, step: int, exc: BaseException) -> UserError:
-        lines = str(exc).strip().splitlines()
-        reason = lines[0][:200] if lines else type(exc).__name__
-        if "No space left" in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC:
-            reason = workdir_lib.disk_problem(self.directory, OSError(errno.ENOSPC, "disk full"))
+        _quiet_abandoned_writes()
+        storage = workdir_lib.storage_error(exc)
+        if storage is not None:
+            reason = workdir_lib.disk_problem(self.directory, storage)
+        else:
+            lines = str(exc).strip().splitlines()
+            reason = lines[0][:200] if lines else type(exc).__name__
         return UserError(
             f"could not write checkpoint {step} in {self.directory} ({reason}); "
             + self._resume_hint()
@@ -198,10 +240,25 @@ class Checkpoints:
         try:
             self._manager.wait_until_finished()
         except Exception as exc:  # the asynchronous write failed in Orbax's threads
-            raise self._save_failed(max(self._manager.all_steps(), default=0), exc) from None
+            raise self._save_failed(self._saving, exc) from None
 
     def close(self) -> None:
         self._manager.close()
+
+    def saved(self, item: str, step: int | None = None) -> tuple[int, dict[str, Any] | None]:
+        """(step, JSON `item`) of `step`, or of the newest step whose item is intact: restore()
+        sets a damaged one aside (or, reading, skips it) with a warning."""
+        if step is not None:
+            return step, saved_item(self.directory, step, item)
+        damage = None
+        for candidate in self.steps()[::-1]:
+            try:
+                return candidate, saved_item(self.directory, candidate, item)
+            except UserError as exc:
+                damage = damage or exc
+        if damage:
+            raise damage
+        return 0, None
 
     def _restore_step(self, step: int, targets: dict[str, Any]) -> dict[str, Any]:
         metadata = self._manager.item_metadata(step)
@@ -217,6 +274,10 @@ class Checkpoints:
             for name in targets
         }  # fmt: skip
         restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+        for name in targets:
+            problem = None if name in arrays else item_problem(name, restored[name])
+            if problem:
+                raise ValueError(problem)
         return {
             name: _wrap_keys(restored[name], targets[name]) if name in arrays else restored[name]
             for name in targets
@@ -330,6 +391,14 @@ def check_readable(step_dir: pathlib.Path) -> None:
                 )
 
 
+def item_problem(item: str, value: Any) -> str | None:
+    """What makes a restored JSON item unusable (not an object, a field missing), or None."""
+    if not isinstance(value, dict):
+        return f"its {item} item is {json.dumps(value)[:40]}, not a JSON object"
+    missing = [field for field in ITEM_FIELDS.get(item, ()) if field not in value]
+    return f"its {item} item lacks {', '.join(missing)}" if missing else None
+
+
 def saved_item(directory: pathlib.Path, step: int, item: str) -> dict[str, Any] | None:
     """A JSON item of a checkpoint step (config, dataset), or None if that step has none."""
     path = directory / str(step) / item / "metadata"
@@ -339,17 +408,13 @@ def saved_item(directory: pathlib.Path, step: int, item: str) -> dict[str, Any] 
         value = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read the saved {item} {path}: {exc}") from None
-    if not isinstance(value, dict) or not value:
-        raise UserError(f"the saved {item} {path} is empty or not a JSON object")
+    problem = item_problem(item, value)
+    if problem:
+        raise UserError(
+            f"checkpoint {step} in {directory} is damaged: {problem}; move {directory / str(step)}"
+            f" to {directory.parent / DAMAGED_DIR} to use the one before"
+        )
     return value
-
-
-def saved_config(directory: pathlib.Path, step: int) -> ml_collections.ConfigDict:
-    """The config a checkpoint step was trained with, read from its JSON item."""
-    config = saved_item(directory, step, "config")
-    if config is None:
-        raise UserError(f"checkpoint {step} in {directory} has no saved config")
-    return ml_collections.ConfigDict(config)
 
 
 def restore_model(
@@ -378,9 +443,11 @@ def restore_model(
             raise UserError(f"--workdir {path} has no checkpoints; train there first")
         if step is not None and step not in steps:
             raise UserError(f"--step={step}: {path} has checkpoints for steps {steps}")
-        chosen = steps[-1] if step is None else step
-        config = saved_config(checkpoints.directory, chosen)
-        info = saved_item(checkpoints.directory, chosen, "dataset") or FASHION_MNIST_INFO
+        chosen, saved = checkpoints.saved("config", step)
+        if saved is None:
+            raise UserError(f"--workdir {path}: no checkpoint has an intact saved config")
+        config = ml_collections.ConfigDict(saved)
+        info = checkpoints.saved("dataset", chosen)[1] or FASHION_MNIST_INFO
         if compute_dtype is not None:
             config.compute_dtype = compute_dtype
         if config.compute_dtype not in model_lib.COMPUTE_DTYPES:

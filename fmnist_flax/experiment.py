@@ -173,20 +173,19 @@ def check_config_changes(
 ) -> list[dict[str, Any]]:
     """Refuse to resume with values that change what the run computes, in one line naming
     each; with `accept`, return them (with the earlier accepted ones) for the record."""
-    steps = checkpoints.steps()
-    if not steps:
+    step, saved = checkpoints.saved("config")
+    if saved is None:
         return []
-    saved = checkpoint_lib.saved_item(checkpoints.directory, steps[-1], "config") or {}
-    earlier = checkpoint_lib.saved_item(checkpoints.directory, steps[-1], "changes") or {}
+    earlier = checkpoints.saved("changes", step)[1] or {"changes": []}
     changes = config_lib.training_changes(saved, config.to_dict())
     if changes and not accept:
         listed = ", ".join(f"{c['field']} {c['saved']!r} -> {c['now']!r}" for c in changes)
         raise UserError(
-            f"{checkpoints.directory} holds step {steps[-1]} trained with other values: "
+            f"{checkpoints.directory} holds step {step} trained with other values: "
             f"{listed}; resume with the saved values, pass a new --workdir, or pass "
             "--accept_config_change to go on with the new ones (summary.json records them)"
         )
-    return earlier.get("changes", []) + [{"step": steps[-1], **c} for c in changes]
+    return earlier["changes"] + [{"step": step, **c} for c in changes]
 
 
 def describe(run: Run) -> None:

@@ -9,7 +9,6 @@ import json
 import os
 import pathlib
 import resource
-import shutil
 import socket
 import tempfile
 import time
@@ -24,7 +23,10 @@ from fmnist_flax.errors import UserError
 RUNS_DIR = pathlib.Path("runs")
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
-LOCK_FILE = ".lock"  # held (flock) by the training run that owns the workdir
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
+LOCK_FILE = ".lock"
+UMASK = os.umask(0o022)  # the process's umask, read once (reading it means setting it)
+os.umask(UMASK)  # held (flock) by the training run that owns the workdir
 
 
 def prepare_workdir(workdir: str | os.PathLike | None) -> pathlib.Path:
@@ -41,12 +43,12 @@ def prepare_workdir(workdir: str | os.PathLike | None) -> pathlib.Path:
         while path.exists():
             path = path.with_name(f"{path.name.split('.')[0]}.{suffix}")
             suffix += 1
-    if (path / SUMMARY_FILE).exists() and not (path / "checkpoints").is_dir():
-        raise UserError(
-            f"--workdir {path} already holds a finished run ({SUMMARY_FILE}) and no checkpoints; "
-            "pass a new --workdir or move that one away"
-        )
     try:
+        if (path / SUMMARY_FILE).exists() and not (path / "checkpoints").is_dir():
+            raise UserError(
+                f"--workdir {path} already holds a finished run ({SUMMARY_FILE}) and no "
+                "checkpoints; pass a new --workdir or move that one away"
+            )
         path.mkdir(parents=True, exist_ok=True)
         # A unique name: the processes of a multi-process run all probe the same directory.
         tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-").close()
@@ -73,31 +75,53 @@ def check_output_path(output: str | None) -> None:
 
 
 def disk_problem(path: pathlib.Path, exc: BaseException | None = None) -> str:
-    """'No space left on device, 1.2 MB free in /w' for a failed write under `path`."""
+    """'No space left on device; 1.2 MB and 0 inodes free in /w' for a failed write under
+    `path`: a filesystem can run out of inodes with megabytes free."""
     reason = getattr(exc, "strerror", None) or (str(exc).splitlines()[0][:160] if exc else "")
+    where = path if path.is_dir() else path.parent
     try:
-        free = shutil.disk_usage(path if path.is_dir() else path.parent).free
-        where = f"{free / 2**20:,.1f} MB free in {path if path.is_dir() else path.parent}"
+        stats = os.statvfs(where)
+        free = f"{stats.f_bavail * stats.f_frsize / 2**20:,.1f} MB"
+        if stats.f_files:  # 0: the filesystem has no inode limit
+            free += f" and {stats.f_favail:,} inodes"
+        where = f"{free} free in {where}"
     except OSError:
-        where = f"{path} cannot be examined"
+        where = f"{where} cannot be examined"
     return f"{reason}; {where}" if reason else where
+
+
+def storage_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed write (no space, no inodes, no permission, read-only), found
+    in the exception, its causes, or the message of a library that wraps it in another type."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
+            return exc
+        for code in STORAGE_ERRNOS:
+            if os.strerror(code) in str(exc):
+                return OSError(code, os.strerror(code))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def write_atomically(path: pathlib.Path, text: str) -> None:
     """Write via a uniquely named temporary file in the same directory, then rename: a crash
-    or a full disk leaves the old file or the new one, never half of one, and no temporary."""
-    with tempfile.NamedTemporaryFile(
-        "w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False
-    ) as partial:
-        try:
-            partial.write(text)
-            partial.flush()
-            os.fsync(partial.fileno())
-        except BaseException:
-            partial.close()
-            os.unlink(partial.name)
-            raise
-    os.replace(partial.name, path)
+    or a full disk leaves the old file or the new one, never half of one, and no temporary.
+    The temporary is created with O_EXCL and O_NOFOLLOW (mkstemp), so it never follows a
+    symlink someone left there."""
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~UMASK)  # mkstemp's 0600 would hide the file from its group
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
 
 
 def write_json(path: pathlib.Path, value: dict[str, Any]) -> None:
