@@ -34,6 +34,7 @@ DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never delet
 STEP_MARKER = "_CHECKPOINT_METADATA"  # what Orbax writes in every step it finalises
 SPACE_MARGIN = 1.5  # bytes a save needs per byte of state, metadata included (measured ~1.1)
 INODES_PER_SAVE = 100  # files and directories a save creates (measured 51 for the MLP)
+READ_ATTEMPTS = 5  # a reader of a live run starts over this often when a step is rotated away
 
 
 ARRAY_ITEMS = ("model", "optimizer")  # array trees
@@ -102,29 +103,48 @@ def check_shapes(target: Any, stored: Any, what: str) -> None:
             )
 
 
-class _StorageTracebacks(std_logging.Filter):
-    """Drops Orbax's tracebacks for a write that failed for lack of space or permission: the
-    save's caller reports those in one line (what, where, how much is free)."""
+class _OrbaxNoise(std_logging.Filter):
+    """Drops Orbax's records that say nothing to a user of this project: tracebacks of a write
+    that failed for lack of space or permission (the save's caller reports those in one line:
+    what, where, how much is free) and the notices that a reader's manager is read-only."""
 
     def filter(self, record: std_logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return exc is None or workdir_lib.storage_error(exc) is None
+        if exc is not None:
+            return workdir_lib.storage_error(exc) is None
+        return not any(notice in str(record.msg) for notice in _ORBAX_NOTICES)
 
 
-logging.get_absl_logger().addFilter(_StorageTracebacks())
+# A reader's manager is read-only by design; a step's metadata is missing when it is damaged,
+# unreadable or rotated away, each of which this module reports in its own line.
+_ORBAX_NOTICES = ("read only", "read_only=True", "Metadata file does not exist")
 
 
-def _quiet_abandoned_writes() -> None:
+for _logger in (logging.get_absl_logger(), std_logging.getLogger("asyncio")):
+    _logger.addFilter(_OrbaxNoise())  # asyncio: "Task exception was never retrieved"
+
+
+def _abandoned_write_hook(previous):
     """After a failed save, tensorstore still completes the abandoned writes' futures and
-    their callbacks find Orbax's event loop closed; each would print a traceback through
-    sys.excepthook. Those say nothing the one-line error has not."""
-    previous = sys.excepthook
+    their callbacks find Orbax's event loop closed; each would print a traceback as an
+    unraisable exception, often before the failure reaches the training loop. Those say
+    nothing the one-line error does not."""
 
-    def hook(kind, value, traceback):
-        if not (kind is RuntimeError and str(value) == "Event loop is closed"):
-            previous(kind, value, traceback)
+    def hook(unraisable):
+        value = unraisable.exc_value
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            previous(unraisable)
 
-    sys.excepthook = hook
+    hook.quiet_abandoned_writes = True
+    return hook
+
+
+class StepVanished(Exception):
+    """A step was removed while being read: a live training run rotated it away."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
 
 
 class Checkpoints:
@@ -149,8 +169,11 @@ class Checkpoints:
         self._saving = 0  # the step of the save in flight, named if it fails
         if not read_only:
             prepare_directory(self.directory)
+            if not hasattr(sys.unraisablehook, "quiet_abandoned_writes"):
+                sys.unraisablehook = _abandoned_write_hook(sys.unraisablehook)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
+            max_to_keep=None if read_only else max_to_keep,
+            save_interval_steps=0 if read_only else 1,
             create=False,
             read_only=read_only,
             # Half-written saves of a killed process go away; only the lock holder may do it.
@@ -165,6 +188,15 @@ class Checkpoints:
                 **{name: ocp.JsonCheckpointHandler() for name in JSON_ITEMS},
             },
         )
+
+    def reload(self) -> None:
+        """Re-list the steps; a live trainer may remove one while it is being listed."""
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                return self._manager.reload()
+            except FileNotFoundError:
+                if attempt == READ_ATTEMPTS - 1:
+                    raise
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -223,7 +255,6 @@ class Checkpoints:
         return f"free some space and run the same command again to resume from {last}"
 
     def _save_failed(self, step: int, exc: BaseException) -> UserError:
-        _quiet_abandoned_writes()
         storage = workdir_lib.storage_error(exc)
         if storage is not None:
             reason = workdir_lib.disk_problem(self.directory, storage)
@@ -252,6 +283,7 @@ class Checkpoints:
             return step, saved_item(self.directory, step, item)
         damage = None
         for candidate in self.steps()[::-1]:
+            check_readable(self.directory / str(candidate))  # the user's to fix, never skipped
             try:
                 return candidate, saved_item(self.directory, candidate, item)
             except UserError as exc:
@@ -295,21 +327,25 @@ class Checkpoints:
             damaged = damaged.with_name(f"{step}.{copy}")
             copy += 1
         shutil.move(self.directory / str(step), damaged)
-        self._manager.reload()
+        self.reload()
         logging.warning(
             "checkpoint %d is damaged (%s); moved it to %s and using an older one",
             step, reason, damaged,
         )  # fmt: skip
 
-    def restore(self, targets: dict[str, Any], step: int | None = None) -> dict[str, Any] | None:
-        """Restore the named items of `step` (default: the newest intact one), or None if none.
+    def restore(
+        self, targets: dict[str, Any], step: int | None = None, at_most: int | None = None
+    ) -> dict[str, Any] | None:
+        """Restore the named items of `step` (default: the newest intact one, no newer than
+        `at_most`), or None if none.
 
         A damaged step is moved aside with a one-line warning and the next older one is tried;
         a shape mismatch is the user's to fix and is raised, not skipped.
         """
         parallel.sync("restore")  # every process lists the same steps
-        self._manager.reload()
-        candidates = [step] if step is not None else self.steps()[::-1]
+        self.reload()
+        newest = self.steps()[::-1]
+        candidates = [step] if step is not None else [s for s in newest if s <= (at_most or s)]
         if step is not None and step not in self.steps():
             raise UserError(
                 f"no checkpoint for step {step} in {self.directory}; it has {self.steps()}"
@@ -320,6 +356,8 @@ class Checkpoints:
             except UserError:
                 raise
             except Exception as exc:  # Orbax and tensorstore raise many types for a bad file
+                if not (self.directory / str(candidate)).is_dir():
+                    raise StepVanished(candidate) from None
                 check_readable(self.directory / str(candidate))
                 reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
                 if step is not None:
@@ -371,6 +409,8 @@ def prepare_directory(directory: pathlib.Path) -> None:
             " pick a --workdir you can write to"
         ) from None
     for path in sorted(directory.iterdir()):
+        if path.name.isdigit() and path.is_dir():
+            check_readable(path)
         if path.name.isdigit() and not (path / STEP_MARKER).exists():
             raise UserError(
                 f"{path} is not a checkpoint this project wrote (no {STEP_MARKER}); move it out "
@@ -381,14 +421,16 @@ def prepare_directory(directory: pathlib.Path) -> None:
 def check_readable(step_dir: pathlib.Path) -> None:
     """A step that is intact but unreadable here (permissions) is the user's to fix, not
     damage: say so, and leave it where it is."""
+    found = [step_dir]
     for root, dirs, files in os.walk(step_dir):
-        for name in [*dirs, *files]:
-            path = pathlib.Path(root, name)
-            if not os.access(path, os.R_OK) or (path.is_dir() and not os.access(path, os.X_OK)):
-                raise UserError(
-                    f"{path} cannot be read (permission denied); fix its permissions (or run as "
-                    "its owner) and run the same command again"
-                )
+        found += [pathlib.Path(root, name) for name in [*dirs, *files]]
+    for path in found:
+        readable = os.access(path, os.R_OK) and (not path.is_dir() or os.access(path, os.X_OK))
+        if not readable and os.path.lexists(path):  # not merely removed meanwhile
+            raise UserError(
+                f"{path} cannot be read (permission denied); fix its permissions (or run as "
+                "its owner) and run the same command again"
+            )
 
 
 def item_problem(item: str, value: Any) -> str | None:
@@ -401,11 +443,16 @@ def item_problem(item: str, value: Any) -> str | None:
 
 def saved_item(directory: pathlib.Path, step: int, item: str) -> dict[str, Any] | None:
     """A JSON item of a checkpoint step (config, dataset), or None if that step has none."""
+    if not (directory / str(step)).is_dir():
+        raise StepVanished(step)
+    check_readable(directory / str(step))
     path = directory / str(step) / item / "metadata"
-    if not path.exists():
-        return None
     try:
         value = json.loads(path.read_text())
+    except FileNotFoundError:
+        if not (directory / str(step)).is_dir():
+            raise StepVanished(step) from None
+        return None
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read the saved {item} {path}: {exc}") from None
     problem = item_problem(item, value)
@@ -438,32 +485,52 @@ def restore_model(
         raise UserError(f"--workdir {path} has no checkpoints; train there first")
     checkpoints = Checkpoints(path, read_only=True)
     try:
-        steps = checkpoints.steps()
-        if not steps:
-            raise UserError(f"--workdir {path} has no checkpoints; train there first")
-        if step is not None and step not in steps:
-            raise UserError(f"--step={step}: {path} has checkpoints for steps {steps}")
-        chosen, saved = checkpoints.saved("config", step)
-        if saved is None:
-            raise UserError(f"--workdir {path}: no checkpoint has an intact saved config")
-        config = ml_collections.ConfigDict(saved)
-        info = checkpoints.saved("dataset", chosen)[1] or FASHION_MNIST_INFO
-        if compute_dtype is not None:
-            config.compute_dtype = compute_dtype
-        if config.compute_dtype not in model_lib.COMPUTE_DTYPES:
-            raise UserError(
-                f"--compute_dtype={config.compute_dtype!r} is not supported; "
-                f"use one of {', '.join(model_lib.COMPUTE_DTYPES)}"
-            )
-        model = model_lib.create_model(config, tuple(info["image_shape"]), len(info["class_names"]))
-        if mesh is not None:
-            parallel.place_module(model, mesh, config.get("param_sharding", "replicated"))
-        restored = checkpoints.restore({"model": nnx.state(model)}, step)
-        if restored is None:
-            raise UserError(f"--workdir {path}: every checkpoint is damaged")
-        nnx.update(model, restored["model"])
+        for attempt in range(READ_ATTEMPTS):  # a live run may rotate the chosen step away
+            try:
+                return _restore_model(checkpoints, step, compute_dtype, mesh)
+            except StepVanished as gone:
+                if step is not None or attempt == READ_ATTEMPTS - 1:
+                    raise UserError(
+                        f"checkpoint {gone.step} in {checkpoints.directory} was removed while "
+                        "being read: the run training there rotated it away; read a kept step "
+                        "with --step, or wait for that run to end"
+                    ) from None
+                checkpoints.reload()
     finally:
         checkpoints.close()
+
+
+def _restore_model(
+    checkpoints: Checkpoints,
+    step: int | None,
+    compute_dtype: str | None,
+    mesh: jax.sharding.Mesh | None,
+) -> tuple[nnx.Module, int, ml_collections.ConfigDict, dict[str, Any]]:
+    path = checkpoints.directory.parent
+    steps = checkpoints.steps()
+    if not steps:
+        raise UserError(f"--workdir {path} has no checkpoints; train there first")
+    if step is not None and step not in steps:
+        raise UserError(f"--step={step}: {path} has checkpoints for steps {steps}")
+    chosen, saved = checkpoints.saved("config", step)
+    if saved is None:
+        raise UserError(f"--workdir {path}: no checkpoint has an intact saved config")
+    config = ml_collections.ConfigDict(saved)
+    info = checkpoints.saved("dataset", chosen)[1] or FASHION_MNIST_INFO
+    if compute_dtype is not None:
+        config.compute_dtype = compute_dtype
+    if config.compute_dtype not in model_lib.COMPUTE_DTYPES:
+        raise UserError(
+            f"--compute_dtype={config.compute_dtype!r} is not supported; "
+            f"use one of {', '.join(model_lib.COMPUTE_DTYPES)}"
+        )
+    model = model_lib.create_model(config, tuple(info["image_shape"]), len(info["class_names"]))
+    if mesh is not None:
+        parallel.place_module(model, mesh, config.get("param_sharding", "replicated"))
+    restored = checkpoints.restore({"model": nnx.state(model)}, step, at_most=chosen)
+    if restored is None:
+        raise UserError(f"--workdir {path}: every checkpoint is damaged")
+    nnx.update(model, restored["model"])
     model.eval()  # inference: no dropout, BatchNorm on its running statistics
     return model, restored["step"], config, info
 

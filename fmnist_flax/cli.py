@@ -101,7 +101,7 @@ flags.DEFINE_string("report", None, "full | basic (skip the timing comparisons) 
 
 def fail(message: str, code: int) -> None:
     error_line(message)
-    if jax.process_count() > 1:
+    if jax.distributed.is_initialized():  # (process_count() would start the backends)
         # Leave at once: the other processes may be waiting in a collective this one will
         # never join, and a normal exit would wait for them at JAX's shutdown barrier.
         sys.stdout.flush()
@@ -175,10 +175,10 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str]) -> None:
-    if len(argv) > 1:
-        fail(f"unexpected arguments {' '.join(argv[1:])}; flags look like --steps=400", 2)
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # keep JAX's start-up INFO lines out of the tables
+    if len(argv) > 1:
+        fail(f"unexpected arguments {' '.join(argv[1:])}; flags look like --steps=400", 2)
     if _COMPILATION_CACHE.value:
         jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE.value)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

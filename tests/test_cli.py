@@ -61,6 +61,7 @@ def test_without_workdir_a_fresh_run_directory_is_made_and_printed(tmp_path):
         ("--report=pretty", "--report='pretty' is not one of full, basic, none"),
         ("--mode=serve", "--mode"),
         ("--data_dir=/nonexistent/fmnist", "is not a directory"),
+        ("shoe.png", "unexpected arguments shoe.png; flags look like --steps=400"),
     ],
 )
 def test_bad_flags_exit_non_zero_with_one_line(flag, expected, tmp_path):

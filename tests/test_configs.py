@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,15 @@ import pytest
 from conftest import REPO, load_config
 from flax import nnx
 
-from fmnist_flax import checkpoint, experiment, input_pipeline, load_model, predict, train
+from fmnist_flax import (
+    checkpoint,
+    experiment,
+    input_pipeline,
+    load_model,
+    parallel,
+    predict,
+    train,
+)
 from fmnist_flax import config as config_lib
 from fmnist_flax.model import CNN, MLP, MODELS, create_model
 
@@ -34,6 +44,14 @@ def test_each_config_loads_validates_builds_and_documents_its_command(name):
     assert f"python main.py --config=configs/{name}.py" in doc
 
 
+def raw_leaves(tree) -> list:
+    """Every array of a state, a typed PRNG key (dropout's stream) as its raw data."""
+    return [
+        jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        for x in jax.tree.leaves(tree)
+    ]
+
+
 def cnn_smoke(steps):
     config = load_config("cnn")
     config.steps, config.log_every, config.checkpoint_every = steps, 3, 3
@@ -54,19 +72,53 @@ def test_cnn_trains_resumes_exactly_and_restores_for_predict(tmp_path, real_data
     one, two = load_model(tmp_path / "one"), load_model(tmp_path / "two")
     assert isinstance(one, CNN)
 
-    def leaves(model):  # every array, the dropout stream's typed key as its raw data
-        return [
-            jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-            for x in jax.tree.leaves(nnx.state(model))
-        ]
-
-    for a, b in zip(leaves(one), leaves(two), strict=True):
+    for a, b in zip(raw_leaves(nnx.state(one)), raw_leaves(nnx.state(two)), strict=True):
         np.testing.assert_array_equal(a, b)
     images = real_dataset.test_images[:8]
     first, again = predict(one, images), predict(one, images)
     np.testing.assert_array_equal(first, again)  # eval mode: no dropout noise
     np.testing.assert_allclose(first.sum(axis=1), 1.0, rtol=1e-5)
     assert checkpoint.Checkpoints(tmp_path / "two").steps() == [3, 6]
+
+
+def shortened(name: str):
+    """A config of configs/ cut to 6 steps, saving at 3 and 6, its schedule intact in shape."""
+    config = load_config(name)
+    config.steps, config.checkpoint_every, config.log_every = 6, 3, 1
+    config.optimizer.warmup_steps = 2
+    config.report = "none"
+    return config
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_the_same_command_resumed_is_bit_exact(name, tmp_path):
+    """A run killed after its step-3 save and started again with the same command ends where
+    the uninterrupted run ends: every array of model and optimizer, every metrics row."""
+    direct, killed = tmp_path / "direct", tmp_path / "killed"
+    experiment.train_and_evaluate(shortened(name), direct)
+    shutil.copytree(direct, killed)
+    shutil.rmtree(killed / "checkpoints" / "6")  # what a kill before the last save leaves
+    (killed / "summary.json").unlink()
+    resumed = experiment.train_and_evaluate(shortened(name), killed)
+    assert resumed["resumed_from_step"] == 3
+
+    def saved_arrays(workdir):
+        model, optimizer = train.create_train_state(
+            shortened(name), (28, 28), 10, parallel.make_mesh()
+        )
+        manager = checkpoint.Checkpoints(workdir, read_only=True)
+        try:
+            targets = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+            arrays = manager.restore(targets, 6)
+        finally:
+            manager.close()
+        return raw_leaves({k: arrays[k] for k in targets})
+
+    for a, b in zip(saved_arrays(direct), saved_arrays(killed), strict=True):
+        np.testing.assert_array_equal(a, b)
+    rows = [(w / "metrics.jsonl").read_text().splitlines() for w in (direct, killed)]
+    assert rows[0] == rows[1] and [json.loads(r)["step"] for r in rows[0]] == [1, 2, 3, 4, 5, 6]
 
 
 def test_warmup_cosine_schedule_rises_then_decays():

@@ -31,3 +31,14 @@ def test_a_resumed_metrics_log_keeps_rows_up_to_the_checkpoint_only(tmp_path):
 def test_the_summary_records_versions_and_memory():
     assert set(workdir.versions()) == {"jax", "flax", "optax"}
     assert workdir.peak_rss_mb() > 10
+
+
+def test_a_json_write_replaces_a_symlink_and_leaves_its_target_alone(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    link = tmp_path / "out.json"
+    link.symlink_to(victim)
+    workdir.write_json(link, {"a": 1})
+    assert not link.is_symlink() and json.loads(link.read_text()) == {"a": 1}
+    assert victim.read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json", "victim.txt"]
