@@ -42,3 +42,11 @@ def test_a_json_write_replaces_a_symlink_and_leaves_its_target_alone(tmp_path):
     assert not link.is_symlink() and json.loads(link.read_text()) == {"a": 1}
     assert victim.read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json", "victim.txt"]
+
+
+@pytest.mark.parametrize("name", ["x" * 300, "null/w"])
+def test_a_workdir_the_filesystem_refuses_is_one_line(tmp_path, name):
+    if name == "null/w":  # a path through a file
+        (tmp_path / "null").write_text("")
+    with pytest.raises(UserError, match=r"^--workdir .*"):
+        workdir.prepare_workdir(tmp_path / name)
