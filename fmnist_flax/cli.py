@@ -1,4 +1,4 @@
-"""The command line: flags -> config -> a mode (train, eval, predict, benchmark).
+"""The command line: flags -> config -> a mode (train, eval, predict, export, benchmark).
 
 Every user mistake, `--config` ones included, exits non-zero with one line.
 """
@@ -18,7 +18,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from fmnist_flax import config as config_lib
-from fmnist_flax import datasets, experiment, inference, parallel
+from fmnist_flax import datasets, experiment, export, inference, parallel
 from fmnist_flax.errors import UserError, error_line
 
 DEFAULT_CONFIG = config_lib.__file__  # its get_config(): the codelab's values
@@ -36,9 +36,10 @@ _COMPILATION_CACHE = flags.DEFINE_string(
 _MODE = flags.DEFINE_enum(
     "mode",
     "train",
-    ["train", "eval", "predict", "benchmark"],
+    ["train", "eval", "predict", "export", "benchmark"],
     "train (resumes from --workdir's checkpoints), eval (the full test set), "
-    "predict (classify --images) or benchmark (time every training path).",
+    "predict (classify --images), export (the model as a jax.export artifact, --output) or "
+    "benchmark (time every training path).",
 )
 _BENCH_BATCH_SIZES = flags.DEFINE_list(
     "bench_batch_sizes", ["32", "512", "4096"], "benchmark: batch sizes."
@@ -53,7 +54,9 @@ _BENCH_WHOLE_RUN_STEPS = flags.DEFINE_integer(
 )
 _IMAGES = flags.DEFINE_list("images", [], "predict: PNG files or .npy arrays (28x28 or Nx28x28).")
 _OUTPUT = flags.DEFINE_string(
-    "output", None, "eval/predict/benchmark: also write the results to this JSON file."
+    "output",
+    None,
+    "eval/predict/benchmark: also write the results to this JSON file; export: the artifact.",
 )
 _ACCEPT_CONFIG_CHANGE = flags.DEFINE_bool(
     "accept_config_change",
@@ -61,7 +64,9 @@ _ACCEPT_CONFIG_CHANGE = flags.DEFINE_bool(
     "Resume even though values that change the computation differ from the checkpoint's; "
     "summary.json records each change and its step.",
 )
-_STEP = flags.DEFINE_integer("step", None, "eval/predict: checkpoint step; default the newest.")
+_STEP = flags.DEFINE_integer(
+    "step", None, "eval/predict/export: checkpoint step; default the newest."
+)
 
 # Multi-process runs (jax.distributed): start the same command on every host.
 _COORDINATOR = flags.DEFINE_string(
@@ -203,7 +208,7 @@ def main(argv: Sequence[str]) -> None:
 
 
 def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
-    """Train, benchmark, evaluate or predict, as --mode says."""
+    """Train, benchmark, evaluate, predict or export, as --mode says."""
     if mode == "train":
         experiment.train_and_evaluate(
             config, _WORKDIR.value, extensions(), accept_config_change=_ACCEPT_CONFIG_CHANGE.value
@@ -219,6 +224,17 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
             compute_dtype=flags.FLAGS.compute_dtype,
             data_dir=flags.FLAGS.data_dir,
             output=_OUTPUT.value,
+        )
+    elif mode == "export":
+        meta = export.export_model(
+            _WORKDIR.value,
+            _OUTPUT.value,
+            step=_STEP.value,
+            compute_dtype=flags.FLAGS.compute_dtype,
+        )
+        parallel.say(
+            f"wrote {_OUTPUT.value} (step {meta['source']['step']}, for "
+            f"{', '.join(meta['platforms'])}) and {_OUTPUT.value}{export.METADATA_SUFFIX}"
         )
     else:
         _, errors = inference.run_predict(

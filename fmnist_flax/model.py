@@ -127,10 +127,10 @@ class CNN(nnx.Module):
             raise UserError(f"--config.model.dropout={fields['dropout']!r} must be in [0, 1)")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x.reshape(len(x), *self.image_shape, 1).astype(self.compute_dtype)  # -> NHWC
+        x = x.reshape(x.shape[0], *self.image_shape, 1).astype(self.compute_dtype)  # -> NHWC
         for conv, norm in zip(self.convs, self.norms, strict=True):
             x = nnx.max_pool(nnx.gelu(norm(conv(x))), (2, 2), strides=(2, 2))
-        x = self.dropout(nnx.gelu(self.dense(x.reshape(len(x), -1))))
+        x = self.dropout(nnx.gelu(self.dense(x.reshape(x.shape[0], -1))))
         return self.head(x).astype(jnp.float32)
 
 

@@ -105,15 +105,15 @@ def storage_error(exc: BaseException) -> OSError | None:
     return None
 
 
-def write_atomically(path: pathlib.Path, text: str) -> None:
+def write_atomically(path: pathlib.Path, text: str | bytes) -> None:
     """Write via a uniquely named temporary file in the same directory, then rename: a crash
     or a full disk leaves the old file or the new one, never half of one, and no temporary.
     The temporary is created with O_EXCL and O_NOFOLLOW (mkstemp), so it never follows a
-    symlink someone left there."""
+    symlink someone left there. `text` may be bytes (a binary file)."""
     fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~UMASK)  # mkstemp's 0600 would hide the file from its group
-        with os.fdopen(fd, "w") as file:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as file:
             file.write(text)
             file.flush()
             os.fsync(file.fileno())

@@ -1,0 +1,146 @@
+"""--mode=export: a jax.export artifact that loads and runs with JAX alone, as predict does."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import assert_one_line_error, load_config, run_main
+
+from fmnist_flax import CLASS_NAMES, export, load_model, model, predict
+
+# What `pip install jax` brings, and flatbuffers, which jax.export.deserialize needs.
+JAX_ONLY = ("jax", "jaxlib", "ml_dtypes", "numpy", "opt_einsum", "scipy", "flatbuffers")
+
+# Run by a `python -S` whose only import path is a directory of JAX_ONLY: it proves the
+# project's libraries are out of reach, then loads the artifact and classifies the images.
+JAX_ONLY_SCRIPT = """
+import importlib.util, json, sys
+import jax, numpy as np
+absent = ("flax", "orbax", "optax", "ml_collections", "absl", "fmnist_flax")
+assert not [name for name in absent if importlib.util.find_spec(name)], "not JAX alone"
+with open(sys.argv[1], "rb") as file:
+    exported = jax.export.deserialize(file.read())
+probabilities = np.asarray(exported.call(np.load(sys.argv[2])))
+print(json.dumps({"dtype": str(probabilities.dtype), "probabilities": probabilities.tolist()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> pathlib.Path:
+    workdir = tmp_path_factory.mktemp("export") / "w"
+    result = run_main(f"--workdir={workdir}", "--steps=20", "--report=none")
+    assert result.returncode == 0, result.stderr
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def artifact(workdir, tmp_path_factory) -> tuple[pathlib.Path, subprocess.CompletedProcess]:
+    """The workdir exported through the CLI, and that run."""
+    path = tmp_path_factory.mktemp("artifact") / "model.jaxexport"
+    result = run_main("--mode=export", f"--workdir={workdir}", f"--output={path}")
+    assert result.returncode == 0, result.stderr
+    return path, result
+
+
+@pytest.fixture(scope="module")
+def jax_only_path(tmp_path_factory) -> pathlib.Path:
+    """A directory that links JAX_ONLY (and their bundled shared libraries) from this venv."""
+    site_packages = pathlib.Path(jax.__file__).resolve().parents[1]
+    directory = tmp_path_factory.mktemp("jax_only")
+    for name in JAX_ONLY:
+        for entry in (name, f"{name}.libs"):
+            if (site_packages / entry).exists():
+                (directory / entry).symlink_to(site_packages / entry)
+    return directory
+
+
+@pytest.mark.slow
+def test_artifact_runs_with_jax_alone_and_matches_predict(
+    workdir, artifact, jax_only_path, real_dataset, tmp_path
+):
+    path, run = artifact
+    assert f"wrote {path}" in run.stdout and "cpu, cuda" in run.stdout
+    images = real_dataset.test_images[:16]
+    np.save(tmp_path / "images.npy", images)
+    (tmp_path / "run.py").write_text(JAX_ONLY_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, "-S", str(tmp_path / "run.py"), str(path), str(tmp_path / "images.npy")],
+        cwd=tmp_path, env={"PATH": os.environ["PATH"], "PYTHONPATH": str(jax_only_path)},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["dtype"] == "float32"
+    got = np.array(out["probabilities"], np.float32)
+    expected = predict(load_model(workdir), images)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    predicted = run_main(
+        "--mode=predict", f"--workdir={workdir}", f"--images={tmp_path / 'images.npy'}",
+        f"--output={tmp_path / 'predict.json'}",
+    )  # fmt: skip
+    assert predicted.returncode == 0, predicted.stderr
+    predictions = json.loads((tmp_path / "predict.json").read_text())["predictions"]
+    assert [p["class_index"] for p in predictions] == got.argmax(axis=1).tolist()
+    np.testing.assert_allclose(got, [p["probabilities"] for p in predictions], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_artifact_takes_any_batch_size(workdir, artifact, real_dataset):
+    exported = jax.export.deserialize(artifact[0].read_bytes())
+    assert exported.platforms == ("cpu", "cuda")
+    reference = load_model(workdir)
+    for images in (real_dataset.test_images[:1], real_dataset.test_images[16:49]):
+        got = np.asarray(exported.call(images))
+        assert got.shape == (len(images), 10) and got.dtype == np.float32
+        np.testing.assert_allclose(got, predict(reference, images), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_metadata_beside_the_artifact_names_classes_contract_and_step(workdir, artifact):
+    path, _ = artifact
+    meta = json.loads(path.with_name(path.name + export.METADATA_SUFFIX).read_text())
+    assert meta["class_names"] == list(CLASS_NAMES)
+    assert meta["source"] == {
+        "workdir": str(workdir), "step": 20, "dataset": "fashion_mnist", "model": "mlp",
+    }  # fmt: skip
+    assert meta["input"]["dtype"] == "uint8" and meta["input"]["shape"] == [None, 28, 28]
+    assert meta["input"]["range"] == [0, 255]
+    assert meta["output"]["dtype"] == "float32" and meta["output"]["shape"] == [None, 10]
+    assert meta["platforms"] == ["cpu", "cuda"]
+    assert meta["artifact"] == path.name and meta["jax_version"] == jax.__version__
+
+
+@pytest.mark.slow
+def test_export_mistakes_are_one_line(workdir, tmp_path):
+    assert_one_line_error(run_main("--mode=export", f"--output={tmp_path / 'm'}"), "--workdir")
+    assert_one_line_error(
+        run_main("--mode=export", f"--workdir={workdir}"), "--mode=export needs --output=FILE"
+    )
+    # --output is checked first: the workdir named here does not exist either.
+    missing = tmp_path / "missing" / "m.jaxexport"
+    assert_one_line_error(
+        run_main("--mode=export", f"--workdir={tmp_path / 'nowhere'}", f"--output={missing}"),
+        "its directory does not exist",
+    )
+    assert_one_line_error(
+        run_main("--mode=export", f"--workdir={workdir}", f"--output={tmp_path}"),
+        "is a directory",
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cnn_exports_with_a_symbolic_batch():
+    config = load_config("cnn")
+    cnn = model.create_model(config, (28, 28), 10)
+    cnn.eval()
+    exported = export.export_probabilities(cnn, (28, 28))
+    images = np.random.default_rng(0).integers(0, 256, (3, 28, 28), dtype=np.uint8)
+    got = np.asarray(jax.export.deserialize(exported.serialize()).call(images))
+    np.testing.assert_allclose(got, predict(cnn, images), rtol=1e-6, atol=1e-7)
