@@ -35,6 +35,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.log_every = 25  # metrics reach the host only at these steps (and the first and last)
     config.compute_dtype = "float32"  # float32 | bfloat16; params always stay float32
     config.checkpoint_every = 100  # Orbax saves every this many steps, at the end and on SIGTERM
+    config.eval_every = 0  # test-set evaluation every this many steps (0: each epoch's end)
     config.max_to_keep = 3  # newest checkpoints kept in <workdir>/checkpoints
     config.fused_steps = True  # several steps per compiled call (False: one step per call)
     config.label_smoothing = 0.0  # optax.smooth_labels on the one-hot targets when > 0
@@ -71,6 +72,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     for name in POSITIVE_FIELDS:
         if not 1 <= config[name] <= MAX_COUNT:
             raise UserError(f"--{name}={config[name]} must be a whole number in 1..{MAX_COUNT:,}")
+    if not 0 <= config.eval_every <= MAX_COUNT:
+        raise UserError(
+            f"--config.eval_every={config.eval_every} must be 0 (each epoch) or a number of steps"
+        )
     if not 0 <= config.seed <= MAX_SEED:
         raise UserError(f"--seed={config.seed} must be a whole number in 0..{MAX_SEED:,}")
     if not config.optimizer.learning_rate > 0:
@@ -92,7 +97,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 # Fields a resumed run may change without changing what it computes.
 RESUMABLE_FIELDS = (
-    "steps", "log_every", "checkpoint_every", "max_to_keep", "report", "data_dir",
+    "steps", "log_every", "checkpoint_every", "eval_every", "max_to_keep", "report", "data_dir",
     "fused_steps", "param_sharding",
 )  # fmt: skip
 

@@ -22,7 +22,16 @@ from matplotlib.figure import Figure
 
 from fmnist_flax import checkpoint as checkpoint_lib
 from fmnist_flax import config as config_lib
-from fmnist_flax import datasets, evaluate, input_pipeline, parallel, report, tables, train
+from fmnist_flax import (
+    datasets,
+    evaluate,
+    input_pipeline,
+    parallel,
+    report,
+    summaries,
+    tables,
+    train,
+)
 from fmnist_flax import model as model_lib
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
@@ -46,6 +55,8 @@ class Run:
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)  # extensions' entries
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
     examples_per_sec: float = float("nan")
+    evaluation: tuple[int, dict[str, Any]] | None = None  # the newest (step, full evaluation)
+    eval_seconds: float = 0.0  # spent evaluating during training, outside examples_per_sec
 
     @property
     def reporting(self) -> bool:
@@ -210,25 +221,44 @@ def describe(run: Run) -> None:
 
 
 def fit(run: Run) -> None:
-    """Train to `config.steps`, logging to metrics.jsonl and the progress bar (process 0)."""
+    """Train to `config.steps`, evaluating on the test set every `eval_every` steps (each
+    epoch by default) and logging to metrics.jsonl, TensorBoard and the progress bar
+    (process 0)."""
     metrics_path = run.workdir / workdir_lib.METRICS_FILE
     primary = parallel.is_primary()
+    data = run.device_data
+    last = {"step": run.start_step, "time": time.perf_counter(), "eval": 0.0}
     with contextlib.ExitStack() as outputs:
         if primary:
             metrics_log = workdir_lib.MetricsLog(metrics_path, keep_until=run.start_step)
             progress = tables.ProgressBar(run.config.steps)
-            outputs.callback(metrics_log.close)
-            outputs.callback(progress.close)
+            board = summaries.Summaries(run.workdir, run.config, run.start_step)
+            for closing in (metrics_log, progress, board):
+                outputs.callback(closing.close)
+
+        def on_eval(step: int, model: nnx.Module) -> dict[str, float]:
+            began = time.perf_counter()
+            model.eval()
+            full = evaluate.evaluate(model, data.test_x, data.test_y, data.test_mask)
+            run.evaluation = step, full
+            run.eval_seconds += time.perf_counter() - began
+            return {"test_loss": full["loss"], "test_accuracy": full["accuracy"]}
 
         def on_log(row: dict[str, float]) -> None:
+            now = time.perf_counter()
+            seconds = now - last["time"] - (run.eval_seconds - last["eval"])
+            rate = (row["step"] - last["step"]) * run.config.batch_size / seconds
+            first = last["step"] == run.start_step  # its interval includes the compilation
+            last.update(step=row["step"], time=now, eval=run.eval_seconds)
             if primary:
                 metrics_log.write(row)
+                board.write(row, None if first else rate)
                 progress.update(row)
 
         run.examples_per_sec = train.fit(
             run.model, run.optimizer, run.device_data, run.config,
             start_step=run.start_step, checkpoints=run.checkpoints, on_log=on_log,
-            signals=run.signals,
+            on_eval=on_eval, signals=run.signals,
         )  # fmt: skip
     compared = parallel.check_replicas(nnx.state(run.model, nnx.Param), "the trained parameters")
     if jax.process_count() > 1:
@@ -241,15 +271,22 @@ def fit(run: Run) -> None:
     run.history = workdir_lib.read_jsonl(metrics_path)  # every logged step, resumes included
     run.show("Training", tables.training_log_table(run.history, run.examples_per_sec))
     steps = [h["step"] for h in run.history]
+    tested = [h for h in run.history if "test_accuracy" in h]
+    test = tuple([h[k] for h in tested] for k in ("step", "test_loss", "test_accuracy"))
     run.figure("Training", "training_curve.png", lambda: report.training_curve(
         steps, [h["loss"] for h in run.history], [h["accuracy"] for h in run.history],
-        run.dataset.title))  # fmt: skip
+        run.dataset.title, test))  # fmt: skip
+    run.note("Training", f"{len(tested)} test-set evaluations during training took "
+             f"{run.eval_seconds:.1f} s, not counted in the examples/sec above.")  # fmt: skip
 
 
 def evaluate_model(run: Run) -> dict[str, Any]:
     """The `nnx.vmap` evaluation over every test example, its tables and figures."""
     d, data = run.dataset, run.device_data
-    full = evaluate.evaluate(run.model, data.test_x, data.test_y, data.test_mask)
+    if run.evaluation and run.evaluation[0] == run.config.steps:  # done at the last step
+        full = run.evaluation[1]
+    else:
+        full = evaluate.evaluate(run.model, data.test_x, data.test_y, data.test_mask)
     codelab = evaluate.first_batches(full, data.codelab_test_batches)
     counts = evaluate.confusion_matrix(d.test_labels, full["predictions"], d.num_classes)
     result = {"full": full, "codelab": codelab, "confusion": counts}
@@ -298,6 +335,7 @@ def write_outputs(run: Run, evaluation: dict[str, Any], wall_seconds: float) -> 
         **{f"codelab_test_{k}": codelab[k] for k in ("accuracy", "loss", "examples")},
         **{f"final_train_{k}": v for k, v in last.items() if k != "step"},
         "train_examples_per_sec": run.examples_per_sec,
+        "eval_seconds_during_training": run.eval_seconds,
         "steps": config.steps,
         "resumed_from_step": run.start_step,
         "batch_size": config.batch_size,

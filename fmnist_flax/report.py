@@ -51,21 +51,32 @@ def examples_per_class(
 
 
 def training_curve(
-    steps: Sequence[int], losses: Sequence[float], accuracies: Sequence[float], title: str
+    steps: Sequence[int],
+    losses: Sequence[float],
+    accuracies: Sequence[float],
+    title: str,
+    test: tuple[Sequence[int], Sequence[float], Sequence[float]] = ((), (), ()),
 ) -> Figure:
-    """Section 9: loss and batch accuracy at the logged steps, on twin axes."""
+    """Section 9: train loss and batch accuracy at the logged steps, and the test set's
+    (`test`: steps, losses, accuracies of the evaluations during training) on the same axes."""
     fig = Figure(figsize=(8, 4))
     ax1 = fig.subplots()
-    ax1.plot(steps, losses, marker="o", color=BLUE, label="loss")
+    ax1.plot(steps, losses, marker="o", color=BLUE, label="train loss")
+    if len(test[0]):
+        ax1.plot(test[0], test[1], marker="D", linestyle="--", color=BLUE, label="test loss")
     ax1.set_xlabel("step")
     ax1.set_ylabel("loss", color=BLUE)
     ax1.tick_params(axis="y", labelcolor=BLUE)
     ax1.grid(True, alpha=0.25)
     ax2 = ax1.twinx()
-    ax2.plot(steps, accuracies, marker="s", color=GREEN, label="accuracy")
-    ax2.set_ylabel("batch accuracy", color=GREEN)
+    ax2.plot(steps, accuracies, marker="s", color=GREEN, label="train batch accuracy")
+    if len(test[0]):
+        ax2.plot(test[0], test[2], marker="D", linestyle="--", color=GREEN, label="test accuracy")
+    ax2.set_ylabel("accuracy", color=GREEN)
     ax2.tick_params(axis="y", labelcolor=GREEN)
     ax2.set_ylim(0.0, 1.0)
+    handles = [h for ax in (ax1, ax2) for h in ax.get_legend_handles_labels()[0]]
+    ax1.legend(handles=handles, loc="center right", fontsize=8)
     fig.suptitle(f"{title} training curve")
     fig.tight_layout()
     return fig

@@ -137,14 +137,17 @@ def metric_cell(name: str, value: float) -> str:
 
 
 def metric_names(row: dict[str, float]) -> list[str]:
-    """The metrics of a logged row: the loss first, then the others by name."""
-    return sorted((n for n in row if n != "step"), key=lambda n: (n != "loss", n))
+    """The metrics of a logged row: the loss first, the other training metrics by name, then
+    the test set's (test_*)."""
+    names = (n for n in row if n != "step")
+    return sorted(names, key=lambda n: (n.startswith("test_"), n != "loss", n))
 
 
 def training_log_table(history: Sequence[dict[str, float]], examples_per_sec: float) -> Table:
-    """Section 9: every metric pulled to the host at logging points, one column each."""
-    names = metric_names(history[0]) if history else []
-    rows = [(h["step"], *(metric_cell(n, h[n]) for n in names)) for h in history]
+    """Section 9: every metric pulled to the host at logging points, one column each (the
+    test set's only at the steps it was evaluated)."""
+    names = metric_names({n: 0.0 for h in history for n in h})
+    rows = [(h["step"], *(metric_cell(n, h[n]) if n in h else "" for n in names)) for h in history]
     return Table.of(
         f"Training metrics, {examples_per_sec:,.0f} examples/sec",
         ("Step", *(n.replace("_", " ").capitalize() for n in names)),

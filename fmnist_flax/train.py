@@ -241,15 +241,25 @@ def is_log_step(step: int, config: ml_collections.ConfigDict) -> bool:
     return step == 1 or step % config.log_every == 0 or step == config.steps
 
 
+def eval_period(config: ml_collections.ConfigDict, batches_per_epoch: int) -> int:
+    """Steps between test-set evaluations: `eval_every`, or an epoch when it is 0."""
+    return config.eval_every or batches_per_epoch
+
+
+def is_eval_step(step: int, config: ml_collections.ConfigDict, batches_per_epoch: int) -> bool:
+    return step % eval_period(config, batches_per_epoch) == 0 or step == config.steps
+
+
 def next_stop(step: int, config: ml_collections.ConfigDict, batches_per_epoch: int) -> int:
-    """The next step where the host must look: a log or checkpoint step, an epoch's end, the end."""
+    """The next step where the host must look: a log, checkpoint or evaluation step, an
+    epoch's end, the end."""
     if step == 0:
         return 1  # step 1 is logged (and compiles the chunk)
-    after = [
-        (step // every + 1) * every
-        for every in (config.log_every, config.checkpoint_every, batches_per_epoch)
-    ]
-    return min(*after, config.steps)
+    periods = (
+        config.log_every, config.checkpoint_every, batches_per_epoch,
+        eval_period(config, batches_per_epoch),
+    )  # fmt: skip
+    return min(*[(step // every + 1) * every for every in periods], config.steps)
 
 
 def augment_key(config: ml_collections.ConfigDict) -> jax.Array | None:
@@ -281,9 +291,13 @@ class Guard:
         self.last_finite = step
         return row
 
-    def check_params(self, model: nnx.Module, step: int) -> None:
-        if not all_finite(nnx.state(model, nnx.Param)):
+    def save(self, step: int, pair: tuple[nnx.Module, nnx.Optimizer], state, progress) -> None:
+        """Checkpoint the newest (donated-into) buffers, unless the parameters are no longer
+        finite: then stop, the last good checkpoint kept."""
+        nnx.update(pair, state)
+        if not all_finite(nnx.state(pair[0], nnx.Param)):
             self.stop("the parameters became non-finite", step)
+        self.checkpoints.save(step, *pair, progress)
 
 
 def interrupted(
@@ -308,29 +322,29 @@ def fit(
     start_step: int,
     checkpoints: checkpoint_lib.Checkpoints,
     on_log: Callable[[dict[str, float]], None],
+    on_eval: Callable[[int, nnx.Module], dict[str, float]] | None = None,
     signals: StopSignals | None = None,
 ) -> float:
     """Run updates start_step+1..config.steps in fused chunks; returns examples/sec.
 
-    Metrics reach the host only at step 1, every `log_every` steps and the last step. The clock
-    starts after the first (compiling) step and stops at `block_until_ready` on the final state.
-    Checkpoints are saved every `checkpoint_every` steps, at the end and on SIGINT/SIGTERM
-    (caught by `signals`, which the caller may keep active beyond training).
+    Metrics reach the host only at step 1, every `log_every` steps, each evaluation step
+    (`on_eval(step, model)` adds the test metrics to its row) and the last step. The clock
+    starts after the first (compiling) step and stops at `block_until_ready` on the final
+    state; evaluations are not counted. Checkpoints are saved every `checkpoint_every` steps,
+    at the end and on SIGINT/SIGTERM (caught by `signals`, which the caller may keep active).
     """
     d, per_epoch = device_data, device_data.batches_per_epoch
     model.train()  # dropout on, BatchNorm on batch statistics (no-ops for the MLP)
     graphdef, state = nnx.split((model, optimizer))
     train_chunk = chunk_for(graphdef, config, d.image_shape, d.mesh)
     aug_key, guard = augment_key(config), Guard(checkpoints, start_step)
-    clock, order_epoch, step = None, None, start_step
+    clock, order_epoch, step, evaluating = None, None, start_step, 0.0
     with contextlib.ExitStack() as stack:
         signals = signals or stack.enter_context(StopSignals())
         while step < config.steps:
             epoch, index = divmod(step, per_epoch)
             if epoch != order_epoch:
-                order_epoch = epoch
-                order = input_pipeline.epoch_order(config.seed, epoch, len(d.train_labels))
-                order = parallel.place(order, d.mesh)
+                order_epoch, order = epoch, _epoch_order(config.seed, epoch, d)
             stop = next_stop(step, config, per_epoch)
             per_call = stop - step if config.fused_steps else 1
             for first in range(step, stop, per_call):
@@ -342,14 +356,13 @@ def fit(
             if clock is None:  # the first call compiled; time the rest
                 jax.block_until_ready(metrics)
                 clock = time.perf_counter(), step
-            if is_log_step(step, config):
-                on_log(guard.row(step, metrics))
+            evaluating += _log(
+                step, metrics, state, (model, optimizer), config, per_epoch, guard, on_log, on_eval
+            )
             # A signal to any process stops all of them at the same step (saving is collective).
             signum = max(parallel.from_every_process(signals.signum))
             if step % config.checkpoint_every == 0 or step == config.steps or signum:
-                nnx.update((model, optimizer), state)  # the newest (donated-into) buffers
-                guard.check_params(model, step)
-                checkpoints.save(step, model, optimizer, progress_of(step, per_epoch, config))
+                guard.save(step, (model, optimizer), state, progress_of(step, per_epoch, config))
             if signum:
                 raise interrupted(signum, step, checkpoints, "")
     jax.block_until_ready(state)
@@ -357,4 +370,26 @@ def fit(
     model.eval()
     if clock is None or clock[1] == config.steps:  # nothing timed (e.g. killed after its end)
         return float("nan")
-    return (config.steps - clock[1]) * d.batch_size / (time.perf_counter() - clock[0])
+    return (config.steps - clock[1]) * d.batch_size / (time.perf_counter() - clock[0] - evaluating)
+
+
+def _epoch_order(seed: int, epoch: int, data: input_pipeline.DeviceData) -> jax.Array:
+    order = input_pipeline.epoch_order(seed, epoch, len(data.train_labels))
+    return parallel.place(order, data.mesh)
+
+
+def _log(step, metrics, state, pair, config, per_epoch, guard, on_log, on_eval) -> float:
+    """Log the row of `step` when due, with the test metrics at an evaluation step (after
+    training's own asynchronous work is done); returns the seconds spent evaluating."""
+    evaluating = on_eval is not None and is_eval_step(step, config, per_epoch)
+    if not (evaluating or is_log_step(step, config)):
+        return 0.0
+    row = guard.row(step, metrics)
+    if evaluating:
+        jax.block_until_ready(state)
+        began = time.perf_counter()
+        nnx.update(pair, state)
+        row |= on_eval(step, pair[0])
+        pair[0].train()
+    on_log(row)
+    return time.perf_counter() - began if evaluating else 0.0

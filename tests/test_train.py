@@ -75,3 +75,16 @@ def test_chunks_stop_at_log_checkpoint_and_epoch_boundaries(quick_config):
     assert stops[:6] == [1, 25, 50, 75, 100, 117]
     assert 234 in stops and 351 in stops and stops[-1] == 400
     assert all(s % 25 == 0 or s % 117 == 0 or s == 1 for s in stops)
+
+
+@pytest.mark.parametrize(("eval_every", "evaluated"), [(0, [117, 234, 351, 400]), (60, None)])
+def test_evaluations_come_each_epoch_or_every_eval_every_steps_and_at_the_end(
+    quick_config, eval_every, evaluated
+):
+    quick_config.log_every, quick_config.steps, quick_config.eval_every = 25, 400, eval_every
+    stops, step = [], 0
+    while step < quick_config.steps:
+        step = train.next_stop(step, quick_config, 117)
+        stops.append(step)
+    tested = [s for s in stops if train.is_eval_step(s, quick_config, 117)]
+    assert tested == (evaluated or [60, 120, 180, 240, 300, 360, 400])

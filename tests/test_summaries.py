@@ -1,0 +1,71 @@
+"""TensorBoard event files, read back with TensorBoard's own reader, against metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import load_config
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from fmnist_flax import experiment, summaries, train
+
+pytestmark = pytest.mark.slow
+
+
+def short_config(steps: int):
+    config = load_config("default")
+    config.steps, config.log_every, config.checkpoint_every, config.eval_every = steps, 5, 10, 10
+    config.report = "none"
+    return config
+
+
+def events(workdir) -> EventAccumulator:
+    reader = EventAccumulator(str(workdir / summaries.TENSORBOARD_DIR))
+    reader.Reload()
+    return reader
+
+
+def scalars(reader: EventAccumulator, tag: str) -> dict[int, float]:
+    return {event.step: event.value for event in reader.Scalars(tag)}
+
+
+def assert_matches_metrics_log(workdir, config) -> None:
+    rows = [json.loads(r) for r in (workdir / "metrics.jsonl").read_text().splitlines()]
+    reader = events(workdir)
+    for name in ("loss", "accuracy", "grad_norm", "test_loss", "test_accuracy"):
+        logged = {row["step"]: row[name] for row in rows if name in row}
+        written = scalars(reader, summaries.tag(name))
+        assert written.keys() == logged.keys(), name
+        assert written == pytest.approx(logged, rel=1e-6), name
+    rate = train.learning_rate(config)
+    assert scalars(reader, "train/learning_rate") == pytest.approx(
+        {row["step"]: rate for row in rows}
+    )
+    speeds = scalars(reader, "train/examples_per_sec")
+    # every row but the first of each start, whose interval holds the compilation
+    assert speeds.keys() <= {row["step"] for row in rows[1:]} and config.steps in speeds
+    assert min(speeds.values()) > 0
+    text = reader.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert '"batch_size": 512' in text
+
+
+def test_a_run_writes_its_metrics_and_evaluations_to_tensorboard(tmp_path):
+    config = short_config(30)
+    experiment.train_and_evaluate(config, tmp_path / "w")
+    assert_matches_metrics_log(tmp_path / "w", config)
+    tested = scalars(events(tmp_path / "w"), "test/accuracy")
+    assert sorted(tested) == [10, 20, 30] and all(0.1 < a < 1 for a in tested.values())
+
+
+def test_a_resumed_run_drops_the_events_past_its_checkpoint(tmp_path):
+    """Killed after the step-20 save (its step-30 events written): the resumed run's events
+    replace them, one value per step, as metrics.jsonl has them."""
+    config = short_config(30)
+    experiment.train_and_evaluate(config, tmp_path / "w")
+    shutil.rmtree(tmp_path / "w" / "checkpoints" / "30")
+    (tmp_path / "w" / "summary.json").unlink()
+    resumed = experiment.train_and_evaluate(config, tmp_path / "w")
+    assert resumed["resumed_from_step"] == 20
+    assert_matches_metrics_log(tmp_path / "w", config)
