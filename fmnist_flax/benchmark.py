@@ -21,7 +21,15 @@ import optax
 from flax import nnx
 
 from fmnist_flax import config as config_lib
-from fmnist_flax import datasets, input_pipeline, parallel, profiling, reference, train
+from fmnist_flax import (
+    datasets,
+    grain_pipeline,
+    input_pipeline,
+    parallel,
+    profiling,
+    reference,
+    train,
+)
 from fmnist_flax import model as model_lib
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
@@ -128,12 +136,35 @@ def fused_runner(config, device_data: input_pipeline.DeviceData) -> Runner:
     return run
 
 
-def _runners(config, device_data, fixed) -> dict[str, Callable[[], Runner]]:
+def grain_runner(config, device_data: input_pipeline.DeviceData, dataset) -> Runner:
+    """`input_pipeline="grain"`: the same compiled step, one call per step, each batch read on
+    the host by Grain and copied to the device."""
+    model, optimizer = fresh_state(config, device_data)
+    graphdef, state = nnx.split((model, optimizer))
+    chunk = train.make_train_chunk(graphdef, device_data.batch_size, mesh=device_data.mesh)
+    source = grain_pipeline.ArraySource(dataset.train_images, dataset.train_labels)
+    batches = grain_pipeline.GrainBatches(
+        source, device_data.batch_size, COMPARISON_SEED, device_data.mesh, {"next_index": 0}
+    )
+    carry = [state, 0]
+
+    def run(steps):
+        state, i = carry
+        for images, labels, order, index, count, _ in batches.chunks(i, i + steps):
+            state, metrics = chunk(state, images, labels, order, index, count)
+        carry[:] = state, i + steps
+        return state, metrics
+
+    return run
+
+
+def _runners(config, device_data, fixed, dataset) -> dict[str, Callable[[], Runner]]:
     """Each training path's runner factory, all from the same start; the codelab's first."""
     return {
         "codelab loop (reference)": lambda: codelab_runner(config, fixed),
         "nnx.jit step": lambda: per_step_runner(train.jit_train_step, config, device_data, fixed),
         "fused (default)": lambda: fused_runner(config, device_data),
+        "grain pipeline": lambda: grain_runner(config, device_data, dataset),
         "Python dispatch": lambda: per_step_runner(train.train_step, config, device_data, fixed),
     }
 
@@ -186,7 +217,7 @@ def run_suite(
             run_config = ml_collections.ConfigDict(config.to_dict())
             run_config.batch_size, run_config.compute_dtype = batch_size, dtype
             reference_rate = None
-            for name, make in _runners(run_config, device_data, fixed).items():
+            for name, make in _runners(run_config, device_data, fixed, dataset).items():
                 timed = n_steps if name != "Python dispatch" else min(n_steps, BENCH_EAGER_STEPS)
                 result = _measure(make(), timed, repeats)
                 rate = timed * batch_size / result["seconds"]

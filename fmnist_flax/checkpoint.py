@@ -167,6 +167,7 @@ class Checkpoints:
         self.metadata = metadata or {}
         self.read_only = read_only
         self._saving = 0  # the step of the save in flight, named if it fails
+        self.resumed_progress: dict[str, Any] = {}  # the progress item resume() restored
         if not read_only:
             prepare_directory(self.directory)
             if not hasattr(sys.unraisablehook, "quiet_abandoned_writes"):
@@ -385,7 +386,7 @@ class Checkpoints:
         )
         if restored is None:
             return 0
-        saved = restored["progress"]
+        saved = self.resumed_progress = restored["progress"]
         for key in ("batch_size", "seed", "num_batches"):
             if saved[key] != expected[key]:
                 raise UserError(

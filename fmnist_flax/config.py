@@ -17,6 +17,7 @@ from fmnist_flax.model import COMPUTE_DTYPES
 from fmnist_flax.parallel import PARAM_SHARDINGS
 
 REPORT_CHOICES = ("full", "basic", "none")
+INPUT_PIPELINES = ("device", "grain")
 SCHEDULES = ("constant", "warmup_cosine")
 MAX_COUNT = 2**31 - 1  # the optimizer's step counter is an int32
 MAX_SEED = 2**32 - 1  # seeds become uint32 PRNG key data
@@ -31,6 +32,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.dataset.name = "fashion_mnist"  # fashion_mnist | mnist | idx (any four IDX files)
     config.data_dir = ""  # "": the dataset's cache, system directory, then download
     config.batch_size = 512  # train and evaluation batches; every step has this shape
+    # device: the train set on every device, batches gathered in the step (fastest when it
+    # fits); grain: batches read on the host by Grain, each process reading only its share
+    config.input_pipeline = "device"
     config.steps = 400  # optimizer updates; every epoch visits the train set in a fresh order
     config.log_every = 25  # metrics reach the host only at these steps (and the first and last)
     config.compute_dtype = "float32"  # float32 | bfloat16; params always stay float32
@@ -69,6 +73,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _one_of("--report", config.report, REPORT_CHOICES)
     _one_of("--config.param_sharding", config.param_sharding, PARAM_SHARDINGS)
     _one_of("--config.optimizer.schedule", config.optimizer.schedule, SCHEDULES)
+    _one_of("--config.input_pipeline", config.input_pipeline, INPUT_PIPELINES)
     for name in POSITIVE_FIELDS:
         if not 1 <= config[name] <= MAX_COUNT:
             raise UserError(f"--{name}={config[name]} must be a whole number in 1..{MAX_COUNT:,}")

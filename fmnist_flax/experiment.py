@@ -25,6 +25,7 @@ from fmnist_flax import config as config_lib
 from fmnist_flax import (
     datasets,
     evaluate,
+    grain_pipeline,
     input_pipeline,
     parallel,
     report,
@@ -46,6 +47,7 @@ class Run:
     workdir: pathlib.Path
     dataset: datasets.Dataset
     device_data: input_pipeline.DeviceData
+    batches: Any  # what feeds training: input_pipeline.DeviceBatches or GrainBatches
     checkpoints: checkpoint_lib.Checkpoints
     model: nnx.Module
     optimizer: nnx.Optimizer
@@ -157,7 +159,8 @@ def set_up(
     dataset = datasets.load(config)
     model_lib.check_config(config.model, dataset.image_shape)
     mesh = parallel.make_mesh()
-    device_data = input_pipeline.to_device(dataset, config.batch_size, mesh)
+    on_host = config.input_pipeline == "grain"
+    device_data = input_pipeline.to_device(dataset, config.batch_size, mesh, not on_host)
     model, optimizer = train.create_train_state(
         config, dataset.image_shape, dataset.num_classes, mesh
     )
@@ -172,9 +175,16 @@ def set_up(
     checkpoints.metadata["changes"] = {"changes": changes}
     expected = train.progress_of(0, device_data.batches_per_epoch, config)
     start_step = checkpoints.resume(model, optimizer, expected)
+    if on_host:
+        saved = checkpoints.resumed_progress.get("data_iterator", {"next_index": start_step})
+        source = grain_pipeline.ArraySource(dataset.train_images, dataset.train_labels)
+        batches = grain_pipeline.GrainBatches(source, config.batch_size, config.seed, mesh, saved)
+    else:
+        batches = input_pipeline.DeviceBatches(device_data, config.seed, config.fused_steps)
     run = Run(
-        config, workdir, dataset, device_data, checkpoints, model, optimizer, start_step, signals
-    )
+        config, workdir, dataset, device_data, batches, checkpoints, model, optimizer,
+        start_step, signals,
+    )  # fmt: skip
     run.summary["config_changes"] = changes
     return run
 
@@ -258,7 +268,7 @@ def fit(run: Run) -> None:
         run.examples_per_sec = train.fit(
             run.model, run.optimizer, run.device_data, run.config,
             start_step=run.start_step, checkpoints=run.checkpoints, on_log=on_log,
-            on_eval=on_eval, signals=run.signals,
+            on_eval=on_eval, signals=run.signals, batches=run.batches,
         )  # fmt: skip
     compared = parallel.check_replicas(nnx.state(run.model, nnx.Param), "the trained parameters")
     if jax.process_count() > 1:
@@ -309,7 +319,8 @@ def evaluate_model(run: Run) -> dict[str, Any]:
     run.show("Device placement", tables.placement_table({
         "params": nnx.state(run.model, nnx.Param),
         "optimizer state": nnx.state(run.optimizer, nnx.OptState),
-        "train data": (data.train_images, data.train_labels),
+        **({"train data": (data.train_images, data.train_labels)}
+           if data.train_images is not None else {}),
         "test batches": (data.test_x, data.test_y),
     }))  # fmt: skip
     return result

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -75,8 +77,8 @@ class DeviceData:
     along the mesh's `data` axis.
     """
 
-    train_images: jax.Array  # (N, H * W) uint8
-    train_labels: jax.Array  # (N,) int32
+    train_images: jax.Array | None  # (N, H * W) uint8; None when Grain feeds the batches
+    train_labels: jax.Array | None  # (N,) int32
     test_x: jax.Array  # (ceil(M / B), B, H * W) float32: every test example, last batch padded
     test_y: jax.Array  # (ceil(M / B), B) int32
     test_mask: jax.Array  # (ceil(M / B), B) float32, 1 for a real example
@@ -84,11 +86,12 @@ class DeviceData:
     test_examples: int  # real (unpadded) test examples, known on the host
     image_shape: tuple[int, int]
     mesh: Mesh
+    train_examples: int
 
     @property
     def batches_per_epoch(self) -> int:
         """Whole batches per epoch; the remainder of each permutation is dropped."""
-        return len(self.train_labels) // self.batch_size
+        return self.train_examples // self.batch_size
 
     @property
     def codelab_test_batches(self) -> int:
@@ -96,8 +99,9 @@ class DeviceData:
         return self.test_examples // self.batch_size
 
 
-def to_device(dataset: Dataset, batch_size: int, mesh: Mesh) -> DeviceData:
-    """Flatten, pad the test set into masked batches and put everything on the mesh once."""
+def to_device(dataset: Dataset, batch_size: int, mesh: Mesh, with_train: bool = True) -> DeviceData:
+    """Flatten, pad the test set into masked batches and put everything on the mesh once (the
+    train set only `with_train`: a host pipeline such as Grain feeds it batch by batch)."""
     if batch_size > len(dataset.train_images):
         raise UserError(
             f"--batch_size={batch_size} is larger than the {len(dataset.train_images):,} "
@@ -107,13 +111,15 @@ def to_device(dataset: Dataset, batch_size: int, mesh: Mesh) -> DeviceData:
     train_images = dataset.train_images.reshape(len(dataset.train_images), -1)
     train = (train_images, dataset.train_labels.astype(np.int32))
     test = padded_batches(prepare_images(dataset.test_images), dataset.test_labels, batch_size)
+    placed = [parallel.shard_host_array(a, parallel.replicated(mesh)) for a in train]
     return DeviceData(
-        *(parallel.shard_host_array(a, parallel.replicated(mesh)) for a in train),
+        *(placed if with_train else (None, None)),
         *shard_batches(test, mesh),
         batch_size=batch_size,
         test_examples=len(dataset.test_labels),
         image_shape=dataset.image_shape,
         mesh=mesh,
+        train_examples=len(dataset.train_labels),
     )
 
 
@@ -147,6 +153,31 @@ def batch_at(
     if mesh is not None:
         picks = jax.lax.with_sharding_constraint(picks, parallel.batch_sharding(mesh))
     return normalize(images[picks]), labels[picks]
+
+
+class DeviceBatches:
+    """The device pipeline's training calls: each epoch's permutation made on the device, the
+    batches gathered inside the compiled chunk (`count` steps per call when fused)."""
+
+    def __init__(self, data: DeviceData, seed: int, fused: bool):
+        self.data, self.seed, self.fused = data, seed, fused
+        self._epoch, self._order = None, None
+
+    def chunks(self, step: int, stop: int) -> Iterator[tuple[Any, ...]]:
+        """(images, labels, order, first batch index, count, first step) per call for steps
+        step+1..stop, which never cross an epoch's end."""
+        epoch, index = divmod(step, self.data.batches_per_epoch)
+        if epoch != self._epoch:
+            order = epoch_order(self.seed, epoch, self.data.train_examples)
+            self._epoch, self._order = epoch, parallel.place(order, self.data.mesh)
+        per_call = stop - step if self.fused else 1
+        for first in range(step, stop, per_call):
+            d = self.data
+            yield d.train_images, d.train_labels, self._order, index + first - step, per_call, first
+
+    def state(self) -> dict[str, Any]:
+        """Nothing to save: the order is a function of (seed, step)."""
+        return {}
 
 
 def augment(

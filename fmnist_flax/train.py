@@ -199,7 +199,10 @@ def make_train_chunk(
     def train_chunk(state, images, labels, order, start, count, first_step=0, aug_key=None):
         def body(i, carry):
             model, optimizer = nnx.merge(graphdef, carry[0])
-            x, y = input_pipeline.batch_at(images, labels, order, start + i, batch_size, mesh)
+            if order is None:  # a batch fed from the host (Grain): the step's own images
+                x, y = input_pipeline.normalize(images), labels
+            else:
+                x, y = input_pipeline.batch_at(images, labels, order, start + i, batch_size, mesh)
             if max_shift or flip:
                 key = jax.random.fold_in(aug_key, first_step + i)
                 x = input_pipeline.augment(x, key, image_shape, max_shift, flip)
@@ -324,6 +327,7 @@ def fit(
     on_log: Callable[[dict[str, float]], None],
     on_eval: Callable[[int, nnx.Module], dict[str, float]] | None = None,
     signals: StopSignals | None = None,
+    batches: Any = None,
 ) -> float:
     """Run updates start_step+1..config.steps in fused chunks; returns examples/sec.
 
@@ -332,26 +336,23 @@ def fit(
     starts after the first (compiling) step and stops at `block_until_ready` on the final
     state; evaluations are not counted. Checkpoints are saved every `checkpoint_every` steps,
     at the end and on SIGINT/SIGTERM (caught by `signals`, which the caller may keep active).
+    `batches` feeds the calls (default: the device pipeline's `DeviceBatches`).
     """
     d, per_epoch = device_data, device_data.batches_per_epoch
     model.train()  # dropout on, BatchNorm on batch statistics (no-ops for the MLP)
     graphdef, state = nnx.split((model, optimizer))
     train_chunk = chunk_for(graphdef, config, d.image_shape, d.mesh)
     aug_key, guard = augment_key(config), Guard(checkpoints, start_step)
-    clock, order_epoch, step, evaluating = None, None, start_step, 0.0
+    batches = batches or input_pipeline.DeviceBatches(d, config.seed, config.fused_steps)
+    clock, step, evaluating = None, start_step, 0.0
     with contextlib.ExitStack() as stack:
         signals = signals or stack.enter_context(StopSignals())
         while step < config.steps:
-            epoch, index = divmod(step, per_epoch)
-            if epoch != order_epoch:
-                order_epoch, order = epoch, _epoch_order(config.seed, epoch, d)
             stop = next_stop(step, config, per_epoch)
-            per_call = stop - step if config.fused_steps else 1
-            for first in range(step, stop, per_call):
+            for images, labels, order, index, count, first in batches.chunks(step, stop):
                 state, metrics = train_chunk(
-                    state, d.train_images, d.train_labels, order, index + first - step,
-                    per_call, first, aug_key,
-                )  # fmt: skip
+                    state, images, labels, order, index, count, first, aug_key
+                )
             step = stop
             if clock is None:  # the first call compiled; time the rest
                 jax.block_until_ready(metrics)
@@ -362,7 +363,8 @@ def fit(
             # A signal to any process stops all of them at the same step (saving is collective).
             signum = max(parallel.from_every_process(signals.signum))
             if step % config.checkpoint_every == 0 or step == config.steps or signum:
-                guard.save(step, (model, optimizer), state, progress_of(step, per_epoch, config))
+                progress = progress_of(step, per_epoch, config) | batches.state()
+                guard.save(step, (model, optimizer), state, progress)
             if signum:
                 raise interrupted(signum, step, checkpoints, "")
     jax.block_until_ready(state)
@@ -371,11 +373,6 @@ def fit(
     if clock is None or clock[1] == config.steps:  # nothing timed (e.g. killed after its end)
         return float("nan")
     return (config.steps - clock[1]) * d.batch_size / (time.perf_counter() - clock[0] - evaluating)
-
-
-def _epoch_order(seed: int, epoch: int, data: input_pipeline.DeviceData) -> jax.Array:
-    order = input_pipeline.epoch_order(seed, epoch, len(data.train_labels))
-    return parallel.place(order, data.mesh)
 
 
 def _log(step, metrics, state, pair, config, per_epoch, guard, on_log, on_eval) -> float:

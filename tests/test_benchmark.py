@@ -13,7 +13,10 @@ from conftest import load_config
 from fmnist_flax import benchmark, profiling
 from fmnist_flax.errors import UserError
 
-PATHS = {"codelab loop (reference)", "nnx.jit step", "fused (default)", "Python dispatch"}
+PATHS = {
+    "codelab loop (reference)", "nnx.jit step", "fused (default)", "grain pipeline",
+    "Python dispatch",
+}  # fmt: skip
 ROW_FIELDS = {
     "path", "batch_size", "dtype", "steps", "seconds", "first_call_s", "examples_per_sec",
     "ratio_to_codelab", "gflops", "share_of_matmul_peak", "device_peak_mb", "process_peak_rss_mb",

@@ -1,0 +1,110 @@
+"""The Grain input pipeline: epochs, shares, saved state; and real runs fed by it on 1 device,
+8 virtual devices and 2 processes, including a SIGKILL and a resume."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import jax
+import numpy as np
+import pytest
+from conftest import run_main
+from test_faults import saved_steps, start, wait_for
+from test_parallel import LOSS_RTOL, main_py, start_two_processes
+
+from fmnist_flax import grain_pipeline, load_model, parallel
+
+GRAIN = "--config.input_pipeline=grain"
+
+
+def numbered(n: int) -> grain_pipeline.ArraySource:
+    """n records whose every pixel and label is the record's own number."""
+    images = np.repeat(np.arange(n, dtype=np.uint8), 4).reshape(n, 2, 2)
+    return grain_pipeline.ArraySource(images, np.arange(n))
+
+
+def test_each_epoch_is_a_fresh_permutation_cut_into_whole_batches():
+    batches = grain_pipeline.process_batches(numbered(10), batch_size=3, seed=0)
+    epochs = [[batches[e * 3 + i][1].tolist() for i in range(3)] for e in range(3)]
+    for epoch in epochs:
+        seen = [label for batch in epoch for label in batch]
+        assert len(seen) == len(set(seen)) == 9  # 3 whole batches, the 10th record dropped
+        assert batches[0][0].shape == (3, 4)
+    assert epochs[0] != epochs[1] != epochs[2]
+    again = grain_pipeline.process_batches(numbered(10), batch_size=3, seed=0)
+    assert [again[i][1].tolist() for i in range(3)] == epochs[0]  # seeded
+    other = grain_pipeline.process_batches(numbered(10), batch_size=3, seed=1)
+    assert [other[i][1].tolist() for i in range(3)] != epochs[0]
+
+
+def test_a_restored_iterator_state_continues_with_the_same_batches():
+    images = np.arange(256, dtype=np.uint8).reshape(64, 2, 2)
+    source, mesh = grain_pipeline.ArraySource(images, np.arange(64)), parallel.make_mesh()
+
+    def feed(state):
+        return grain_pipeline.GrainBatches(source, 8, 0, mesh, state)
+
+    first = feed({"next_index": 0})
+    list(first.chunks(0, 11))  # into the second epoch (8 batches each)
+    state = first.state()["data_iterator"]
+    assert state == {"next_index": 11}
+    expected = [np.asarray(x) for x, *_ in first.chunks(11, 14)]
+    resumed = [np.asarray(x) for x, *_ in feed(state).chunks(11, 14)]
+    for a, b in zip(expected, resumed, strict=True):
+        np.testing.assert_array_equal(a, b)
+        assert a.dtype == np.uint8 and a.shape == (8, 4)
+
+
+def rows(workdir) -> list[dict]:
+    return [json.loads(r) for r in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_grain_trains_to_the_device_pipelines_band_in_400_steps(tmp_path):
+    result = run_main(f"--workdir={tmp_path / 'w'}", GRAIN, "--steps=400", "--report=none")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "w" / "summary.json").read_text())
+    assert summary["test_accuracy"] >= 0.86
+    assert summary["config"]["input_pipeline"] == "grain"
+
+
+@pytest.mark.slow
+def test_a_killed_grain_run_resumes_mid_epoch_bit_exact(tmp_path):
+    flags = (GRAIN, "--steps=600", "--checkpoint_every=10", "--report=none", "--log_every=10")
+    direct = run_main(f"--workdir={tmp_path / 'direct'}", *flags)
+    assert direct.returncode == 0, direct.stderr
+    killed = tmp_path / "killed"
+    process = start(killed, *flags)
+    wait_for(lambda: saved_steps(killed) and saved_steps(killed)[-1] >= 30)
+    assert process.poll() is None, "the run ended before it could be killed"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    kept = saved_steps(killed)[-1]
+    assert kept % 117, "a mid-epoch checkpoint"  # 117 batches of 512 per epoch
+    resumed = run_main(f"--workdir={killed}", *flags)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from checkpoint {kept}" in resumed.stdout
+    assert rows(killed) == rows(tmp_path / "direct")
+    one, two = (jax.tree.leaves(load_model(w)) for w in (tmp_path / "direct", killed))
+    for a, b in zip(one, two, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_grain_on_eight_devices_and_in_two_processes_trains_like_one_device(tmp_path):
+    flags = (GRAIN, "--steps=30", "--log_every=10", "--batch_size=256", "--report=none")
+    for name, devices in (("one", 1), ("eight", 8)):
+        result = main_py(f"--workdir={tmp_path / name}", *flags, devices=devices)
+        assert result.returncode == 0, result.stderr[-3000:]
+    processes = start_two_processes(tmp_path / "two", *flags)
+    for p in processes:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-3000:]
+    expected = rows(tmp_path / "one")
+    for name in ("eight", "two"):
+        got = rows(tmp_path / name)
+        assert [r["step"] for r in got] == [r["step"] for r in expected]
+        np.testing.assert_allclose(
+            [r["loss"] for r in got], [r["loss"] for r in expected], rtol=LOSS_RTOL
+        )
