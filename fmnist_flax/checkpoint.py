@@ -8,6 +8,7 @@ JSON. Nothing is pickled.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging as std_logging
 import os
@@ -15,6 +16,7 @@ import pathlib
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -34,6 +36,8 @@ DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never delet
 STEP_MARKER = "_CHECKPOINT_METADATA"  # what Orbax writes in every step it finalises
 SPACE_MARGIN = 1.5  # bytes a save needs per byte of state, metadata included (measured ~1.1)
 INODES_PER_SAVE = 100  # files and directories a save creates (measured 51 for the MLP)
+BEST_METRIC = "test_accuracy"  # what keep_best and --step=best rank steps by (higher is better)
+BEST = "best"  # --step=best
 READ_ATTEMPTS = 5  # a reader of a live run starts over this often when a step is rotated away
 
 
@@ -139,6 +143,20 @@ def _abandoned_write_hook(previous):
     return hook
 
 
+@dataclasses.dataclass
+class _KeepBest:
+    """An Orbax preservation policy that keeps the step of the best test accuracy. Orbax keeps
+    a save's metrics in memory only, so a resumed run would rotate the best step away: the
+    scores come from the steps' own progress items instead."""
+
+    scores: dict[int, float]
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
+        known = {c.step: self.scores[c.step] for c in checkpoints if c.step in self.scores}
+        best = max(known, key=lambda step: (known[step], step)) if known else None
+        return [c.step == best for c in checkpoints]
+
+
 class StepVanished(Exception):
     """A step was removed while being read: a live training run rotated it away."""
 
@@ -155,13 +173,15 @@ class Checkpoints:
         workdir: str | os.PathLike,
         *,
         max_to_keep: int = 3,
+        keep_best: bool = False,
         read_only: bool = False,
         metadata: dict[str, dict[str, Any]] | None = None,
     ):
         """`metadata`: the JSON items every save writes besides progress (config, dataset).
 
         A `read_only` reader (eval, predict, load_model) changes nothing in the directory: a
-        training run may be writing there. A writer must hold the workdir's lock.
+        training run may be writing there. A writer must hold the workdir's lock. `keep_best`
+        keeps, besides the newest `max_to_keep`, the step of the best test accuracy.
         """
         self.directory = checkpoint_dir(workdir)
         self.metadata = metadata or {}
@@ -172,8 +192,11 @@ class Checkpoints:
             prepare_directory(self.directory)
             if not hasattr(sys.unraisablehook, "quiet_abandoned_writes"):
                 sys.unraisablehook = _abandoned_write_hook(sys.unraisablehook)
+        policies = ocp.checkpoint_managers
+        self._best = _KeepBest({})
+        keep = [policies.LatestN(max_to_keep), *([self._best] if keep_best else [])]
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=None if read_only else max_to_keep,
+            preservation_policy=None if read_only else policies.AnyPreservationPolicy(keep),
             save_interval_steps=0 if read_only else 1,
             create=False,
             read_only=read_only,
@@ -189,6 +212,8 @@ class Checkpoints:
                 **{name: ocp.JsonCheckpointHandler() for name in JSON_ITEMS},
             },
         )
+        if keep_best:
+            self._best.scores.update(self._scores())
 
     def reload(self) -> None:
         """Re-list the steps; a live trainer may remove one while it is being listed."""
@@ -221,6 +246,8 @@ class Checkpoints:
         }
         self._check_space(step, arrays)
         self._saving = step
+        if BEST_METRIC in progress:
+            self._best.scores[step] = progress[BEST_METRIC]
         json_items = {**self.metadata, "progress": progress}
         try:
             self._manager.save(
@@ -292,6 +319,28 @@ class Checkpoints:
         if damage:
             raise damage
         return 0, None
+
+    def _scores(self) -> dict[int, float]:
+        """The test accuracy of each kept step saved at an evaluation, from its progress item."""
+        scores = {}
+        for step in self.steps():
+            try:
+                progress = saved_item(self.directory, step, "progress") or {}
+            except UserError:  # damaged: restore() sets it aside; it ranks nowhere
+                continue
+            if isinstance(progress.get(BEST_METRIC), float):
+                scores[step] = progress[BEST_METRIC]
+        return scores
+
+    def best_step(self) -> int:
+        """The kept step of the best test accuracy (saved at an evaluation), for --step=best."""
+        scores = self._scores()
+        if not scores:
+            raise UserError(
+                f"--step=best: no checkpoint in {self.directory} was saved at an evaluation; "
+                "train with --config.keep_best=True, or pass a step number"
+            )
+        return max(scores, key=lambda step: (scores[step], step))
 
     def _restore_step(self, step: int, targets: dict[str, Any]) -> dict[str, Any]:
         metadata = self._manager.item_metadata(step)
@@ -467,7 +516,7 @@ def saved_item(directory: pathlib.Path, step: int, item: str) -> dict[str, Any] 
 
 def restore_model(
     workdir: str | os.PathLike,
-    step: int | None = None,
+    step: int | str | None = None,
     compute_dtype: str | None = None,
     mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[nnx.Module, int, ml_collections.ConfigDict, dict[str, Any]]:
@@ -503,7 +552,7 @@ def restore_model(
 
 def _restore_model(
     checkpoints: Checkpoints,
-    step: int | None,
+    step: int | str | None,
     compute_dtype: str | None,
     mesh: jax.sharding.Mesh | None,
 ) -> tuple[nnx.Module, int, ml_collections.ConfigDict, dict[str, Any]]:
@@ -511,6 +560,8 @@ def _restore_model(
     steps = checkpoints.steps()
     if not steps:
         raise UserError(f"--workdir {path} has no checkpoints; train there first")
+    if step == BEST:
+        step = checkpoints.best_step()
     if step is not None and step not in steps:
         raise UserError(f"--step={step}: {path} has checkpoints for steps {steps}")
     chosen, saved = checkpoints.saved("config", step)
@@ -537,9 +588,10 @@ def _restore_model(
 
 
 def load_model(
-    workdir: str | os.PathLike, step: int | None = None, compute_dtype: str | None = None
+    workdir: str | os.PathLike, step: int | str | None = None, compute_dtype: str | None = None
 ) -> nnx.Module:
-    """The trained model of a workdir (newest checkpoint by default), ready for `predict`.
+    """The trained model of a workdir (newest checkpoint by default; `step="best"`: the best
+    test accuracy kept by `config.keep_best`), ready for `predict`.
 
     Only parameters are read, no optimizer state; `compute_dtype` ('float32' or 'bfloat16')
     overrides the dtype it was trained in. `class_names(workdir)` names its outputs.

@@ -17,8 +17,8 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from fmnist_flax import checkpoint, datasets, experiment, export, inference, parallel
 from fmnist_flax import config as config_lib
-from fmnist_flax import datasets, experiment, export, inference, parallel
 from fmnist_flax.errors import UserError, error_line
 
 DEFAULT_CONFIG = config_lib.__file__  # its get_config(): the codelab's values
@@ -64,8 +64,11 @@ _ACCEPT_CONFIG_CHANGE = flags.DEFINE_bool(
     "Resume even though values that change the computation differ from the checkpoint's; "
     "summary.json records each change and its step.",
 )
-_STEP = flags.DEFINE_integer(
-    "step", None, "eval/predict/export: checkpoint step; default the newest."
+_STEP = flags.DEFINE_string(
+    "step",
+    None,
+    "eval/predict/export: checkpoint step, or 'best' (the best test accuracy, kept with "
+    "--config.keep_best=True); default the newest.",
 )
 
 # Multi-process runs (jax.distributed): start the same command on every host.
@@ -207,6 +210,16 @@ def main(argv: Sequence[str]) -> None:
         fail("interrupted; checkpoints saved so far are kept", 130)
 
 
+def step_flag() -> int | str | None:
+    """--step: a step number, 'best', or unset (the newest)."""
+    value = _STEP.value
+    if value is None or value == checkpoint.BEST:
+        return value
+    if not value.isdigit():
+        fail(f"--step={value} must be a step number or 'best'", 2)
+    return int(value)
+
+
 def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
     """Train, benchmark, evaluate, predict or export, as --mode says."""
     if mode == "train":
@@ -220,7 +233,7 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
     elif mode == "eval":
         inference.run_eval(
             _WORKDIR.value,
-            step=_STEP.value,
+            step=step_flag(),
             compute_dtype=flags.FLAGS.compute_dtype,
             data_dir=flags.FLAGS.data_dir,
             output=_OUTPUT.value,
@@ -229,7 +242,7 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
         meta = export.export_model(
             _WORKDIR.value,
             _OUTPUT.value,
-            step=_STEP.value,
+            step=step_flag(),
             compute_dtype=flags.FLAGS.compute_dtype,
         )
         parallel.say(
@@ -240,7 +253,7 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
         _, errors = inference.run_predict(
             _WORKDIR.value,
             _IMAGES.value,
-            step=_STEP.value,
+            step=step_flag(),
             compute_dtype=flags.FLAGS.compute_dtype,
             output=_OUTPUT.value,
         )

@@ -40,6 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.compute_dtype = "float32"  # float32 | bfloat16; params always stay float32
     config.checkpoint_every = 100  # Orbax saves every this many steps, at the end and on SIGTERM
     config.eval_every = 0  # test-set evaluation every this many steps (0: each epoch's end)
+    config.keep_best = False  # also keep the checkpoint of the best test accuracy (--step=best)
     config.max_to_keep = 3  # newest checkpoints kept in <workdir>/checkpoints
     config.fused_steps = True  # several steps per compiled call (False: one step per call)
     config.label_smoothing = 0.0  # optax.smooth_labels on the one-hot targets when > 0
@@ -102,8 +103,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 # Fields a resumed run may change without changing what it computes.
 RESUMABLE_FIELDS = (
-    "steps", "log_every", "checkpoint_every", "eval_every", "max_to_keep", "report", "data_dir",
-    "fused_steps", "param_sharding",
+    "steps", "log_every", "checkpoint_every", "eval_every", "keep_best", "max_to_keep",
+    "report", "data_dir", "fused_steps", "param_sharding",
 )  # fmt: skip
 
 

@@ -167,6 +167,7 @@ def set_up(
     checkpoints = checkpoint_lib.Checkpoints(
         workdir,
         max_to_keep=config.max_to_keep,
+        keep_best=config.keep_best,
         metadata={"config": config.to_dict(), "dataset": dataset.info()},
     )
     cleanup.callback(checkpoints.close)

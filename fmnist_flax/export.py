@@ -56,7 +56,7 @@ def export_model(
     workdir: str | os.PathLike,
     output: str | os.PathLike | None,
     *,
-    step: int | None = None,
+    step: int | str | None = None,
     compute_dtype: str | None = None,
 ) -> dict[str, Any]:
     """Write a workdir's model (parameters only) to `output` as a serialized `jax.export`

@@ -42,7 +42,7 @@ SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # grayscale, scale
 def run_eval(
     workdir: str | os.PathLike,
     *,
-    step: int | None = None,
+    step: int | str | None = None,
     compute_dtype: str | None = None,
     data_dir: str | None = None,
     output: str | None = None,
@@ -180,7 +180,7 @@ def run_predict(
     workdir: str | os.PathLike,
     paths: Sequence[str],
     *,
-    step: int | None = None,
+    step: int | str | None = None,
     compute_dtype: str | None = None,
     output: str | None = None,
 ) -> tuple[list[dict[str, Any]], list[str]]:

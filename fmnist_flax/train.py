@@ -357,13 +357,15 @@ def fit(
             if clock is None:  # the first call compiled; time the rest
                 jax.block_until_ready(metrics)
                 clock = time.perf_counter(), step
-            evaluating += _log(
+            seconds, tested = _log(
                 step, metrics, state, (model, optimizer), config, per_epoch, guard, on_log, on_eval
             )
+            evaluating += seconds
             # A signal to any process stops all of them at the same step (saving is collective).
             signum = max(parallel.from_every_process(signals.signum))
-            if step % config.checkpoint_every == 0 or step == config.steps or signum:
-                progress = progress_of(step, per_epoch, config) | batches.state()
+            best = tested and config.keep_best  # each evaluated step may be the best one
+            if step % config.checkpoint_every == 0 or step == config.steps or signum or best:
+                progress = progress_of(step, per_epoch, config) | batches.state() | tested
                 guard.save(step, (model, optimizer), state, progress)
             if signum:
                 raise interrupted(signum, step, checkpoints, "")
@@ -375,12 +377,13 @@ def fit(
     return (config.steps - clock[1]) * d.batch_size / (time.perf_counter() - clock[0] - evaluating)
 
 
-def _log(step, metrics, state, pair, config, per_epoch, guard, on_log, on_eval) -> float:
+def _log(step, metrics, state, pair, config, per_epoch, guard, on_log, on_eval) -> tuple:
     """Log the row of `step` when due, with the test metrics at an evaluation step (after
-    training's own asynchronous work is done); returns the seconds spent evaluating."""
+    training's own asynchronous work is done); returns the seconds spent evaluating and the
+    test metrics (empty when not evaluated)."""
     evaluating = on_eval is not None and is_eval_step(step, config, per_epoch)
     if not (evaluating or is_log_step(step, config)):
-        return 0.0
+        return 0.0, {}
     row = guard.row(step, metrics)
     if evaluating:
         jax.block_until_ready(state)
@@ -389,4 +392,6 @@ def _log(step, metrics, state, pair, config, per_epoch, guard, on_log, on_eval) 
         row |= on_eval(step, pair[0])
         pair[0].train()
     on_log(row)
-    return time.perf_counter() - began if evaluating else 0.0
+    if not evaluating:
+        return 0.0, {}
+    return time.perf_counter() - began, {k: v for k, v in row.items() if k.startswith("test_")}

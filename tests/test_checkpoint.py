@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import REPO, load_config
 
-from fmnist_flax import checkpoint, experiment, load_model
+from fmnist_flax import checkpoint, experiment, load_model, parallel, train
 from fmnist_flax.errors import UserError
 
 
@@ -82,8 +82,11 @@ def test_checkpoint_holds_progress_and_config_as_json_and_no_pickle(trained):
     workdir, _ = trained
     step_dir = workdir / "checkpoints" / "200"
     progress = json.loads((step_dir / "progress" / "metadata").read_text())
+    summary = json.loads((workdir / "summary.json").read_text())
     assert progress == {
         "step": 200, "epoch": 1, "index": 83, "num_batches": 117, "batch_size": 512, "seed": 0,
+        # the last step is evaluated: its test metrics travel with it, for --step=best
+        "test_accuracy": summary["test_accuracy"], "test_loss": summary["test_loss"],
     }  # fmt: skip
     config = json.loads((step_dir / "config" / "metadata").read_text())
     assert config["model"]["hidden"] == [256, 128]
@@ -255,3 +258,32 @@ def test_a_run_killed_after_its_last_checkpoint_finishes_its_outputs(quick_confi
 def test_a_step_that_was_not_saved_is_named_with_the_ones_that_were(trained):
     with pytest.raises(UserError, match=r"--step=150: .* has checkpoints for steps \[100, 200\]"):
         load_model(trained[0], step=150)
+
+
+def test_keep_best_keeps_the_best_evaluated_step_beside_the_newest(tmp_path):
+    """Saves at steps 2..7 with test accuracies 0.5, 0.9, -, 0.6, 0.7, 0.65, max_to_keep=2:
+    the newest two and the best (step 3) stay, across a restart; --step=best restores step 3,
+    and is one line where no kept step was evaluated."""
+    config = load_config("default")
+    model, optimizer = train.create_train_state(config, (28, 28), 10, parallel.make_mesh())
+    metadata = {"config": config.to_dict(), "dataset": checkpoint.FASHION_MNIST_INFO}
+
+    def save(steps_and_accuracies):
+        manager = checkpoint.Checkpoints(tmp_path, max_to_keep=2, keep_best=True, metadata=metadata)
+        for step, accuracy in steps_and_accuracies:
+            progress = train.progress_of(step, 117, config)
+            if accuracy is not None:
+                progress["test_accuracy"] = accuracy
+            manager.save(step, model, optimizer, progress)
+        manager.close()
+        return manager.steps()
+
+    assert save([(1, None)]) == [1]
+    with pytest.raises(UserError, match=r"--step=best: no checkpoint in .* was saved at an eval"):
+        checkpoint.restore_model(tmp_path, checkpoint.BEST)
+    assert save([(2, 0.5), (3, 0.9), (4, None), (5, 0.6)]) == [3, 4, 5]
+    assert save([(6, 0.7), (7, 0.65)]) == [3, 6, 7]
+    reader = checkpoint.Checkpoints(tmp_path, read_only=True)
+    assert reader.best_step() == 3
+    reader.close()
+    assert checkpoint.restore_model(tmp_path, checkpoint.BEST)[1] == 3
