@@ -294,6 +294,11 @@ class Guard:
         self.last_finite = step
         return row
 
+    def warm_up(self, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
+        """Compile the finiteness check and the save's state copy before training's clock."""
+        all_finite(nnx.state(model, nnx.Param))
+        checkpoint_lib.warm_up(model, optimizer)
+
     def save(self, step: int, pair: tuple[nnx.Module, nnx.Optimizer], state, progress) -> None:
         """Checkpoint the newest (donated-into) buffers, unless the parameters are no longer
         finite: then stop, the last good checkpoint kept."""
@@ -334,9 +339,8 @@ def fit(
     Metrics reach the host only at step 1, every `log_every` steps, each evaluation step
     (`on_eval(step, model)` adds the test metrics to its row) and the last step. The clock
     starts after the first (compiling) step and stops at `block_until_ready` on the final
-    state; evaluations are not counted. Checkpoints are saved every `checkpoint_every` steps,
-    at the end and on SIGINT/SIGTERM (caught by `signals`, which the caller may keep active).
-    `batches` feeds the calls (default: the device pipeline's `DeviceBatches`).
+    state; evaluations are not counted. Checkpoints: every `checkpoint_every` steps, at the
+    end, on SIGINT/SIGTERM (`signals`). `batches` feeds the calls (default `DeviceBatches`).
     """
     d, per_epoch = device_data, device_data.batches_per_epoch
     model.train()  # dropout on, BatchNorm on batch statistics (no-ops for the MLP)
@@ -344,27 +348,29 @@ def fit(
     train_chunk = chunk_for(graphdef, config, d.image_shape, d.mesh)
     aug_key, guard = augment_key(config), Guard(checkpoints, start_step)
     batches = batches or input_pipeline.DeviceBatches(d, config.seed, config.fused_steps)
-    clock, step, evaluating = None, start_step, 0.0
+    guard.warm_up(model, optimizer)
+    clock, step, evaluating, deferred = None, start_step, 0.0, None
     with contextlib.ExitStack() as stack:
         signals = signals or stack.enter_context(StopSignals())
         while step < config.steps:
             stop = next_stop(step, config, per_epoch)
-            for images, labels, order, index, count, first in batches.chunks(step, stop):
-                state, metrics = train_chunk(
-                    state, images, labels, order, index, count, first, aug_key
-                )
-            step = stop
-            if clock is None:  # the first call compiled; time the rest
-                jax.block_until_ready(metrics)
-                clock = time.perf_counter(), step
+            for call in batches.chunks(step, stop):  # images, labels, order, index, count, first
+                state, metrics = train_chunk(state, *call, aug_key)
+            if deferred:  # the last stop's row, read while this chunk runs: no pipeline drain
+                on_log(guard.row(*deferred))
+            step, deferred = stop, None
+            clock = clock or _clock_start(metrics, step)
+            # A signal to any process stops all of them at the same step (saving is collective).
+            signum = max(parallel.from_every_process(signals.signum))
+            saving = step % config.checkpoint_every == 0 or step == config.steps or signum
+            if not (saving or is_eval_step(step, config, per_epoch)):
+                deferred = (step, metrics) if is_log_step(step, config) else None
+                continue
             seconds, tested = _log(
                 step, metrics, state, (model, optimizer), config, per_epoch, guard, on_log, on_eval
             )
             evaluating += seconds
-            # A signal to any process stops all of them at the same step (saving is collective).
-            signum = max(parallel.from_every_process(signals.signum))
-            best = tested and config.keep_best  # each evaluated step may be the best one
-            if step % config.checkpoint_every == 0 or step == config.steps or signum or best:
+            if saving or (tested and config.keep_best):  # each evaluated step may be the best
                 progress = progress_of(step, per_epoch, config) | batches.state() | tested
                 guard.save(step, (model, optimizer), state, progress)
             if signum:
@@ -375,6 +381,12 @@ def fit(
     if clock is None or clock[1] == config.steps:  # nothing timed (e.g. killed after its end)
         return float("nan")
     return (config.steps - clock[1]) * d.batch_size / (time.perf_counter() - clock[0] - evaluating)
+
+
+def _clock_start(metrics: Metrics, step: int) -> tuple[float, int]:
+    """The first call compiled: the clock starts once it is done."""
+    jax.block_until_ready(metrics)
+    return time.perf_counter(), step
 
 
 def _log(step, metrics, state, pair, config, per_epoch, guard, on_log, on_eval) -> tuple:

@@ -14,7 +14,8 @@ from fmnist_flax import benchmark, profiling
 from fmnist_flax.errors import UserError
 
 PATHS = {
-    "codelab loop (reference)", "nnx.jit step", "fused (default)", "grain pipeline",
+    "codelab loop (reference)", "nnx.jit step", "fused (default)", "fused + checkpoints",
+    "grain pipeline",
     "Python dispatch",
 }  # fmt: skip
 ROW_FIELDS = {
