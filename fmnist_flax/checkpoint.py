@@ -124,8 +124,12 @@ class _OrbaxNoise(std_logging.Filter):
 
 
 # A reader's manager is read-only by design; a step's metadata is missing when it is damaged,
-# unreadable or rotated away, each of which this module reports in its own line.
-_ORBAX_NOTICES = ("read only", "read_only=True", "Metadata file does not exist")
+# unreadable or rotated away, each of which this module reports in its own line; a save waits
+# for the one before in the low-priority saving thread, not in training's.
+_ORBAX_NOTICES = (
+    "read only", "read_only=True", "Metadata file does not exist",
+    "Waiting for previous save to complete",
+)  # fmt: skip
 
 
 for _logger in (logging.get_absl_logger(), std_logging.getLogger("asyncio")):
