@@ -113,13 +113,16 @@ def check_shapes(target: Any, stored: Any, what: str) -> None:
 
 class _OrbaxNoise(std_logging.Filter):
     """Drops Orbax's records that say nothing to a user of this project: tracebacks of a write
-    that failed for lack of space or permission (the save's caller reports those in one line:
-    what, where, how much is free) and the notices that a reader's manager is read-only."""
+    that failed for lack of space or permission, and any of its threads' tracebacks once a
+    failed save has been reported (the save's caller says it in one line: what, where, how
+    much is free), and the notices that a reader's manager is read-only."""
+
+    save_failed = threading.Event()  # set once a failed save is reported
 
     def filter(self, record: std_logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if exc is not None:
-            return workdir_lib.storage_error(exc) is None
+            return workdir_lib.storage_error(exc) is None and not self.save_failed.is_set()
         return not any(notice in str(record.msg) for notice in _ORBAX_NOTICES)
 
 
@@ -327,6 +330,7 @@ class Checkpoints:
         return f"free some space and run the same command again to resume from {last}"
 
     def _save_failed(self, step: int, exc: BaseException) -> UserError:
+        _OrbaxNoise.save_failed.set()  # what Orbax's threads log from now on is this failure
         storage = workdir_lib.storage_error(exc)
         if storage is not None:
             reason = workdir_lib.disk_problem(self.directory, storage)
