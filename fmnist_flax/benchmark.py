@@ -158,7 +158,7 @@ def grain_runner(config, device_data: input_pipeline.DeviceData, dataset) -> Run
     chunk = train.make_train_chunk(graphdef, device_data.batch_size, mesh=device_data.mesh)
     source = grain_pipeline.ArraySource(dataset.train_images, dataset.train_labels)
     batches = grain_pipeline.GrainBatches(
-        source, device_data.batch_size, COMPARISON_SEED, device_data.mesh, {"next_index": 0}
+        source, device_data.batch_size, COMPARISON_SEED, device_data.mesh
     )
     carry = [state, 0]
 

@@ -215,7 +215,7 @@ class Checkpoints:
         self.read_only = read_only
         self._saving = 0  # the step of the save in flight, named if it fails
         self._thread: threading.Thread | None = None  # the save being started, in one process
-        self._thread_error: Exception | None = None
+        self._thread_error: UserError | None = None
         self.resumed_progress: dict[str, Any] = {}  # the progress item resume() restored
         if not read_only:
             prepare_directory(self.directory)
@@ -284,16 +284,22 @@ class Checkpoints:
             return
         arrays = _snapshot(arrays)
         self._thread = threading.Thread(
-            target=self._start_save, args=(step, arrays, json_items), daemon=True
+            target=self._save_in_background, args=(step, arrays, json_items), daemon=True
         )
         self._thread.start()
 
+    def _save_in_background(self, *save: Any) -> None:
+        """`_start_save` in the saving thread; wait() reports its failure."""
+        # Lowest CPU priority for this thread and the writer threads it starts: on a few cores
+        # they would take XLA's time; the save has until the next one to finish.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVE_NICENESS)
+        try:
+            self._start_save(*save)
+        except UserError as error:
+            self._thread_error = error
+
     def _start_save(self, step: int, arrays: dict[str, Any], json_items: dict[str, Any]) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            # Lowest CPU priority for this thread and the writer threads it starts: on a few
-            # cores they would take XLA's time; the save has until the next one to finish.
-            with contextlib.suppress(OSError, AttributeError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVE_NICENESS)
         try:
             self._manager.save(
                 step,
@@ -304,9 +310,7 @@ class Checkpoints:
                 force=True,
             )
         except Exception as exc:  # Orbax and tensorstore raise many types for a failed write
-            if threading.current_thread() is threading.main_thread():
-                raise self._save_failed(step, exc) from None
-            self._thread_error = exc  # wait() reports it
+            raise self._save_failed(step, exc) from None
 
     def _check_space(self, step: int, arrays: dict[str, Any]) -> None:
         need = (
@@ -348,7 +352,7 @@ class Checkpoints:
             self._thread.join()
             self._thread, error, self._thread_error = None, self._thread_error, None
             if error is not None:
-                raise self._save_failed(self._saving, error) from None
+                raise error
         try:
             self._manager.wait_until_finished()
         except Exception as exc:  # the asynchronous write failed in Orbax's threads
@@ -366,9 +370,10 @@ class Checkpoints:
             return step, saved_item(self.directory, step, item)
         damage = None
         for candidate in self.steps()[::-1]:
-            check_readable(self.directory / str(candidate))  # the user's to fix, never skipped
             try:
                 return candidate, saved_item(self.directory, candidate, item)
+            except Unreadable:
+                raise
             except UserError as exc:
                 damage = damage or exc
         if damage:
@@ -523,6 +528,10 @@ def prepare_directory(directory: pathlib.Path) -> None:
             )
 
 
+class Unreadable(UserError):
+    """A step that permissions keep from being read: the user's to fix, never skipped."""
+
+
 def check_readable(step_dir: pathlib.Path) -> None:
     """A step that is intact but unreadable here (permissions) is the user's to fix, not
     damage: say so, and leave it where it is."""
@@ -532,7 +541,7 @@ def check_readable(step_dir: pathlib.Path) -> None:
     for path in found:
         readable = os.access(path, os.R_OK) and (not path.is_dir() or os.access(path, os.X_OK))
         if not readable and os.path.lexists(path):  # not merely removed meanwhile
-            raise UserError(
+            raise Unreadable(
                 f"{path} cannot be read (permission denied); fix its permissions (or run as "
                 "its owner) and run the same command again"
             )

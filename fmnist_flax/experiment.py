@@ -177,9 +177,11 @@ def set_up(
     expected = train.progress_of(0, device_data.batches_per_epoch, config)
     start_step = checkpoints.resume(model, optimizer, expected)
     if on_host:
-        saved = checkpoints.resumed_progress.get("data_iterator", {"next_index": start_step})
+        saved = checkpoints.resumed_progress.get("data_iterator")
         source = grain_pipeline.ArraySource(dataset.train_images, dataset.train_labels)
-        batches = grain_pipeline.GrainBatches(source, config.batch_size, config.seed, mesh, saved)
+        batches = grain_pipeline.GrainBatches(
+            source, config.batch_size, config.seed, mesh, saved, start_step
+        )
     else:
         batches = input_pipeline.DeviceBatches(device_data, config.seed, config.fused_steps)
     run = Run(

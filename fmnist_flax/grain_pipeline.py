@@ -56,11 +56,20 @@ def process_batches(source: ArraySource, batch_size: int, seed: int) -> grain.Ma
 class GrainBatches:
     """The Grain pipeline's training calls: one step per call, its batch read on the host."""
 
-    def __init__(self, source: ArraySource, batch_size: int, seed: int, mesh: Mesh, state: dict):
-        """`state`: a saved iterator position ({"next_index": steps done}) to continue from."""
+    def __init__(
+        self,
+        source: ArraySource,
+        batch_size: int,
+        seed: int,
+        mesh: Mesh,
+        state: dict | None = None,
+        step: int = 0,
+    ):
+        """`state`: the iterator's saved position; without one, the batch after `step` (a
+        checkpoint the device pipeline wrote)."""
         options = grain.ReadOptions(num_threads=READ_THREADS, prefetch_buffer_size=PREFETCH)
         self.iterator = iter(process_batches(source, batch_size, seed).to_iter_dataset(options))
-        self.iterator.set_state(state)
+        self.iterator.set_state(state or {"next_index": step})
         self.sharding = parallel.batch_sharding(mesh)
 
     def chunks(self, step: int, stop: int) -> Iterator[tuple[Any, ...]]:
