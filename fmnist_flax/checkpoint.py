@@ -135,6 +135,11 @@ _ORBAX_NOTICES = (
 )  # fmt: skip
 
 
+def abandoned_writes() -> bool:
+    """Whether a save failed in this process, leaving Orbax's threads with writes to drop."""
+    return _OrbaxNoise.save_failed.is_set()
+
+
 for _logger in (logging.get_absl_logger(), std_logging.getLogger("asyncio")):
     _logger.addFilter(_OrbaxNoise())  # asyncio: "Task exception was never retrieved"
 

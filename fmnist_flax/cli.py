@@ -109,10 +109,14 @@ flags.DEFINE_string("report", None, "full | basic (skip the timing comparisons) 
 
 def fail(message: str, code: int) -> None:
     error_line(message)
-    if jax.distributed.is_initialized():  # (process_count() would start the backends)
-        # Leave at once: the other processes may be waiting in a collective this one will
-        # never join, and a normal exit would wait for them at JAX's shutdown barrier.
+    # Leave at once (1) in a multi-process run: the other processes may be waiting in a
+    # collective this one will never join, and a normal exit would wait for them at JAX's
+    # shutdown barrier (is_initialized: process_count() would start the backends); (2) after
+    # a failed save: Orbax's threads may still be inside tensorstore finishing its abandoned
+    # writes, and the interpreter's shutdown would kill them mid-call (an abort, exit -6).
+    if jax.distributed.is_initialized() or checkpoint.abandoned_writes():
         sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
 
