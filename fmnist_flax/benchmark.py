@@ -114,15 +114,22 @@ def per_step_runner(step_fn, config, device_data, fixed) -> Runner:
     return run
 
 
-def fused_runner(config, device_data: input_pipeline.DeviceData, save: bool = False) -> Runner:
-    """The default path: `log_every` steps per compiled call, batches gathered on the device;
-    with `save`, an Orbax checkpoint every `checkpoint_every` steps, as main.py saves them
-    (each run waits for its last save to be written: the whole cost is timed)."""
+def fused_runner(
+    config, device_data: input_pipeline.DeviceData, save_floor: float | None = None
+) -> Runner:
+    """The default path: `log_every` steps per compiled call, batches gathered on the device.
+
+    With a `save_floor`, an Orbax checkpoint at each `checkpoint_every` step that main.py's
+    policy finds due (none being written, the last at least `save_floor` seconds old; 0: every
+    time); each timed run waits for its last save to be written, so the whole cost is timed.
+    """
     model, optimizer = fresh_state(config, device_data)
     graphdef, state = nnx.split((model, optimizer))
-    scratch = tempfile.TemporaryDirectory(prefix="bench-ckpt-") if save else None
-    metadata = {"config": config.to_dict()}
-    checkpoints = scratch and checkpoint.Checkpoints(scratch.name, metadata=metadata)
+    saving = save_floor is not None
+    scratch = tempfile.TemporaryDirectory(prefix="bench-ckpt-") if saving else None
+    checkpoints = scratch and checkpoint.Checkpoints(
+        scratch.name, metadata={"config": config.to_dict()}, min_interval_secs=save_floor
+    )
     chunk = train.make_train_chunk(graphdef, device_data.batch_size, mesh=device_data.mesh)
     order = input_pipeline.epoch_order(COMPARISON_SEED, 0, len(device_data.train_labels))
     per_epoch = device_data.batches_per_epoch
@@ -136,10 +143,8 @@ def fused_runner(config, device_data: input_pipeline.DeviceData, save: bool = Fa
             state, metrics = chunk(state, device_data.train_images,
                                    device_data.train_labels, order, index, count)  # fmt: skip
             i, steps = i + count, steps - count
-            if (
-                checkpoints and i % config.checkpoint_every == 0
-            ):  # main.py's save, finiteness check included
-                progress = train.progress_of(i, per_epoch, config)
+            if checkpoints and i % config.checkpoint_every == 0 and checkpoints.due(i):
+                progress = train.progress_of(i, per_epoch, config)  # main.py's save, checks too
                 train.Guard(checkpoints, i).save(i, (model, optimizer), state, progress)
         carry[:] = state, i
         if checkpoints:
@@ -178,7 +183,10 @@ def _runners(config, device_data, fixed, dataset) -> dict[str, Callable[[], Runn
         "codelab loop (reference)": lambda: codelab_runner(config, fixed),
         "nnx.jit step": lambda: per_step_runner(train.jit_train_step, config, device_data, fixed),
         "fused (default)": lambda: fused_runner(config, device_data),
-        "fused + checkpoints": lambda: fused_runner(config, device_data, save=True),
+        "fused + saves (default)": lambda: fused_runner(
+            config, device_data, config.checkpoint_min_interval_secs
+        ),
+        "fused + saves, no floor": lambda: fused_runner(config, device_data, 0.0),
         "grain pipeline": lambda: grain_runner(config, device_data, dataset),
         "Python dispatch": lambda: per_step_runner(train.train_step, config, device_data, fixed),
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import json
 import logging as std_logging
 import os
@@ -18,6 +19,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -173,6 +175,22 @@ class _KeepBest:
         return [c.step == best for c in checkpoints]
 
 
+@dataclasses.dataclass(kw_only=True)
+class _TimeFloor(ocp.checkpoint_managers.ContinuousCheckpointingPolicy):
+    """Orbax's continuous policy (no save while one is written, none sooner than
+    `minimum_interval_secs` after the last), its clock started with the run too: a short run
+    does not save early only because nothing is saved yet. Decided on process 0, broadcast."""
+
+    started: datetime.datetime = dataclasses.field(
+        default_factory=lambda: datetime.datetime.now(datetime.UTC)
+    )
+
+    def should_save(self, step: Any, previous_steps: Sequence[Any], *, context: Any) -> bool:
+        start = types.SimpleNamespace(step=0, metrics=None, time=self.started)
+        previous = previous_steps if len(previous_steps) else [start]
+        return super().should_save(step, previous, context=context)
+
+
 class StepVanished(Exception):
     """A step was removed while being read: a live training run rotated it away."""
 
@@ -208,8 +226,12 @@ class Checkpoints:
         keep_best: bool = False,
         read_only: bool = False,
         metadata: dict[str, dict[str, Any]] | None = None,
+        min_interval_secs: float = 0.0,
     ):
         """`metadata`: the JSON items every save writes besides progress (config, dataset).
+
+        `min_interval_secs`: `due` skips a save while the last one is being written or is
+        younger than this (Orbax's ContinuousCheckpointingPolicy); forced saves always happen.
 
         A `read_only` reader (eval, predict, load_model) changes nothing in the directory: a
         training run may be writing there. A writer must hold the workdir's lock. `keep_best`
@@ -218,6 +240,7 @@ class Checkpoints:
         self.directory = checkpoint_dir(workdir)
         self.metadata = metadata or {}
         self.read_only = read_only
+        self.min_interval_secs = min_interval_secs
         self._saving = 0  # the step of the save in flight, named if it fails
         self._thread: threading.Thread | None = None  # the save being started, in one process
         self._thread_error: UserError | None = None
@@ -231,7 +254,7 @@ class Checkpoints:
         keep = [policies.LatestN(max_to_keep), *([self._best] if keep_best else [])]
         options = ocp.CheckpointManagerOptions(
             preservation_policy=None if read_only else policies.AnyPreservationPolicy(keep),
-            save_interval_steps=0 if read_only else 1,
+            save_decision_policy=_TimeFloor(minimum_interval_secs=min_interval_secs),
             create=False,
             read_only=read_only,
             # Half-written saves of a killed process go away; only the lock holder may do it.
@@ -261,6 +284,15 @@ class Checkpoints:
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
+
+    def due(self, step: int) -> bool:
+        """Whether a periodic save at `step` should happen: always with no time floor; else
+        none still being written and the last one old enough (decided by process 0)."""
+        if not self.min_interval_secs:
+            return True  # every period, each save waiting for the one before
+        if self._thread is not None and self._thread.is_alive():  # one process: still starting
+            return False
+        return self._manager.should_save(step)
 
     def save(
         self,

@@ -39,6 +39,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.log_every = 25  # metrics reach the host only at these steps (and the first and last)
     config.compute_dtype = "float32"  # float32 | bfloat16; params always stay float32
     config.checkpoint_every = 100  # Orbax saves every this many steps, at the end and on SIGTERM
+    # ...but a due save is skipped while the last one is still being written or is younger than
+    # this (Orbax's ContinuousCheckpointingPolicy): a kill loses at most this many seconds, plus
+    # `checkpoint_every` steps and one save's writing time. 0: every `checkpoint_every` steps.
+    config.checkpoint_min_interval_secs = 10.0
     config.eval_every = 0  # test-set evaluation every this many steps (0: each epoch's end)
     config.keep_best = False  # also keep the checkpoint of the best test accuracy (--step=best)
     config.max_to_keep = 3  # newest checkpoints kept in <workdir>/checkpoints
@@ -78,6 +82,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     for name in POSITIVE_FIELDS:
         if not 1 <= config[name] <= MAX_COUNT:
             raise UserError(f"--{name}={config[name]} must be a whole number in 1..{MAX_COUNT:,}")
+    if not 0 <= config.checkpoint_min_interval_secs < MAX_COUNT:
+        raise UserError(
+            f"--config.checkpoint_min_interval_secs={config.checkpoint_min_interval_secs} must "
+            "be a number of seconds >= 0 (0: save every --checkpoint_every steps)"
+        )
     if not 0 <= config.eval_every <= MAX_COUNT:
         raise UserError(
             f"--config.eval_every={config.eval_every} must be 0 (each epoch) or a number of steps"
@@ -103,8 +112,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 # Fields a resumed run may change without changing what it computes.
 RESUMABLE_FIELDS = (
-    "steps", "log_every", "checkpoint_every", "eval_every", "keep_best", "max_to_keep",
-    "report", "data_dir", "fused_steps", "param_sharding",
+    "steps", "log_every", "checkpoint_every", "checkpoint_min_interval_secs", "eval_every",
+    "keep_best", "max_to_keep", "report", "data_dir", "fused_steps", "param_sharding",
 )  # fmt: skip
 
 

@@ -169,6 +169,7 @@ def set_up(
         max_to_keep=config.max_to_keep,
         keep_best=config.keep_best,
         metadata={"config": config.to_dict(), "dataset": dataset.info()},
+        min_interval_secs=config.checkpoint_min_interval_secs,
     )
     cleanup.callback(checkpoints.close)
     cleanup.callback(checkpoints.wait)  # runs first: the last save is on disk before closing

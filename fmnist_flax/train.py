@@ -339,8 +339,8 @@ def fit(
     Metrics reach the host only at step 1, every `log_every` steps, each evaluation step
     (`on_eval(step, model)` adds the test metrics to its row) and the last step. The clock
     starts after the first (compiling) step and stops at `block_until_ready` on the final
-    state; evaluations are not counted. Checkpoints: every `checkpoint_every` steps, at the
-    end, on SIGINT/SIGTERM (`signals`). `batches` feeds the calls (default `DeviceBatches`).
+    state; evaluations are not counted. Checkpoints: see `must_save`; on SIGINT/SIGTERM
+    (`signals`) too. `batches` feeds the calls (default `DeviceBatches`).
     """
     d, per_epoch = device_data, device_data.batches_per_epoch
     model.train()  # dropout on, BatchNorm on batch statistics (no-ops for the MLP)
@@ -362,7 +362,7 @@ def fit(
             clock = clock or _clock_start(metrics, step)
             # A signal to any process stops all of them at the same step (saving is collective).
             signum = max(parallel.from_every_process(signals.signum))
-            saving = step % config.checkpoint_every == 0 or step == config.steps or signum
+            saving = must_save(step, signum, config, checkpoints)
             if not (saving or is_eval_step(step, config, per_epoch)):
                 deferred = (step, metrics) if is_log_step(step, config) else None
                 continue
@@ -381,6 +381,14 @@ def fit(
     if clock is None or clock[1] == config.steps:  # nothing timed (e.g. killed after its end)
         return float("nan")
     return (config.steps - clock[1]) * d.batch_size / (time.perf_counter() - clock[0] - evaluating)
+
+
+def must_save(step: int, signum: int, config, checkpoints: checkpoint_lib.Checkpoints) -> bool:
+    """At the end, on a signal, and at each `checkpoint_every` step that the save policy allows
+    (`Checkpoints.due`: none being written, the last one old enough)."""
+    if step == config.steps or signum:
+        return True
+    return step % config.checkpoint_every == 0 and checkpoints.due(step)
 
 
 def _clock_start(metrics: Metrics, step: int) -> tuple[float, int]:

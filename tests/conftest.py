@@ -37,6 +37,9 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
     return lines[0]
 
 
+EVERY_DUE_SAVE = "--config.checkpoint_min_interval_secs=0"  # no time floor: tests count steps
+
+
 def load_config(name: str):
     """A config of configs/ loaded by path, as --config loads it."""
     return runpy.run_path(str(REPO / "configs" / f"{name}.py"))["get_config"]()
@@ -102,4 +105,5 @@ def quick_config():
     config = load_config("default")
     config.steps = 100
     config.report = "none"  # the report has its own tests
+    config.checkpoint_min_interval_secs = 0.0  # saves at every checkpoint_every step
     return config

@@ -14,8 +14,8 @@ from fmnist_flax import benchmark, profiling
 from fmnist_flax.errors import UserError
 
 PATHS = {
-    "codelab loop (reference)", "nnx.jit step", "fused (default)", "fused + checkpoints",
-    "grain pipeline",
+    "codelab loop (reference)", "nnx.jit step", "fused (default)", "fused + saves (default)",
+    "fused + saves, no floor", "grain pipeline",
     "Python dispatch",
 }  # fmt: skip
 ROW_FIELDS = {

@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, load_config
+from conftest import EVERY_DUE_SAVE, REPO, load_config
 
 from fmnist_flax import checkpoint, experiment, load_model, parallel, train
 from fmnist_flax.errors import UserError
@@ -35,6 +35,7 @@ def trained(tmp_path_factory):
     config = load_config("default")
     config.steps = 200
     config.report = "none"
+    config.checkpoint_min_interval_secs = 0.0  # a save at each checkpoint_every step
     workdir = tmp_path_factory.mktemp("trained") / "w"
     summary = experiment.train_and_evaluate(config, workdir)
     return workdir, summary
@@ -217,7 +218,7 @@ def test_signal_saves_the_current_step_and_says_how_to_resume(signum, tmp_path):
 @pytest.mark.slow
 def test_sigkill_resumes_from_the_last_complete_checkpoint(tmp_path):
     workdir = tmp_path / "w"
-    process = start_training(workdir, "--steps=1000000", "--checkpoint_every=20")
+    process = start_training(workdir, "--steps=1000000", "--checkpoint_every=20", EVERY_DUE_SAVE)
     checkpoints_dir = workdir / "checkpoints"
     wait_for(
         lambda: (
@@ -243,6 +244,40 @@ def test_sigkill_resumes_from_the_last_complete_checkpoint(tmp_path):
     assert not [p for p in checkpoints_dir.iterdir() if "tmp" in p.name]
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["resumed_from_step"] == complete[-1]
+
+
+def saved_at(workdir, step):
+    """When Orbax began and finished writing a step, in seconds since the epoch."""
+    meta = json.loads((workdir / "checkpoints" / str(step) / "_CHECKPOINT_METADATA").read_text())
+    return meta["init_timestamp_nsecs"] / 1e9, meta["commit_timestamp_nsecs"] / 1e9
+
+
+@pytest.mark.slow
+def test_the_time_floor_spaces_saves_and_bounds_what_a_kill_loses(tmp_path):
+    """Saves due every 5 steps (~15 ms; without a floor each starts when the last is written,
+    0.1-1 s apart here) but at least FLOOR s apart: they start FLOOR to FLOOR + SLACK apart,
+    and a SIGKILL at a random moment finds the newest complete one at most FLOOR + SLACK + one
+    save's writing time old: the bound the README states."""
+    floor, slack = 2.0, 2.0
+    workdir = tmp_path / "w"
+    process = start_training(
+        workdir, "--steps=1000000", "--checkpoint_every=5", "--log_every=1000000",
+        f"--config.checkpoint_min_interval_secs={floor}", "--config.max_to_keep=1000",
+        "--report=none",
+    )  # fmt: skip
+    checkpoints_dir = workdir / "checkpoints"
+    wait_for(lambda: checkpoints_dir.is_dir() and len(list(checkpoints_dir.glob("[0-9]*"))) >= 3)
+    time.sleep(np.random.default_rng().uniform(0, 2 * floor))
+    process.kill()
+    killed_at = time.time()
+    process.wait()
+    steps = checkpoint.Checkpoints(workdir, read_only=True).steps()
+    times = [saved_at(workdir, step) for step in steps]
+    starts = np.diff([began for began, _ in times])
+    assert len(steps) >= 3 and all(np.diff(steps) >= 5)
+    assert starts.min() >= 0.9 * floor, starts  # never sooner than the floor
+    assert starts.max() <= floor + slack, starts  # and not much later
+    assert killed_at - times[-1][1] <= floor + slack + max(end - began for began, end in times)
 
 
 def test_a_run_killed_after_its_last_checkpoint_finishes_its_outputs(quick_config, tmp_path):

@@ -55,6 +55,7 @@ def raw_leaves(tree) -> list:
 def cnn_smoke(steps):
     config = load_config("cnn")
     config.steps, config.log_every, config.checkpoint_every = steps, 3, 3
+    config.checkpoint_min_interval_secs = 0.0
     config.optimizer.warmup_steps = 2
     config.report = "none"
     return config
@@ -85,6 +86,7 @@ def shortened(name: str):
     """A config of configs/ cut to 6 steps, saving at 3 and 6, its schedule intact in shape."""
     config = load_config(name)
     config.steps, config.checkpoint_every, config.log_every = 6, 3, 1
+    config.checkpoint_min_interval_secs = 0.0
     config.optimizer.warmup_steps = 2
     config.report = "none"
     return config

@@ -21,12 +21,12 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, run_main
+from conftest import EVERY_DUE_SAVE, REPO, run_main
 
 from fmnist_flax import checkpoint
 
 pytestmark = pytest.mark.slow
-QUICK = ("--report=none", "--log_every=5")
+QUICK = ("--report=none", "--log_every=5", EVERY_DUE_SAVE)
 IS_ROOT = os.geteuid() == 0
 
 

@@ -9,7 +9,7 @@ import signal
 import jax
 import numpy as np
 import pytest
-from conftest import run_main
+from conftest import EVERY_DUE_SAVE, run_main
 from test_faults import saved_steps, start, wait_for
 from test_parallel import LOSS_RTOL, main_py, start_two_processes
 
@@ -71,7 +71,8 @@ def test_grain_trains_to_the_device_pipelines_band_in_400_steps(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_grain_run_resumes_mid_epoch_bit_exact(tmp_path):
-    flags = (GRAIN, "--steps=600", "--checkpoint_every=10", "--report=none", "--log_every=10")
+    flags = (GRAIN, "--steps=600", "--checkpoint_every=10", "--report=none", "--log_every=10",
+             EVERY_DUE_SAVE)  # fmt: skip
     direct = run_main(f"--workdir={tmp_path / 'direct'}", *flags)
     assert direct.returncode == 0, direct.stderr
     killed = tmp_path / "killed"

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import EVERY_DUE_SAVE, REPO
 
 from fmnist_flax import checkpoint, evaluate, input_pipeline, parallel
 from fmnist_flax.errors import UserError
@@ -137,7 +137,7 @@ def test_a_shard_only_one_process_can_read_stops_both_with_what_to_do(tmp_path):
     at once with one line (no hang), and the fix the line names resumes the run."""
     workdir = tmp_path / "run"
     flags = ["--log_every=2", "--checkpoint_every=2", "--batch_size=64",
-             "--config.param_sharding=fsdp"]  # fmt: skip
+             "--config.param_sharding=fsdp", EVERY_DUE_SAVE]  # fmt: skip
     for p in start_two_processes(workdir, "--steps=4", *flags):
         assert p.wait(timeout=180) == 0
     for shard in (workdir / "checkpoints" / "4" / "model" / "ocdbt.process_1" / "d").iterdir():

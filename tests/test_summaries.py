@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slow
 def short_config(steps: int):
     config = load_config("default")
     config.steps, config.log_every, config.checkpoint_every, config.eval_every = steps, 5, 10, 10
+    config.checkpoint_min_interval_secs = 0.0
     config.report = "none"
     return config
 

@@ -16,7 +16,7 @@ import sysconfig
 
 import numpy as np
 import pytest
-from conftest import REPO, idx_bytes, load_config
+from conftest import EVERY_DUE_SAVE, REPO, idx_bytes, load_config
 
 from fmnist_flax import input_pipeline, parallel, train
 
@@ -114,7 +114,9 @@ def run(root: pathlib.Path, *args: str, check: bool = True) -> subprocess.Comple
     return done
 
 
-QUICK = ("--steps=20", "--log_every=10", "--checkpoint_every=10", "--batch_size=128")
+QUICK = (
+    "--steps=20", "--log_every=10", "--checkpoint_every=10", "--batch_size=128", EVERY_DUE_SAVE,
+)  # fmt: skip
 
 
 @pytest.mark.slow
