@@ -61,10 +61,12 @@ def test_tiny_benchmark_writes_every_field(tmp_path, capsys):
     assert all(us > 0 for us in profile["op_us_per_step"].values())
     assert profile["wall_us_per_step"] > 0
     whole = result["whole_run"]
-    assert set(whole) == {"steps", "runs", "wall_ratio_cold", "wall_ratio_warm"}
-    assert len(whole["runs"]) == 3
-    for run in whole["runs"].values():
+    assert set(whole) == {"steps", "runs", "wall_ratio_cold", "wall_ratio_warm", "fused_reference"}
+    assert len(whole["runs"]) == 3 and whole["fused_reference"] > 0
+    for name, run in whole["runs"].items():
         assert run["wall_seconds"] > 0 and run["peak_rss_mb"] > 100
+        if name.startswith("main.py"):  # its own rate against the fused path's, same minutes
+            assert run["vs_fused"] == run["train_examples_per_sec"] / whole["fused_reference"]
     out = capsys.readouterr().out
     assert "Training step throughput" in out and "main.py / plain JAX wall time" in out
     assert "Where the fused step's time goes" in out
