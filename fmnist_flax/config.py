@@ -40,8 +40,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.compute_dtype = "float32"  # float32 | bfloat16; params always stay float32
     config.checkpoint_every = 100  # Orbax saves every this many steps, at the end and on SIGTERM
     # ...but a due save is skipped while the last one is still being written or is younger than
-    # this (Orbax's ContinuousCheckpointingPolicy): a kill loses at most this many seconds, plus
-    # `checkpoint_every` steps and one save's writing time. 0: every `checkpoint_every` steps.
+    # this (Orbax's ContinuousCheckpointingPolicy): a kill loses at most this many seconds (or
+    # the last save's writing time), `checkpoint_every` steps and the save in progress' writing
+    # time. 0: every `checkpoint_every` steps.
     config.checkpoint_min_interval_secs = 10.0
     config.eval_every = 0  # test-set evaluation every this many steps (0: each epoch's end)
     config.keep_best = False  # also keep the checkpoint of the best test accuracy (--step=best)

@@ -59,6 +59,7 @@ def test_without_workdir_a_fresh_run_directory_is_made_and_printed(tmp_path):
         ("--steps=many", "--steps"),
         ("--no_such_flag=1", "no_such_flag"),
         ("--report=pretty", "--report='pretty' is not one of full, basic, none"),
+        ("--config.checkpoint_min_interval_secs=-5", "must be a number of seconds >= 0"),
         ("--mode=serve", "--mode"),
         ("--data_dir=/nonexistent/fmnist", "is not a directory"),
         ("shoe.png", "unexpected arguments shoe.png; flags look like --steps=400"),

@@ -30,6 +30,8 @@ def test_default_config_has_the_codelab_values():
         ("seed", 2**32, "--seed=4294967296 must be a whole number in 0.."),
         ("optimizer.learning_rate", 0.0, "--learning_rate=0.0 must be positive"),
         ("optimizer.weight_decay", -1.0, "weight_decay=-1.0 must be >= 0"),
+        ("checkpoint_min_interval_secs", -1.0, "checkpoint_min_interval_secs=-1.0 must be a"),
+        ("checkpoint_min_interval_secs", float("nan"), "checkpoint_min_interval_secs=nan must"),
     ],
 )
 def test_bad_values_are_refused_with_one_line(field, value, message):
