@@ -24,6 +24,21 @@ def test_device_data_keeps_uint8_train_images_and_covers_the_test_set(real_datas
     )
 
 
+@pytest.mark.parametrize(
+    ("seed", "epoch", "n"),
+    [(0, 0, 60_000), (0, 3, 60_000), (7, 1, 10), (0, 2, 1), (2**32 - 1, 9, 4096)],
+)
+def test_the_host_sorted_order_is_jax_random_permutation(seed, epoch, n):
+    """The order is sorted by NumPy for speed but must stay JAX's permutation to the element:
+    runs, resumes and documented results depend on it (a JAX upgrade that changes its shuffle
+    fails here)."""
+    key = jax.random.fold_in(jax.random.key(seed), epoch)
+    np.testing.assert_array_equal(
+        np.asarray(input_pipeline.epoch_order(seed, epoch, n)),
+        np.asarray(jax.random.permutation(key, n)),
+    )
+
+
 def test_each_epoch_gets_a_fresh_seeded_permutation(real_dataset):
     device_data = input_pipeline.to_device(real_dataset, 512, parallel.make_mesh())
     first = np.asarray(input_pipeline.epoch_order(0, 0, 60_000))
