@@ -125,8 +125,7 @@ def fused_runner(
     """
     model, optimizer = fresh_state(config, device_data)
     graphdef, state = nnx.split((model, optimizer))
-    saving = save_floor is not None
-    scratch = tempfile.TemporaryDirectory(prefix="bench-ckpt-") if saving else None
+    scratch = tempfile.TemporaryDirectory(prefix="bench-ckpt-") if save_floor is not None else None
     checkpoints = scratch and checkpoint.Checkpoints(
         scratch.name, metadata={"config": config.to_dict()}, min_interval_secs=save_floor
     )
@@ -337,11 +336,11 @@ def whole_run(steps: int, tmp: pathlib.Path, data_dir: str = "") -> dict[str, An
             "wall_ratio_warm": warm / plain}  # fmt: skip
 
 
-def fused_reference(config: ml_collections.ConfigDict, dataset, steps: int) -> float:
+def fused_reference(
+    config: ml_collections.ConfigDict, device_data: input_pipeline.DeviceData, steps: int
+) -> float:
     """The fused path's examples/s at the config's batch size and dtype over `steps` steps,
     measured where it is called: next to the whole runs, so both see the same machine load."""
-    mesh = parallel.make_mesh(jax.devices()[:1])
-    device_data = input_pipeline.to_device(dataset, config.batch_size, mesh)
     result = _measure(fused_runner(config, device_data), steps, repeats=3)
     return steps * config.batch_size / result["seconds"]
 
@@ -405,10 +404,13 @@ def run_benchmark(
         config, dataset, batch_sizes=batch_sizes, dtypes=dtypes, steps=steps, repeats=repeats
     )
     if whole_run_steps:
-        before = fused_reference(config, dataset, whole_run_steps)
+        mesh = parallel.make_mesh(jax.devices()[:1])
+        device_data = input_pipeline.to_device(dataset, config.batch_size, mesh)
+        before = fused_reference(config, device_data, whole_run_steps)
         with tempfile.TemporaryDirectory() as tmp:
             whole = whole_run(whole_run_steps, pathlib.Path(tmp), config.data_dir)
-        whole["fused_reference"] = (before + fused_reference(config, dataset, whole_run_steps)) / 2
+        after = fused_reference(config, device_data, whole_run_steps)
+        whole["fused_reference"] = (before + after) / 2
         result["whole_run"] = whole
         print(whole_run_table(whole))
     result["versions"] = workdir_lib.versions()
