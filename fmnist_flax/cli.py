@@ -17,7 +17,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from fmnist_flax import checkpoint, datasets, experiment, export, inference, parallel
+from fmnist_flax import checkpoint, datasets, experiment, export, fast_exit, inference, parallel
 from fmnist_flax import config as config_lib
 from fmnist_flax.errors import UserError, error_line
 
@@ -309,4 +309,10 @@ def define_config_flag() -> None:
 def run() -> None:
     """Entry point of `main.py`, `python -m fmnist_flax` and the `fmnist-flax` script."""
     define_config_flag()
-    app.run(main, flags_parser=parse_flags)
+    try:
+        app.run(main, flags_parser=parse_flags)
+    except SystemExit as done:  # success or one of our error lines: no teardown to wait for
+        status = 0 if done.code is None else done.code
+        if isinstance(status, int):
+            fast_exit.after_exit_hooks(status)
+        raise

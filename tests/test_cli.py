@@ -69,6 +69,47 @@ def test_bad_flags_exit_non_zero_with_one_line(flag, expected, tmp_path):
     assert_one_line_error(run_main(flag, f"--workdir={tmp_path / 'w'}"), expected)
 
 
+# main.py with an object whose finaliser speaks if the interpreter's teardown runs.
+WITH_FINALISER = """
+import sys
+class Teardown:
+    def __del__(self):
+        print("interpreter teardown", flush=True)
+keep = Teardown()
+sys.argv[0] = "main.py"
+from fmnist_flax import cli
+if sys.argv[1:]:
+    cli.run()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "status", "last_line"),
+    [
+        (("--steps=2", "--report=none"), 0, "workdir: "),  # + --workdir below
+        (("--steps=0",), 1, ""),
+        (("--no_such_flag=1",), 2, ""),
+        ((), 0, "interpreter teardown"),  # the package imported, no command run
+    ],
+)
+def test_a_finished_command_leaves_without_the_interpreters_teardown(
+    args, status, last_line, tmp_path
+):
+    """The exit status and every line of output stay; only the ~1 s teardown is skipped."""
+    args = (*args, f"--workdir={tmp_path / 'w'}") if "--report=none" in args else args
+    result = subprocess.run(
+        [sys.executable, "-c", WITH_FINALISER, *args],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == status, result.stderr
+    lines = result.stdout.splitlines() or [""]
+    assert lines[-1].startswith(last_line)
+    assert ("interpreter teardown" in result.stdout) == (not args)
+    if status:
+        assert result.stderr.startswith("error: ")
+
+
 @pytest.mark.slow
 def test_help_lists_the_projects_flags_and_exits_zero():
     result = run_main("--help")
