@@ -60,6 +60,21 @@ def test_create_model_follows_the_config_and_seed():
     assert not np.array_equal(k, other.layers[0].kernel[...])
 
 
+@pytest.mark.parametrize("name", ["default", "cnn"])
+def test_the_init_compiled_for_speed_of_compiling_gives_the_same_bits(name):
+    """create_model compiles the init with model_lib.INIT_COMPILER_OPTIONS; a compile with
+    XLA's default options must give the same values."""
+    config = load_config(name)
+    model = model_lib.create_model(config, (28, 28), 10, seed=5)
+    static = model_lib.static_args(config, (28, 28), 10)
+    default = jax.jit(lambda seed: nnx.state(model_lib._construct(*static, seed)))
+    expected = default(jnp.asarray(5, jnp.uint32))
+    for got, want in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(expected), strict=True):
+        if jnp.issubdtype(got.dtype, jax.dtypes.prng_key):  # the CNN's dropout stream
+            got, want = jax.random.key_data(got), jax.random.key_data(want)
+        np.testing.assert_array_equal(got, want)
+
+
 def test_models_take_their_shape_and_classes_from_the_data():
     config = load_config("cnn")
     model = model_lib.create_model(config, (20, 12), 3)
