@@ -22,6 +22,7 @@ from fmnist_flax import config as config_lib
 from fmnist_flax.errors import UserError, error_line
 
 DEFAULT_CONFIG = config_lib.__file__  # its get_config(): the codelab's values
+PIPE_CLOSED_STATUS = 128 + 13  # what a shell reports for a writer stopped by SIGPIPE
 EXTENSIONS = ("fmnist_flax.codelab",)  # added to every run when present; delete freely
 
 _CONFIG: flags.FlagHolder | None = None  # defined by run(): see define_config_flag
@@ -212,6 +213,13 @@ def main(argv: Sequence[str]) -> None:
         fail(str(exc), getattr(exc, "exit_code", 1))
     except KeyboardInterrupt:
         fail("interrupted; checkpoints saved so far are kept", 130)
+    except BrokenPipeError:  # `main.py | head`: the reader left; stop as a pipe's writer does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to say
+        fail(
+            "the output was closed by the command reading it (`| head`?); stopped, checkpoints "
+            "saved so far are kept; resume with the same command and --workdir",
+            PIPE_CLOSED_STATUS,
+        )
 
 
 def step_flag() -> int | str | None:

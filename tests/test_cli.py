@@ -111,6 +111,22 @@ def test_a_finished_command_leaves_without_the_interpreters_teardown(
 
 
 @pytest.mark.slow
+def test_output_closed_by_its_reader_stops_with_one_line_not_a_traceback(tmp_path):
+    """`main.py | head -1`: the run stops as a pipe's writer does (status 141), no traceback."""
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "main.py"), "--steps=2", "--report=none",
+         f"--workdir={tmp_path / 'w'}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert process.stdout.readline().startswith("workdir: ")
+    process.stdout.close()  # what `head -1` does after its line
+    stderr = process.stderr.read()
+    assert process.wait(timeout=300) == cli.PIPE_CLOSED_STATUS
+    assert "Traceback" not in stderr
+    assert stderr.splitlines()[-1].startswith("error: the output was closed by the command")
+
+
+@pytest.mark.slow
 def test_help_lists_the_projects_flags_and_exits_zero():
     result = run_main("--help")
     assert result.returncode == 0, result.stderr
