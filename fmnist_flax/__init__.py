@@ -6,10 +6,10 @@ returns class probabilities and `class_names(workdir)` names them.
 
 # First: its exit hook must be registered before any library registers one (it runs last).
 from fmnist_flax import fast_exit  # noqa: F401
-from fmnist_flax.checkpoint import class_names, load_model
-from fmnist_flax.datasets import DATASETS
+from fmnist_flax.datasets import IDX_DATASETS
 from fmnist_flax.evaluate import predict
+from fmnist_flax.inference import class_names, load_model
 
-CLASS_NAMES = DATASETS["fashion_mnist"].class_names  # the default dataset's classes
+CLASS_NAMES = IDX_DATASETS["fashion_mnist"].class_names  # the default dataset's classes
 
 __all__ = ["CLASS_NAMES", "class_names", "load_model", "predict"]

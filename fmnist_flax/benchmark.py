@@ -102,12 +102,12 @@ def per_step_runner(step_fn, config, device_data, fixed) -> Runner:
     """One call of `step_fn` (the nnx.jit step, or the same step dispatched op by op) a batch."""
     fixed_x, fixed_y = fixed
     model, optimizer = fresh_state(config, device_data)
-    counter = [0]
+    frozen, counter = ml_collections.FrozenConfigDict(config), [0]
 
     def run(steps):
         for _ in range(steps):
             j = counter[0] % fixed_x.shape[0]
-            metrics = step_fn(model, optimizer, fixed_x[j], fixed_y[j])
+            metrics = step_fn(model, optimizer, fixed_x[j], fixed_y[j], frozen)
             counter[0] += 1
         return metrics, nnx.state(model)
 
@@ -129,7 +129,7 @@ def fused_runner(
     checkpoints = scratch and checkpoint.Checkpoints(
         scratch.name, metadata={"config": config.to_dict()}, min_interval_secs=save_floor
     )
-    chunk = train.make_train_chunk(graphdef, device_data.batch_size, mesh=device_data.mesh)
+    chunk, sums = chunk_for(config, device_data, graphdef, model)
     order = input_pipeline.epoch_order(COMPARISON_SEED, 0, len(device_data.train_labels))
     per_epoch = device_data.batches_per_epoch
     carry = [state, 0]
@@ -139,8 +139,8 @@ def fused_runner(
         while steps:
             index = i % per_epoch
             count = min(config.log_every, steps, per_epoch - index)
-            state, metrics = chunk(state, device_data.train_images,
-                                   device_data.train_labels, order, index, count)  # fmt: skip
+            state, _, metrics = chunk(state, sums, device_data.train_images,
+                                      device_data.train_labels, order, index, count)  # fmt: skip
             i, steps = i + count, steps - count
             if checkpoints and i % config.checkpoint_every == 0 and checkpoints.due(i):
                 progress = train.progress_of(i, per_epoch, config)  # main.py's save, checks too
@@ -159,7 +159,7 @@ def grain_runner(config, device_data: input_pipeline.DeviceData, dataset) -> Run
     the host by Grain and copied to the device."""
     model, optimizer = fresh_state(config, device_data)
     graphdef, state = nnx.split((model, optimizer))
-    chunk = train.make_train_chunk(graphdef, device_data.batch_size, mesh=device_data.mesh)
+    chunk, sums = chunk_for(config, device_data, graphdef, model)
     source = grain_pipeline.ArraySource(dataset.train_images, dataset.train_labels)
     batches = grain_pipeline.GrainBatches(
         source, device_data.batch_size, COMPARISON_SEED, device_data.mesh
@@ -169,11 +169,18 @@ def grain_runner(config, device_data: input_pipeline.DeviceData, dataset) -> Run
     def run(steps):
         state, i = carry
         for images, labels, order, index, count, _ in batches.chunks(i, i + steps):
-            state, metrics = chunk(state, images, labels, order, index, count)
+            state, _, metrics = chunk(state, sums, images, labels, order, index, count)
         carry[:] = state, i + steps
         return state, metrics
 
     return run
+
+
+def chunk_for(config, device_data, graphdef, model) -> tuple[Callable[..., Any], train.Metrics]:
+    """main.py's compiled chunk for this config and data, and its zero metric sums."""
+    frozen = ml_collections.FrozenConfigDict(config)
+    chunk = train.make_train_chunk(graphdef, frozen, device_data.image_shape, device_data.mesh)
+    return chunk, train.zero_sums(model, frozen, device_data.image_shape)
 
 
 def _runners(config, device_data, fixed, dataset) -> dict[str, Callable[[], Runner]]:
@@ -234,9 +241,8 @@ def run_suite(
     for batch_size in batch_sizes:
         device_data = input_pipeline.to_device(dataset, batch_size, mesh)
         x, y = input_pipeline.shuffle(dataset.train_images, dataset.train_labels, seed=0)
-        fixed = jax.device_put(
-            input_pipeline.fixed_batches(input_pipeline.prepare_images(x), y, batch_size), device
-        )
+        flat = reference.flat_images(x)
+        fixed = jax.device_put(input_pipeline.fixed_batches(flat, y, batch_size), device)
         n_steps = steps or max(8, BENCH_EXAMPLES // batch_size)
         for dtype in dtypes:
             run_config = ml_collections.ConfigDict(config.to_dict())
@@ -260,7 +266,7 @@ def run_suite(
                         "batch_size": batch_size, "dtype": dtype,
                         "wall_us_per_step": 1e6 * result["seconds"] / timed,
                         "op_us_per_step": profiling.profile_fused(
-                            fresh_state(run_config, device_data), device_data),
+                            fresh_state(run_config, device_data), device_data, run_config),
                     })  # fmt: skip
         del device_data, fixed
     print(benchmark_table(rows, peak))

@@ -1,9 +1,12 @@
-"""Orbax checkpoints: save asynchronously, resume exactly, restore for inference, survive faults.
+"""Orbax checkpoints, writing side: the step format, asynchronous saves and their policies
+(time floor, newest N, the best test accuracy), and the faults a save can meet.
 
-Each step directory under `<workdir>/checkpoints` holds five items: `model` and `optimizer`
-(array trees, tensorstore/OCDBT), `progress` (step and data position), `config` (the config
-that built the model) and `dataset` (its name, class names and image shape), the last three as
-JSON. Nothing is pickled.
+Each step directory under `<workdir>/checkpoints` holds six items: `model` and `optimizer`
+(array trees, tensorstore/OCDBT), `progress` (step, data position, the running row),
+`config` (the config that built the model), `dataset` (its name, class names and image
+shape) and `changes` (accepted config changes), the last four as JSON. Nothing is pickled.
+Reading them back (resume, damaged steps) is `restore.py`; loading a model for inference is
+`inference.load_model`.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import json
 import logging as std_logging
 import os
 import pathlib
-import shutil
 import sys
 import tempfile
 import threading
@@ -25,16 +27,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from fmnist_flax import model as model_lib
-from fmnist_flax import parallel
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
-from fmnist_flax.tables import path_name
 
 CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never deleted
@@ -56,27 +54,19 @@ ITEM_FIELDS = {
     "dataset": ("name", "class_names", "image_shape"),
     "changes": ("changes",),
 }
-# What restore_model assumes for a checkpoint written before the `dataset` item existed.
-FASHION_MNIST_INFO = {
-    "name": "fashion_mnist",
-    "title": "Fashion-MNIST",
-    "class_names": ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
-                    "Sneaker", "Bag", "Ankle boot"],
-    "image_shape": [28, 28],
-}  # fmt: skip
 
 
 def _is_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _key_data(tree: Any) -> Any:
+def key_data(tree: Any) -> Any:
     """Typed PRNG keys (dropout's stream) as their raw uint32 data, which Orbax stores."""
     return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
 
 
-def _wrap_keys(restored: Any, like: Any) -> Any:
-    """The inverse of `_key_data`, taking each key's implementation from `like`."""
+def wrap_keys(restored: Any, like: Any) -> Any:
+    """The inverse of `key_data`, taking each key's implementation from `like`."""
     return jax.tree.map(
         lambda r, t: jax.random.wrap_key_data(r, impl=jax.random.key_impl(t)) if _is_key(t) else r,
         restored,
@@ -86,31 +76,6 @@ def _wrap_keys(restored: Any, like: Any) -> Any:
 
 def checkpoint_dir(workdir: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(workdir).expanduser().absolute() / CHECKPOINT_DIR
-
-
-def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
-    """{'layers.0.kernel': (784, 256), ...} for a state or a checkpoint's metadata tree."""
-    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
-    shapes = {}
-    for path, leaf in leaves:
-        keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
-        if keys and keys[-1] == "value":  # nnx.Variable's own field, not part of the name
-            keys = keys[:-1]
-        shapes[path_name(tuple(keys))] = tuple(leaf.shape)
-    return shapes
-
-
-def check_shapes(target: Any, stored: Any, what: str) -> None:
-    """Raise one line naming the first parameter whose shape differs, or that one side lacks."""
-    want, have = _flat_shapes(target), _flat_shapes(stored)
-    for name in sorted(want.keys() | have.keys()):
-        if want.get(name) != have.get(name):
-            saved = have.get(name, "nothing (not in the checkpoint)")
-            built = want.get(name, "nothing (not in the model)")
-            raise UserError(
-                f"{what}: parameter {name} has shape {saved} in the checkpoint but {built} in the "
-                "model being restored; use the config the checkpoint was trained with"
-            )
 
 
 class _OrbaxNoise(std_logging.Filter):
@@ -201,7 +166,7 @@ class StepVanished(Exception):
 
 def _arrays(model: nnx.Module, optimizer: nnx.Optimizer) -> dict[str, Any]:
     """The array items of a save: model and optimizer state, typed keys as their raw data."""
-    return {"model": _key_data(nnx.state(model)), "optimizer": _key_data(nnx.state(optimizer))}
+    return {"model": key_data(nnx.state(model)), "optimizer": key_data(nnx.state(optimizer))}
 
 
 @jax.jit
@@ -244,7 +209,6 @@ class Checkpoints:
         self._saving = 0  # the step of the save in flight, named if it fails
         self._thread: threading.Thread | None = None  # the save being started, in one process
         self._thread_error: UserError | None = None
-        self.resumed_progress: dict[str, Any] = {}  # the progress item resume() restored
         if not read_only:
             prepare_directory(self.directory)
             if not hasattr(sys.unraisablehook, "quiet_abandoned_writes"):
@@ -272,6 +236,11 @@ class Checkpoints:
         )
         if keep_best:
             self._best.scores.update(self._scores())
+
+    @property
+    def manager(self) -> ocp.CheckpointManager:
+        """The Orbax manager underneath (restore.py reads steps through it)."""
+        return self._manager
 
     def reload(self) -> None:
         """Re-list the steps; a live trainer may remove one while it is being listed."""
@@ -439,109 +408,21 @@ class Checkpoints:
             )
         return max(scores, key=lambda step: (scores[step], step))
 
-    def _restore_step(self, step: int, targets: dict[str, Any]) -> dict[str, Any]:
-        metadata = self._manager.item_metadata(step)
-        arrays = {name: _key_data(t) for name, t in targets.items() if name in ARRAY_ITEMS}
-        for name, target in arrays.items():
-            stored = metadata[name]
-            if stored is None:
-                raise ValueError(f"item {name} has no metadata")
-            check_shapes(target, getattr(stored, "tree", stored), f"checkpoint {step}")
-        args = {
-            name: ocp.args.StandardRestore(arrays[name]) if name in arrays
-            else ocp.args.JsonRestore()
-            for name in targets
-        }  # fmt: skip
-        restored = self._manager.restore(step, args=ocp.args.Composite(**args))
-        for name in targets:
-            problem = None if name in arrays else item_problem(name, restored[name])
-            if problem:
-                raise ValueError(problem)
-        return {
-            name: _wrap_keys(restored[name], targets[name]) if name in arrays else restored[name]
-            for name in targets
-        }
 
-    def _set_aside(self, step: int, reason: str) -> None:
-        """Move a damaged step out of the way, under a name that never replaces another."""
-        if self.read_only:  # a reader leaves the workdir as it found it
-            logging.warning("checkpoint %d is damaged (%s); using an older one", step, reason)
-            return
-        damaged = self.directory.parent / DAMAGED_DIR / str(step)
-        damaged.parent.mkdir(exist_ok=True)
-        copy = 1
-        while damaged.exists():
-            damaged = damaged.with_name(f"{step}.{copy}")
-            copy += 1
-        shutil.move(self.directory / str(step), damaged)
-        self.reload()
-        logging.warning(
-            "checkpoint %d is damaged (%s); moved it to %s and using an older one",
-            step, reason, damaged,
-        )  # fmt: skip
-
-    def restore(
-        self, targets: dict[str, Any], step: int | None = None, at_most: int | None = None
-    ) -> dict[str, Any] | None:
-        """Restore the named items of `step` (default: the newest intact one, no newer than
-        `at_most`), or None if none.
-
-        A damaged step is moved aside with a one-line warning and the next older one is tried;
-        a shape mismatch is the user's to fix and is raised, not skipped.
-        """
-        parallel.sync("restore")  # every process lists the same steps
-        self.reload()
-        newest = self.steps()[::-1]
-        candidates = [step] if step is not None else [s for s in newest if s <= (at_most or s)]
-        if step is not None and step not in self.steps():
-            raise UserError(
-                f"no checkpoint for step {step} in {self.directory}; it has {self.steps()}"
-            )
-        for candidate in candidates:
-            try:
-                restored = self._restore_step(candidate, targets)
-            except UserError:
-                raise
-            except Exception as exc:  # Orbax and tensorstore raise many types for a bad file
-                if not (self.directory / str(candidate)).is_dir():
-                    raise StepVanished(candidate) from None
-                check_readable(self.directory / str(candidate))
-                reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-                if step is not None:
-                    raise UserError(
-                        f"checkpoint {step} in {self.directory} is damaged: {reason}"
-                    ) from None
-                if jax.process_count() > 1:
-                    # Each process may read different files (FSDP shards), so the others may
-                    # be mid-restore: they cannot agree to skip it. Stop with what to do.
-                    raise UserError(
-                        f"checkpoint {candidate} in {self.directory} cannot be read here "
-                        f"({reason}); move it to {self.directory.parent / DAMAGED_DIR} and run "
-                        "the same command again to resume from the one before"
-                    ) from None
-                self._set_aside(candidate, reason)
-                continue
-            return {**restored, "step": candidate}
-        return None
-
-    def resume(self, model: nnx.Module, optimizer: nnx.Optimizer, expected: dict[str, int]) -> int:
-        """Restore the newest intact checkpoint into model and optimizer; returns its step (0:
-        none). The data position must match `expected` (batch size, seed, batches per epoch)."""
-        restored = self.restore(
-            {"model": nnx.state(model), "optimizer": nnx.state(optimizer), "progress": None}
-        )
-        if restored is None:
-            return 0
-        saved = self.resumed_progress = restored["progress"]
-        for key in ("batch_size", "seed", "num_batches"):
-            if saved[key] != expected[key]:
+def open_reader(workdir: str | os.PathLike) -> Checkpoints:
+    """A read-only Checkpoints for a workdir that a live run may be rotating: Orbax lists
+    every step as it opens, and a step removed meanwhile is listed again."""
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            return Checkpoints(workdir, read_only=True)
+        except FileNotFoundError:
+            if attempt == READ_ATTEMPTS - 1:
                 raise UserError(
-                    f"{self.directory} was trained with {key}={saved[key]}, this run has "
-                    f"{expected[key]}; resume with the same value or use a new --workdir"
-                )
-        nnx.update(model, restored["model"])
-        nnx.update(optimizer, restored["optimizer"])
-        return restored["step"]
+                    f"{checkpoint_dir(workdir)} changed {READ_ATTEMPTS} times while being "
+                    "listed: the run training there rotates steps faster than they can be read; "
+                    "wait for it to end, or raise its --config.max_to_keep"
+                ) from None
+    raise AssertionError("unreachable")
 
 
 def prepare_directory(directory: pathlib.Path) -> None:
@@ -613,98 +494,3 @@ def saved_item(directory: pathlib.Path, step: int, item: str) -> dict[str, Any] 
             f" to {directory.parent / DAMAGED_DIR} to use the one before"
         )
     return value
-
-
-def restore_model(
-    workdir: str | os.PathLike,
-    step: int | str | None = None,
-    compute_dtype: str | None = None,
-    mesh: jax.sharding.Mesh | None = None,
-) -> tuple[nnx.Module, int, ml_collections.ConfigDict, dict[str, Any]]:
-    """Rebuild a workdir's model from its saved config and restore only its parameters.
-
-    Returns the model, the step it was restored from, the config (with `compute_dtype`
-    applied) and the dataset's info (name, title, class names, image shape). On a `mesh` the
-    parameters are read straight into the saved run's layout over it, whatever the device and
-    process count of the run that saved them. Every problem is a one-line UserError, raised
-    before anything compiles.
-    """
-    path = pathlib.Path(workdir).expanduser()
-    if not path.is_dir():
-        raise UserError(f"--workdir {path} does not exist; pass the directory of a training run")
-    if not checkpoint_dir(path).is_dir():
-        raise UserError(f"--workdir {path} has no checkpoints; train there first")
-    checkpoints = Checkpoints(path, read_only=True)
-    try:
-        for attempt in range(READ_ATTEMPTS):  # a live run may rotate the chosen step away
-            try:
-                return _restore_model(checkpoints, step, compute_dtype, mesh)
-            except StepVanished as gone:
-                if step is not None or attempt == READ_ATTEMPTS - 1:
-                    raise UserError(
-                        f"checkpoint {gone.step} in {checkpoints.directory} was removed while "
-                        "being read: the run training there rotated it away; read a kept step "
-                        "with --step, or wait for that run to end"
-                    ) from None
-                checkpoints.reload()
-    finally:
-        checkpoints.close()
-
-
-def _restore_model(
-    checkpoints: Checkpoints,
-    step: int | str | None,
-    compute_dtype: str | None,
-    mesh: jax.sharding.Mesh | None,
-) -> tuple[nnx.Module, int, ml_collections.ConfigDict, dict[str, Any]]:
-    path = checkpoints.directory.parent
-    steps = checkpoints.steps()
-    if not steps:
-        raise UserError(f"--workdir {path} has no checkpoints; train there first")
-    if step == BEST:
-        step = checkpoints.best_step()
-    if step is not None and step not in steps:
-        raise UserError(f"--step={step}: {path} has checkpoints for steps {steps}")
-    chosen, saved = checkpoints.saved("config", step)
-    if saved is None:
-        raise UserError(f"--workdir {path}: no checkpoint has an intact saved config")
-    config = ml_collections.ConfigDict(saved)
-    info = checkpoints.saved("dataset", chosen)[1] or FASHION_MNIST_INFO
-    if compute_dtype is not None:
-        config.compute_dtype = compute_dtype
-    if config.compute_dtype not in model_lib.COMPUTE_DTYPES:
-        raise UserError(
-            f"--compute_dtype={config.compute_dtype!r} is not supported; "
-            f"use one of {', '.join(model_lib.COMPUTE_DTYPES)}"
-        )
-    model = model_lib.create_model(config, tuple(info["image_shape"]), len(info["class_names"]))
-    if mesh is not None:
-        parallel.place_module(model, mesh, config.get("param_sharding", "replicated"))
-    restored = checkpoints.restore({"model": nnx.state(model)}, step, at_most=chosen)
-    if restored is None:
-        raise UserError(f"--workdir {path}: every checkpoint is damaged")
-    nnx.update(model, restored["model"])
-    model.eval()  # inference: no dropout, BatchNorm on its running statistics
-    return model, restored["step"], config, info
-
-
-def load_model(
-    workdir: str | os.PathLike, step: int | str | None = None, compute_dtype: str | None = None
-) -> nnx.Module:
-    """The trained model of a workdir (newest checkpoint by default; `step="best"`: the best
-    test accuracy kept by `config.keep_best`), ready for `predict`.
-
-    Only parameters are read, no optimizer state; `compute_dtype` ('float32' or 'bfloat16')
-    overrides the dtype it was trained in. `class_names(workdir)` names its outputs.
-    """
-    return restore_model(workdir, step, compute_dtype)[0]
-
-
-def class_names(workdir: str | os.PathLike, step: int | None = None) -> tuple[str, ...]:
-    """The class names of the dataset a workdir's model was trained on (its newest step)."""
-    directory = checkpoint_dir(workdir)
-    steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
-    if not steps:
-        raise UserError(f"--workdir {workdir} has no checkpoints; train there first")
-    info = saved_item(directory, steps[-1] if step is None else step, "dataset")
-    return tuple((info or FASHION_MNIST_INFO)["class_names"])

@@ -24,7 +24,10 @@ from fmnist_flax.errors import UserError, error_line
 DEFAULT_CONFIG = config_lib.__file__  # its get_config(): the codelab's values
 PIPE_CLOSED_STATUS = 128 + 13  # what a shell reports for a writer stopped by SIGPIPE
 EXTENSIONS = ("fmnist_flax.codelab",)  # added to every run when present; delete freely
+# --mode=benchmark is offered only while its module exists (a demonstration: delete freely).
+BENCHMARK = importlib.util.find_spec("fmnist_flax.benchmark") is not None
 
+FLAGS = flags.FLAGS
 _CONFIG: flags.FlagHolder | None = None  # defined by run(): see define_config_flag
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory for the run's outputs; default: a fresh directory under runs/."
@@ -37,23 +40,24 @@ _COMPILATION_CACHE = flags.DEFINE_string(
 _MODE = flags.DEFINE_enum(
     "mode",
     "train",
-    ["train", "eval", "predict", "export", "benchmark"],
+    ["train", "eval", "predict", "export", *(["benchmark"] if BENCHMARK else [])],
     "train (resumes from --workdir's checkpoints), eval (the full test set), "
-    "predict (classify --images), export (the model as a jax.export artifact, --output) or "
-    "benchmark (time every training path).",
+    "predict (classify --images), export (the model as a jax.export artifact, --output)"
+    + (" or benchmark (time every training path)." if BENCHMARK else "."),
 )
-_BENCH_BATCH_SIZES = flags.DEFINE_list(
-    "bench_batch_sizes", ["32", "512", "4096"], "benchmark: batch sizes."
+if BENCHMARK:  # its flags exist while the module does
+    flags.DEFINE_list("bench_batch_sizes", ["32", "512", "4096"], "benchmark: batch sizes.")
+    flags.DEFINE_list("bench_dtypes", ["float32", "bfloat16"], "benchmark: dtypes.")
+    flags.DEFINE_integer(
+        "bench_steps", None, "benchmark: timed steps per run; default 131072 examples' worth."
+    )
+    flags.DEFINE_integer("bench_repeats", 3, "benchmark: repeats (median kept).")
+    flags.DEFINE_integer(
+        "bench_whole_run_steps", 400, "benchmark: steps of the whole-run comparison; 0 skips it."
+    )
+_IMAGES = flags.DEFINE_list(
+    "images", [], "predict: pictures (PNG, JPEG, ...) or .npy arrays (H, W[, C]) or (N, H, W[, C])."
 )
-_BENCH_DTYPES = flags.DEFINE_list("bench_dtypes", ["float32", "bfloat16"], "benchmark: dtypes.")
-_BENCH_STEPS = flags.DEFINE_integer(
-    "bench_steps", None, "benchmark: timed steps per run; default 131072 examples' worth."
-)
-_BENCH_REPEATS = flags.DEFINE_integer("bench_repeats", 3, "benchmark: repeats (median kept).")
-_BENCH_WHOLE_RUN_STEPS = flags.DEFINE_integer(
-    "bench_whole_run_steps", 400, "benchmark: steps of the whole-run comparison; 0 skips it."
-)
-_IMAGES = flags.DEFINE_list("images", [], "predict: PNG files or .npy arrays (28x28 or Nx28x28).")
 _OUTPUT = flags.DEFINE_string(
     "output",
     None,
@@ -96,16 +100,20 @@ SHORTHANDS = {
     "data_dir": "data_dir",
     "checkpoint_every": "checkpoint_every",
     "report": "report",
+    "init_from": "init_from",
 }
 flags.DEFINE_string("compute_dtype", None, "float32 or bfloat16 (params stay float32).")
 flags.DEFINE_integer("steps", None, "Number of optimizer updates.")
 flags.DEFINE_integer("batch_size", None, "Examples per training and evaluation batch.")
-flags.DEFINE_float("learning_rate", None, "AdamW learning rate.")
+flags.DEFINE_float("learning_rate", None, "The optimizer's (peak) learning rate.")
 flags.DEFINE_integer("seed", None, "Seed for the data shuffle and parameter init.")
 flags.DEFINE_integer("log_every", None, "Pull metrics to the host every this many steps.")
-flags.DEFINE_string("data_dir", None, "Directory holding the dataset's four IDX files.")
+flags.DEFINE_string("data_dir", None, "Directory holding the dataset's files.")
 flags.DEFINE_integer("checkpoint_every", None, "Save a checkpoint every this many steps.")
 flags.DEFINE_string("report", None, "full | basic (skip the timing comparisons) | none.")
+flags.DEFINE_string(
+    "init_from", None, "Start from another run's model: WORKDIR or WORKDIR:STEP (fine-tuning)."
+)
 
 
 def fail(message: str, code: int) -> None:
@@ -279,18 +287,18 @@ def run_benchmark(config: ml_collections.ConfigDict) -> None:
     from fmnist_flax import benchmark  # the training path never imports it
 
     try:
-        batch_sizes = [int(b) for b in _BENCH_BATCH_SIZES.value]
+        batch_sizes = [int(b) for b in FLAGS.bench_batch_sizes]
     except ValueError:
         raise UserError(
-            f"--bench_batch_sizes={','.join(_BENCH_BATCH_SIZES.value)}: whole numbers"
+            f"--bench_batch_sizes={','.join(FLAGS.bench_batch_sizes)}: whole numbers"
         ) from None
     benchmark.run_benchmark(
         config,
         batch_sizes=batch_sizes,
-        dtypes=_BENCH_DTYPES.value,
-        steps=_BENCH_STEPS.value,
-        repeats=_BENCH_REPEATS.value,
-        whole_run_steps=_BENCH_WHOLE_RUN_STEPS.value,
+        dtypes=FLAGS.bench_dtypes,
+        steps=FLAGS.bench_steps,
+        repeats=FLAGS.bench_repeats,
+        whole_run_steps=FLAGS.bench_whole_run_steps,
         output=_OUTPUT.value,
     )
 

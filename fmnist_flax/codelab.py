@@ -8,6 +8,7 @@ it (with `reference.py`, `benchmark.py` and their tests) and keep a working trai
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,7 +57,7 @@ class Codelab(Extension):
             parallel.shard_host_array(a, parallel.batch_sharding(d.mesh))
             for a in (input_pipeline.prepare_images(images[picks]), labels[picks].astype(np.int32))
         ]
-        table, check = gradient_check(run.model, *first_batch, run.config.optimizer.learning_rate)
+        table, check = gradient_check(run.model, *first_batch, run.config)
         run.show("Gradients", table)
         run.summary["gradient_check"] = check
 
@@ -79,10 +80,10 @@ class Codelab(Extension):
         run.figure(heading, f"{name}.png", lambda: report.bars(labels, rates, title, "examples/s"))
 
 
-@nnx.jit
-def _gradient_check(model, x, y, learning_rate):
+@functools.partial(nnx.jit, static_argnames="config")
+def _gradient_check(model, x, y, learning_rate, config):
     def loss(model):
-        return train.loss_fn(model, x, y)[0]
+        return train.loss_fn(model, x, y, config)[0]
 
     grads_only = nnx.grad(loss)(model)
     value, grads = nnx.value_and_grad(loss)(model)
@@ -99,7 +100,7 @@ def _gradient_check(model, x, y, learning_rate):
 
 
 def gradient_check(
-    model: nnx.Module, x: jax.Array, y: jax.Array, learning_rate: float
+    model: nnx.Module, x: jax.Array, y: jax.Array, config: ml_collections.ConfigDict
 ) -> tuple[Table, dict[str, Any]]:
     """Section 6: `nnx.grad` and `nnx.value_and_grad` agree and mirror the parameter tree.
 
@@ -110,7 +111,8 @@ def gradient_check(
     # are, or a resumed run would not repeat the uninterrupted one.
     probe = nnx.clone(model)
     probe.eval()
-    grads, scalars = _gradient_check(probe, x, y, learning_rate)
+    frozen = ml_collections.FrozenConfigDict(config)
+    grads, scalars = _gradient_check(probe, x, y, config.optimizer.learning_rate, frozen)
     params = nnx.state(model, nnx.Param)
     check = {
         "trees_match": jax.tree.structure(grads) == jax.tree.structure(params),
@@ -139,6 +141,7 @@ def time_steps(
     optimizer: nnx.Optimizer,
     device_data: input_pipeline.DeviceData,
     steps: int,
+    config: ml_collections.ConfigDict,
 ) -> dict[str, float]:
     """One untimed warm-up step, then `steps` timed ones until the state is ready.
 
@@ -147,18 +150,19 @@ def time_steps(
     codelab's `batch_at(step)` does; that per-step dispatch is part of what a loop of jitted
     steps costs, and what the fused training path removes.
     """
-    d = device_data
+    d, frozen = device_data, ml_collections.FrozenConfigDict(config)
     order = input_pipeline.epoch_order(COMPARISON_SEED, 0, len(d.train_labels))
+    shape = (d.batch_size, d.image_shape, d.mesh, d.accumulate)
     batches = (
-        input_pipeline.batch_at(d.train_images, d.train_labels, order, i, d.batch_size, d.mesh)
+        input_pipeline.batch_at(d.train_images, d.train_labels, order, i, *shape)
         for i in range(min(steps + 1, d.batches_per_epoch))
     )
     xs, ys = (jnp.stack(parts) for parts in zip(*batches, strict=True))
-    jax.block_until_ready(step_fn(model, optimizer, xs[0], ys[0]))
+    jax.block_until_ready(step_fn(model, optimizer, xs[0], ys[0], frozen))
     start = time.perf_counter()
     for i in range(steps):
         j = (i + 1) % len(xs)
-        metrics = step_fn(model, optimizer, xs[j], ys[j])
+        metrics = step_fn(model, optimizer, xs[j], ys[j], frozen)
     jax.block_until_ready((metrics, nnx.state((model, optimizer))))
     seconds = time.perf_counter() - start
     metrics = parallel.to_host(metrics)
@@ -167,7 +171,7 @@ def time_steps(
         "loss": float(metrics["loss"]),
         "accuracy": float(metrics["accuracy"]),
         "seconds": seconds,
-        "examples_per_sec": steps * d.batch_size / seconds,
+        "examples_per_sec": steps * d.examples_per_step / seconds,
     }
 
 
@@ -191,16 +195,17 @@ def with_train_set(run: Run) -> input_pipeline.DeviceData:
     (--report=full) pick their batches; a run fed by Grain gets it placed here, for them only."""
     if run.device_data.train_images is None:
         run.device_data = input_pipeline.to_device(
-            run.dataset, run.config.batch_size, run.device_data.mesh
-        )
+            run.dataset, run.config.batch_size, run.device_data.mesh,
+            accumulate=run.config.optimizer.accumulate,
+        )  # fmt: skip
     return run.device_data
 
 
 def dispatch_vs_jit(run: Run) -> list[dict[str, Any]]:
     """Section 7: the same AdamW step run op by op from Python, and compiled with nnx.jit."""
-    d, n = with_train_set(run), run.dataset.num_classes
-    eager = time_steps(train.train_step, *fresh_state(run.config, d, n), d, EAGER_STEPS)
-    jitted = time_steps(train.jit_train_step, *fresh_state(run.config, d, n), d, JIT_STEPS)
+    d, n, config = with_train_set(run), run.dataset.num_classes, run.config
+    eager = time_steps(train.train_step, *fresh_state(config, d, n), d, EAGER_STEPS, config)
+    jitted = time_steps(train.jit_train_step, *fresh_state(config, d, n), d, JIT_STEPS, config)
     return [{"mode": "Python dispatch", **eager}, {"mode": "jitted step", **jitted}]
 
 
@@ -208,8 +213,8 @@ def precision_comparison(run: Run) -> list[dict[str, Any]]:
     """Section 13: float32 and bfloat16 compute (params stay float32), fresh init each."""
     d, n = with_train_set(run), run.dataset.num_classes
     return [
-        {"dtype": dtype, **time_steps(train.jit_train_step,
-                                      *fresh_state(run.config, d, n, dtype), d, PRECISION_STEPS)}
+        {"dtype": dtype, **time_steps(train.jit_train_step, *fresh_state(run.config, d, n, dtype),
+                                      d, PRECISION_STEPS, run.config)}
         for dtype in ("float32", "bfloat16")
     ]  # fmt: skip
 

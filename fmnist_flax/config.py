@@ -2,7 +2,8 @@
 
 This file is also the `--config` default: `get_config()` below is loaded by path like any
 `configs/*.py`, so the installed package runs from any directory. Model fields are checked by
-the model itself (`model.check_config`), dataset fields by `datasets.get`.
+the model itself (`model.check_config`), optimizer fields by `optimizer.check_config`, dataset
+fields by `datasets.get`.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ import json
 from typing import Any
 
 import ml_collections
+from ml_collections import config_dict
 
+from fmnist_flax import optimizer
 from fmnist_flax.errors import UserError
 from fmnist_flax.model import COMPUTE_DTYPES
 from fmnist_flax.parallel import PARAM_SHARDINGS
 
 REPORT_CHOICES = ("full", "basic", "none")
 INPUT_PIPELINES = ("device", "grain")
-SCHEDULES = ("constant", "warmup_cosine")
 MAX_COUNT = 2**31 - 1  # the optimizer's step counter is an int32
 MAX_SEED = 2**32 - 1  # seeds become uint32 PRNG key data
 POSITIVE_FIELDS = ("steps", "batch_size", "log_every", "checkpoint_every", "max_to_keep")
@@ -29,7 +31,9 @@ def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.seed = 0  # data shuffle and parameter init
     config.dataset = ml_collections.ConfigDict()
-    config.dataset.name = "fashion_mnist"  # fashion_mnist | mnist | idx (any four IDX files)
+    # fashion_mnist | mnist | idx (any four IDX files) | arrays (train.npz, test.npz): any
+    # name registered in fmnist_flax/datasets.py
+    config.dataset.name = "fashion_mnist"
     config.data_dir = ""  # "": the dataset's cache, system directory, then download
     config.batch_size = 512  # train and evaluation batches; every step has this shape
     # device: the train set on every device, batches gathered in the step (fastest when it
@@ -45,10 +49,14 @@ def get_config() -> ml_collections.ConfigDict:
     # time. 0: every `checkpoint_every` steps.
     config.checkpoint_min_interval_secs = 10.0
     config.eval_every = 0  # test-set evaluation every this many steps (0: each epoch's end)
+    config.eval_examples = 0  # evaluate on the first this many test examples (0: all of them)
     config.keep_best = False  # also keep the checkpoint of the best test accuracy (--step=best)
     config.max_to_keep = 3  # newest checkpoints kept in <workdir>/checkpoints
     config.fused_steps = True  # several steps per compiled call (False: one step per call)
     config.label_smoothing = 0.0  # optax.smooth_labels on the one-hot targets when > 0
+    # Start from another run's model (WORKDIR or WORKDIR:STEP, STEP a number or `best`): its
+    # parameters, a fresh optimizer. Used only when the run starts, not when it resumes.
+    config.init_from = ""
     config.augment = ml_collections.ConfigDict()
     config.augment.max_shift = 0  # random shifts of up to this many pixels, on the device
     config.augment.flip = False  # random left-right mirroring, on the device
@@ -60,8 +68,19 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.hidden = (256, 128)  # hidden layer widths between the pixels and the classes
 
     config.optimizer = ml_collections.ConfigDict()
-    config.optimizer.learning_rate = 3e-3  # AdamW
-    config.optimizer.weight_decay = 1e-4  # AdamW's decoupled weight decay
+    config.optimizer.name = "adamw"  # adamw | adam | sgd | lion | adafactor (optimizer.py)
+    config.optimizer.learning_rate = 3e-3  # the peak rate under a schedule
+    # Decoupled (adamw, lion, adafactor) or added to the gradient as L2 (adam, sgd).
+    config.optimizer.weight_decay = 1e-4
+    # Each optimizer's own fields; None: Optax's default (see optimizer.OPTIMIZERS).
+    config.optimizer.momentum = config_dict.placeholder(float)  # sgd, adafactor
+    config.optimizer.nesterov = False  # sgd, adam, adamw
+    config.optimizer.b1 = config_dict.placeholder(float)  # adam, adamw, lion
+    config.optimizer.b2 = config_dict.placeholder(float)  # adam, adamw, lion
+    config.optimizer.clip_norm = 0.0  # clip the gradient's global L2 norm to this (0: never)
+    # Gradient accumulation: each update averages the gradients of this many batches of
+    # batch_size (one update per accumulate x batch_size examples); steps count updates.
+    config.optimizer.accumulate = 1
     config.optimizer.schedule = "constant"  # constant | warmup_cosine (decays over `steps`)
     config.optimizer.warmup_steps = 0  # warmup_cosine: linear warm-up from 0 to the peak
     config.optimizer.final_fraction = 0.01  # warmup_cosine: the last rate, as a peak fraction
@@ -78,7 +97,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _one_of("--compute_dtype", config.compute_dtype, tuple(COMPUTE_DTYPES))
     _one_of("--report", config.report, REPORT_CHOICES)
     _one_of("--config.param_sharding", config.param_sharding, PARAM_SHARDINGS)
-    _one_of("--config.optimizer.schedule", config.optimizer.schedule, SCHEDULES)
     _one_of("--config.input_pipeline", config.input_pipeline, INPUT_PIPELINES)
     for name in POSITIVE_FIELDS:
         if not 1 <= config[name] <= MAX_COUNT:
@@ -88,34 +106,46 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"--config.checkpoint_min_interval_secs={config.checkpoint_min_interval_secs} must "
             "be a number of seconds >= 0 (0: save every --checkpoint_every steps)"
         )
+    if not 0 <= config.eval_examples <= MAX_COUNT:
+        raise UserError(
+            f"--config.eval_examples={config.eval_examples} must be 0 (the whole test set) or a "
+            "number of examples"
+        )
     if not 0 <= config.eval_every <= MAX_COUNT:
         raise UserError(
             f"--config.eval_every={config.eval_every} must be 0 (each epoch) or a number of steps"
         )
     if not 0 <= config.seed <= MAX_SEED:
         raise UserError(f"--seed={config.seed} must be a whole number in 0..{MAX_SEED:,}")
-    if not config.optimizer.learning_rate > 0:
-        raise UserError(f"--learning_rate={config.optimizer.learning_rate} must be positive")
-    if config.optimizer.weight_decay < 0:
-        raise UserError(
-            f"--config.optimizer.weight_decay={config.optimizer.weight_decay} must be >= 0"
-        )
+    optimizer.check_config(config.optimizer, config.steps)
     if not 0 <= config.label_smoothing < 1:
         raise UserError(f"--config.label_smoothing={config.label_smoothing} must be in [0, 1)")
     if config.augment.max_shift < 0:
         raise UserError(f"--config.augment.max_shift={config.augment.max_shift} must be >= 0")
-    warmup = config.optimizer.warmup_steps
-    if config.optimizer.schedule == "warmup_cosine" and not 0 <= warmup < config.steps:
-        raise UserError(
-            f"--config.optimizer.warmup_steps={warmup} must be below --steps={config.steps}"
-        )
 
 
 # Fields a resumed run may change without changing what it computes.
 RESUMABLE_FIELDS = (
     "steps", "log_every", "checkpoint_every", "checkpoint_min_interval_secs", "eval_every",
     "keep_best", "max_to_keep", "report", "data_dir", "fused_steps", "param_sharding",
+    "eval_examples", "init_from",
 )  # fmt: skip
+
+
+def with_defaults(saved: dict[str, Any]) -> ml_collections.ConfigDict:
+    """A saved config, with each field added since it was saved at its default (defaults keep
+    the behaviour of the runs before them). The model's fields are the saved model's own."""
+    merged = get_config().to_dict()
+
+    def fill(into: dict[str, Any], values: dict[str, Any]) -> None:
+        for key, value in values.items():
+            if isinstance(value, dict) and isinstance(into.get(key), dict) and key != "model":
+                fill(into[key], value)
+            else:
+                into[key] = value
+
+    fill(merged, saved)
+    return ml_collections.ConfigDict(merged)
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -131,7 +161,7 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def training_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[dict[str, Any]]:
     """The fields whose new value would change what a resumed run computes: every field but
     RESUMABLE_FIELDS, and `steps` too under a schedule that decays over it."""
-    before, after = _flatten(saved), _flatten(now)
+    before, after = _flatten(with_defaults(saved).to_dict()), _flatten(now)
     decays = "warmup_cosine" in (
         before.get("optimizer.schedule"),
         after.get("optimizer.schedule"),

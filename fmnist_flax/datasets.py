@@ -1,20 +1,26 @@
-"""The datasets a config can name: find, verify and parse four IDX files on the host.
+"""The datasets a config can name: each one a loader registered in DATASETS, reading its files
+on the host into one checked `Dataset` of uint8 images (N, H, W, C) and integer labels.
 
-`config.dataset.name` picks a `DatasetSpec` from `DATASETS`: `fashion_mnist` (the default) and
-`mnist` are checked against their published MD5s; `idx` takes any directory of the four IDX
-files from `--data_dir`, unchecked, with class names from its `classes.txt`. Image shape and
-the number of classes come from the loaded data, never from constants.
+`fashion_mnist` (the default) and `mnist` are four IDX files checked against their published
+MD5s; `idx` is any four IDX files in `--data_dir`, unchecked; `arrays` is `train.npz` and
+`test.npz` in `--data_dir`. A new source (a folder of PNGs, a TFDS or Hugging Face split) is one
+function that returns `make_dataset(...)`, decorated with `@register("its_name")`. Image shape
+and the number of classes come from the loaded data, never from constants.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import hashlib
 import pathlib
 import struct
 import urllib.error
 import urllib.request
+import zipfile
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import ml_collections
 import numpy as np
@@ -27,7 +33,7 @@ LABELS_MAGIC = 2049
 GZIP_MAGIC = b"\x1f\x8b"
 DOWNLOAD_TIMEOUT_S = 30
 CACHE_ROOT = pathlib.Path.home() / ".cache" / "fmnist-flax"
-CLASSES_FILE = "classes.txt"  # the `idx` dataset's class names, one per line
+CLASSES_FILE = "classes.txt"  # a directory's class names, one per line (idx, arrays)
 # The four files of an MNIST-format dataset, in the order train images, train labels, test
 # images, test labels.
 STEMS = (
@@ -36,6 +42,198 @@ STEMS = (
     "t10k-images-idx3-ubyte",
     "t10k-labels-idx1-ubyte",
 )
+ARRAY_FILES = ("train.npz", "test.npz")  # the `arrays` dataset's two splits
+ARRAY_KEYS = ("images", "labels")  # what each must hold; `pixel_range` is optional
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """A loaded dataset: uint8 images (N, H, W, C), int32 labels, its class names and where
+    each split came from. Build one with `make_dataset`, which checks all of it."""
+
+    name: str
+    title: str
+    class_names: tuple[str, ...]
+    train_images: np.ndarray  # (N, H, W, C) uint8
+    train_labels: np.ndarray  # (N,) int32
+    test_images: np.ndarray  # (M, H, W, C) uint8
+    test_labels: np.ndarray  # (M,) int32
+    sources: tuple[str, str]  # where the train and the test split were read from
+    origin: str  # what they were read from, for the data table: "IDX files", ".npz files"
+    checked: bool  # whether the files matched published checksums
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return tuple(self.train_images.shape[1:])
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def info(self) -> dict:
+        """What a checkpoint records so a model can be used without the data: JSON-ready."""
+        return {
+            "name": self.name,
+            "title": self.title,
+            "class_names": list(self.class_names),
+            "image_shape": list(self.image_shape),
+        }
+
+
+def image_shape_of(info: dict) -> tuple[int, int, int]:
+    """(H, W, C) of a checkpoint's dataset item; those saved before colour were (H, W)."""
+    shape = tuple(int(side) for side in info["image_shape"])
+    return shape if len(shape) == 3 else (*shape, 1)
+
+
+def _split_images(images: np.ndarray, name: str, pixel_range: Any) -> np.ndarray:
+    """A split's images as uint8 (N, H, W, C): (N, H, W) gains C = 1; floats are mapped from
+    `pixel_range` (low, high) to 0..255 when the dataset gives one, refused otherwise."""
+    if images.ndim == 3:
+        images = images[..., None]
+    if images.ndim != 4 or not all(images.shape[1:]):
+        raise UserError(
+            f"{name}: images of shape {images.shape}; expected (N, H, W) or (N, H, W, C) with "
+            "every side positive"
+        )
+    if images.dtype.kind == "f" and pixel_range is not None:
+        low, high = (float(v) for v in np.asarray(pixel_range, np.float64).reshape(-1)[:2])
+        inside = np.isfinite(images).all() and low <= images.min() and images.max() <= high
+        if not (low < high and inside):
+            raise UserError(
+                f"{name}: float pixels are not all within its pixel_range {low}..{high}"
+            )
+        return np.round((images.astype(np.float64) - low) * (255 / (high - low))).astype(np.uint8)
+    if images.dtype != np.uint8:
+        raise UserError(
+            f"{name}: images are {images.dtype}; pixels must be uint8 (0..255), or floats with "
+            "the range they span given (an .npz's pixel_range = [low, high])"
+        )
+    return images
+
+
+def _split_labels(labels: np.ndarray, name: str) -> np.ndarray:
+    """A split's labels as int32 (N,); they must be whole numbers from 0."""
+    if labels.ndim != 1 or labels.dtype.kind not in "iu":
+        raise UserError(
+            f"{name}: labels of shape {labels.shape} and dtype {labels.dtype}; expected (N,) "
+            "whole numbers"
+        )
+    if len(labels) and labels.min() < 0:
+        raise UserError(f"{name}: label {labels.min()} is negative; labels count from 0")
+    return labels.astype(np.int32)
+
+
+def make_dataset(
+    name: str,
+    title: str,
+    class_names: Sequence[str],
+    train: tuple[np.ndarray, np.ndarray],
+    test: tuple[np.ndarray, np.ndarray],
+    *,
+    sources: tuple[str, str],
+    origin: str,
+    checked: bool = False,
+    pixel_range: Any = None,
+) -> Dataset:
+    """A Dataset from (images, labels) per split, every rule checked in one line naming the
+    split's source: images uint8 (N, H, W[, C]) (floats only with their `pixel_range`), labels
+    (N,) in 0..len(class_names) - 1, counts that pair, the same image shape in both splits."""
+    splits = []
+    for (images, labels), source in zip((train, test), sources, strict=True):
+        images = _split_images(np.asarray(images), source, pixel_range)
+        labels = _split_labels(np.asarray(labels), source)
+        if len(images) != len(labels):
+            raise UserError(
+                f"{source} has {len(images)} images but {len(labels)} labels; they must pair"
+            )
+        if not len(images):
+            raise UserError(f"{source} holds no examples; each split needs at least one")
+        check_labels(labels, source, len(class_names))
+        splits.append((images, labels))
+    (train_x, train_y), (test_x, test_y) = splits
+    if train_x.shape[1:] != test_x.shape[1:]:
+        raise UserError(
+            f"{sources[0]} holds {train_x.shape[1:]} images but {sources[1]} holds "
+            f"{test_x.shape[1:]}; train and test images must be the same shape"
+        )
+    return Dataset(
+        name, title, tuple(class_names), train_x, train_y, test_x, test_y, tuple(sources),
+        origin, checked,
+    )  # fmt: skip
+
+
+def check_labels(labels: np.ndarray, name: str, num_classes: int) -> None:
+    """Every label must name one of the classes."""
+    if len(labels) and labels.max() >= num_classes:
+        bad = int(np.flatnonzero(labels >= num_classes)[0])
+        raise UserError(
+            f"{name}: label {labels[bad]} at index {bad} is outside 0..{num_classes - 1}"
+        )
+
+
+def read_class_names(data_dir: pathlib.Path, labels: np.ndarray) -> tuple[str, ...]:
+    """A directory's classes: classes.txt (one name per line), or 0..max label."""
+    path = data_dir / CLASSES_FILE
+    if not path.is_file():
+        return tuple(str(i) for i in range(int(labels.max(initial=0)) + 1))
+    try:
+        names = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read it ({exc}); one class name per line") from None
+    if not names:
+        raise UserError(f"{path}: no class names in it; one class name per line")
+    return tuple(names)
+
+
+# --- The registry: config.dataset.name -> a loader ------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A registered dataset: `load(data_dir)` returns a Dataset or raises a one-line UserError.
+    `data_dir` is --data_dir, or None when it is not given; a loader that reads only from it
+    says what it must hold in `needs`, and is refused without it before anything is read."""
+
+    load: Callable[[pathlib.Path | None], Dataset]
+    needs: str | None = None
+
+
+DATASETS: dict[str, Source] = {}
+
+
+def register(name: str, needs: str | None = None) -> Callable:
+    """`@register("name")` over a loader makes it `--config.dataset.name=name`; pass
+    `needs="what --data_dir holds"` when it reads only from --data_dir."""
+
+    def add(load: Callable[[pathlib.Path | None], Dataset]) -> Callable:
+        DATASETS[name] = Source(load, needs)
+        return load
+
+    return add
+
+
+def get(config: ml_collections.ConfigDict) -> Source:
+    """The dataset `config.dataset.name` names; one that reads --data_dir needs it."""
+    name = config.dataset.name
+    if name not in DATASETS:
+        raise UserError(f"--config.dataset.name={name!r} is not one of {', '.join(DATASETS)}")
+    source = DATASETS[name]
+    if source.needs and not config.data_dir:
+        raise UserError(f"--config.dataset.name={name} needs --data_dir=DIR holding {source.needs}")
+    return source
+
+
+def load(config: ml_collections.ConfigDict, data_dir: str | None = None) -> Dataset:
+    """The dataset a config names, from `data_dir` (default `config.data_dir`) or its search."""
+    data_dir = data_dir or config.data_dir or None
+    path = pathlib.Path(data_dir).expanduser() if data_dir else None
+    if path is not None and not path.is_dir():
+        raise UserError(f"--data_dir {path} is not a directory")
+    return get(config).load(path)
+
+
+# --- IDX files: Fashion-MNIST, MNIST, any four IDX files --------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +285,7 @@ def _published(*md5s: str) -> tuple[IdxFile, ...]:
     return tuple(IdxFile(stem, *md5s[2 * i : 2 * i + 2]) for i, stem in enumerate(STEMS))
 
 
-DATASETS = {
+IDX_DATASETS = {  # name -> where its four files are found and how they are checked
     "fashion_mnist": DatasetSpec(
         "fashion_mnist",
         "Fashion-MNIST",
@@ -135,51 +333,6 @@ DATASETS = {
     ),
     "idx": DatasetSpec("idx", "IDX dataset", tuple(IdxFile(s) for s in STEMS), None),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Dataset:
-    """A loaded dataset: uint8 arrays, its class names and where each file was found."""
-
-    name: str
-    title: str
-    class_names: tuple[str, ...]
-    train_images: np.ndarray  # (N, H, W) uint8
-    train_labels: np.ndarray  # (N,) uint8
-    test_images: np.ndarray  # (M, H, W) uint8
-    test_labels: np.ndarray  # (M,) uint8
-    sources: tuple[str, str, str, str]  # train images, train labels, test images, test labels
-    checked: bool  # whether the files matched published MD5s
-
-    @property
-    def image_shape(self) -> tuple[int, int]:
-        return tuple(self.train_images.shape[1:])
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.class_names)
-
-    def info(self) -> dict:
-        """What a checkpoint records so a model can be used without the data: JSON-ready."""
-        return {
-            "name": self.name,
-            "title": self.title,
-            "class_names": list(self.class_names),
-            "image_shape": list(self.image_shape),
-        }
-
-
-def get(config: ml_collections.ConfigDict) -> DatasetSpec:
-    """The spec `config.dataset.name` names; the `idx` dataset needs `--data_dir`."""
-    name = config.dataset.name
-    if name not in DATASETS:
-        raise UserError(f"--config.dataset.name={name!r} is not one of {', '.join(DATASETS)}")
-    if name == "idx" and not config.data_dir:
-        raise UserError(
-            "--config.dataset.name=idx needs --data_dir=DIR holding the four IDX files "
-            f"({', '.join(STEMS)}, .gz or raw) and optionally {CLASSES_FILE}"
-        )
-    return DATASETS[name]
 
 
 def md5_hex(payload: bytes) -> str:
@@ -298,37 +451,14 @@ def parse_idx(payload: bytes, name: str, *, images: bool) -> np.ndarray:
     return array.reshape(count, *dims) if images else array
 
 
-def check_labels(labels: np.ndarray, name: str, num_classes: int) -> None:
-    """Every label must name one of the classes."""
-    if len(labels) and labels.max() >= num_classes:
-        bad = int(np.flatnonzero(labels >= num_classes)[0])
-        raise UserError(
-            f"{name}: label {labels[bad]} at index {bad} is outside 0..{num_classes - 1}"
-        )
-
-
-def read_class_names(data_dir: pathlib.Path, labels: np.ndarray) -> tuple[str, ...]:
-    """The `idx` dataset's classes: classes.txt (one name per line), or 0..max label."""
-    path = data_dir / CLASSES_FILE
-    if not path.is_file():
-        return tuple(str(i) for i in range(int(labels.max(initial=0)) + 1))
-    try:
-        names = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: cannot read it ({exc}); one class name per line") from None
-    if not names:
-        raise UserError(f"{path}: no class names in it; one class name per line")
-    return tuple(names)
-
-
 def load_dataset(
     spec: DatasetSpec | str = "fashion_mnist",
     data_dir: str | pathlib.Path | None = None,
     *,
     download: bool = True,
 ) -> Dataset:
-    """Find, verify and parse the four files; images and labels must agree in count and shape."""
-    spec = DATASETS[spec] if isinstance(spec, str) else spec
+    """Find, verify and parse an IDX dataset's four files (see `find_payload`)."""
+    spec = IDX_DATASETS[spec] if isinstance(spec, str) else spec
     if data_dir:
         data_dir = pathlib.Path(data_dir).expanduser()
         if not data_dir.is_dir():
@@ -336,28 +466,66 @@ def load_dataset(
     found = [find_payload(f, spec, data_dir or None, download) for f in spec.files]
     sources = tuple(source for _, source in found)
     labels = [parse_idx(found[i][0], sources[i], images=False) for i in (1, 3)]
-    class_names = spec.class_names or read_class_names(data_dir, np.concatenate(labels))
-    for y, source in zip(labels, sources[1::2], strict=True):
-        check_labels(y, source, len(class_names))
     images = [parse_idx(found[i][0], sources[i], images=True) for i in (0, 2)]
-    for i, (x, y) in enumerate(zip(images, labels, strict=True)):
-        if len(x) != len(y):
-            raise UserError(
-                f"{sources[2 * i]} has {len(x)} images but {sources[2 * i + 1]} has {len(y)} "
-                "labels; the files do not pair"
-            )
-    if images[0].shape[1:] != images[1].shape[1:]:
+    return make_dataset(
+        spec.name,
+        f"{data_dir.name} (IDX)" if spec.name == "idx" else spec.title,
+        spec.class_names or read_class_names(data_dir, np.concatenate(labels)),
+        (images[0], labels[0]),
+        (images[1], labels[1]),
+        sources=(sources[0], sources[2]),
+        origin="IDX files",
+        checked=spec.checked,
+    )
+
+
+for _spec in IDX_DATASETS.values():
+    _needs = f"the four IDX files ({', '.join(STEMS)}, .gz or raw) and optionally {CLASSES_FILE}"
+    register(_spec.name, _needs if _spec.name == "idx" else None)(
+        functools.partial(load_dataset, _spec)
+    )
+
+
+# --- `arrays`: train.npz and test.npz ---------------------------------------------------------
+
+
+def _read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
+    """The arrays of one .npz split, read whole; any problem is one line naming the file."""
+    if not path.is_file():
         raise UserError(
-            f"{sources[0]} holds {images[0].shape[1:]} images but {sources[2]} holds "
-            f"{images[1].shape[1:]}; train and test images must be the same size"
+            f"{path} not found; the arrays dataset needs {' and '.join(ARRAY_FILES)} in "
+            f"--data_dir, each with {' and '.join(ARRAY_KEYS)}"
         )
-    title = f"{data_dir.name} (IDX)" if spec.name == "idx" else spec.title
-    return Dataset(
-        spec.name, title, class_names, images[0], labels[0], images[1], labels[1],
-        sources, spec.checked,
-    )  # fmt: skip
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {key: archive[key] for key in archive.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, AttributeError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"{path}: cannot read it as an .npz archive ({reason})") from None
+    missing = [key for key in ARRAY_KEYS if key not in arrays]
+    if missing:
+        raise UserError(
+            f"{path} has no {' or '.join(missing)} array (it holds {', '.join(arrays) or 'none'}); "
+            "save it with np.savez(path, images=..., labels=...)"
+        )
+    return arrays
 
 
-def load(config: ml_collections.ConfigDict, data_dir: str | None = None) -> Dataset:
-    """The dataset a config names, from `data_dir` (default `config.data_dir`) or its search."""
-    return load_dataset(get(config), data_dir or config.data_dir or None)
+@register("arrays", needs=f"{' and '.join(ARRAY_FILES)} (images, labels)")
+def load_arrays(data_dir: pathlib.Path) -> Dataset:
+    """`DIR/train.npz` and `DIR/test.npz`, each holding `images` uint8 (N, H, W) or
+    (N, H, W, C) and `labels` (N,) integers (float images need `pixel_range`, [low, high]);
+    class names from `DIR/classes.txt`, or 0..N-1."""
+    paths = [data_dir / name for name in ARRAY_FILES]
+    train, test = (_read_npz(path) for path in paths)
+    labels = np.concatenate([np.asarray(split["labels"]).reshape(-1) for split in (train, test)])
+    return make_dataset(
+        "arrays",
+        f"{data_dir.name} (arrays)",
+        read_class_names(data_dir, labels if labels.dtype.kind in "iu" else np.zeros(0, int)),
+        (train["images"], train["labels"]),
+        (test["images"], test["labels"]),
+        sources=(str(paths[0]), str(paths[1])),
+        origin=".npz files",
+        pixel_range=train.get("pixel_range"),
+    )

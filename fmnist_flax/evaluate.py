@@ -1,83 +1,108 @@
-"""Evaluation: `nnx.vmap` over stacked test batches inside one compiled call (section 10)."""
+"""Evaluation: every metric of the task over a test set, streamed to the devices in fixed-size
+compiled calls, each an `nnx.vmap` over its batches (section 10); `predict` and its input rule.
+"""
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
-import optax
 from flax import nnx
 
-from fmnist_flax import parallel
+from fmnist_flax import input_pipeline, parallel, task
 from fmnist_flax.errors import UserError
 from fmnist_flax.input_pipeline import PIXEL_SCALE
 
+# Test examples per compiled call at most (whole batches): a call's device memory is this
+# many uint8 images and one vmapped forward pass over them, whatever the test set's size.
+EVAL_EXAMPLES_PER_CALL = 10_240
+COUNT = "examples"  # the key of each batch's count of real examples among the sums
 
-@nnx.jit
+
+@functools.partial(nnx.jit, static_argnames="config")
 def evaluate_batches(
-    model: nnx.Module, x_batches: jax.Array, y_batches: jax.Array, mask_batches: jax.Array
-) -> dict[str, jax.Array]:
-    """Masked sums over (num_batches, B) examples: mean loss, accuracy, count, predictions.
-
-    With an all-ones mask this is the codelab's evaluation; with padding masked out it counts
-    every example exactly once.
-    """
+    model: nnx.Module,
+    images: jax.Array,
+    labels: jax.Array,
+    mask: jax.Array,
+    config: ml_collections.FrozenConfigDict,
+) -> tuple[dict[str, jax.Array], jax.Array]:
+    """Per batch of (K, B) examples, the masked sum of every metric of `task.per_example` and
+    the count of real examples; and every example's predicted class. Images are uint8
+    (K, B, H, W, C), normalised here; padding (mask 0) counts nowhere."""
 
     @nnx.vmap(in_axes=(None, 0, 0, 0))
-    def one_batch(model, x, y, mask):
-        logits = model(x)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-        predictions = jnp.argmax(logits, axis=-1)
-        return jnp.sum(losses * mask), jnp.sum((predictions == y) * mask), predictions
+    def one_batch(model, x, y, m):
+        logits = model(input_pipeline.normalize(x))
+        values = task.per_example(logits, y, config)
+        return {name: jnp.sum(v * m) for name, v in values.items()}, jnp.argmax(logits, axis=-1)
 
-    loss_sums, correct, predictions = one_batch(model, x_batches, y_batches, mask_batches)
-    count = jnp.sum(mask_batches)
-    return {
-        "loss": jnp.sum(loss_sums) / count,
-        "accuracy": jnp.sum(correct) / count,
-        "examples": count,
-        "predictions": predictions,
-        "batch_sums": jnp.stack([loss_sums, correct, jnp.sum(mask_batches, axis=1)]),
-    }
+    sums, predictions = one_batch(model, images, labels, mask)
+    return {**sums, COUNT: jnp.sum(mask, axis=1)}, predictions
+
+
+def _calls(num_batches: int, batch_size: int) -> tuple[int, int]:
+    """(calls, batches per call): as few calls as EVAL_EXAMPLES_PER_CALL allows, of equal size
+    (so one compilation serves them all) and with as little padding as that leaves."""
+    most = max(1, EVAL_EXAMPLES_PER_CALL // batch_size)
+    calls = -(-num_batches // most)
+    return calls, -(-num_batches // max(calls, 1))
 
 
 def evaluate(
-    model: nnx.Module, x_batches: jax.Array, y_batches: jax.Array, mask: jax.Array | None = None
-) -> dict[str, float | int | np.ndarray]:
-    """Evaluate on the host's terms: floats, an int count and the predictions of real examples.
+    model: nnx.Module,
+    images: np.ndarray,
+    labels: np.ndarray,
+    config: ml_collections.ConfigDict,
+    mesh: jax.sharding.Mesh | None = None,
+    batch_size: int | None = None,
+) -> dict[str, Any]:
+    """Every metric's mean over uint8 `images` (N, H, W, C) and their labels, on the host's
+    terms: floats, the example count, the predictions, and each batch's sums (`batch_sums`).
 
-    Without a mask every example counts (the codelab's trimmed batches). An empty stack (a batch
-    larger than the test set) gives NaN metrics and zero examples.
+    The images stay on the host and reach the devices a call at a time, padded to whole
+    batches of `batch_size` (default the config's) and masked; on a `mesh` each batch is split
+    along `data`. No examples give NaN metrics.
     """
-    if mask is None:
-        mask = jnp.ones(y_batches.shape, jnp.float32)
-    if y_batches.shape[0] == 0:
-        nan = float("nan")
-        return {
-            "loss": nan, "accuracy": nan, "examples": 0,
-            "predictions": np.zeros(0, np.int32), "batch_sums": np.zeros((3, 0)),
-        }  # fmt: skip
-    result = parallel.to_host(evaluate_batches(model, x_batches, y_batches, mask))
-    real = parallel.to_host(mask).reshape(-1) > 0
+    frozen = ml_collections.FrozenConfigDict(config)
+    batch_size = batch_size or config.batch_size
+    num_batches = -(-len(labels) // batch_size)
+    calls, per_call = _calls(num_batches, batch_size)
+    outputs = []
+    for call in range(calls):
+        first = call * per_call * batch_size
+        chunk = (images[first : first + per_call * batch_size],
+                 labels[first : first + per_call * batch_size])  # fmt: skip
+        x, y, mask = input_pipeline.padded_batches(*chunk, batch_size, per_call)
+        if mesh is None:
+            placed = (jnp.asarray(x), jnp.asarray(y), jnp.asarray(mask))
+        else:
+            placed = input_pipeline.shard_batches((x, y, mask), mesh)
+        outputs.append(evaluate_batches(model, *placed, frozen))
+    outputs = parallel.to_host(outputs)
+    batch_sums = {
+        name: np.concatenate([sums[name] for sums, _ in outputs] or [np.zeros(0)])[:num_batches]
+        for name in (outputs[0][0] if outputs else {COUNT: None})
+    }
+    predictions = np.concatenate([p.reshape(-1) for _, p in outputs] or [np.zeros(0, np.int32)])
     return {
-        "loss": float(result["loss"]),
-        "accuracy": float(result["accuracy"]),
-        "examples": int(result["examples"]),
-        "predictions": result["predictions"].reshape(-1)[real],
-        "batch_sums": result["batch_sums"],  # (loss sum, correct, count) per batch
+        **means(batch_sums),
+        "predictions": predictions[: len(labels)],
+        "batch_sums": batch_sums,
     }
 
 
-def first_batches(result: dict[str, Any], num_batches: int) -> dict[str, float | int]:
-    """The metrics of only the first `num_batches` of an evaluation, without evaluating again
-    (the codelab's whole batches are the first ones of the padded full set)."""
-    loss, correct, count = np.asarray(result["batch_sums"], np.float64)[:, :num_batches].sum(1)
-    if not count:
-        return {"loss": float("nan"), "accuracy": float("nan"), "examples": 0}
-    return {"loss": loss / count, "accuracy": correct / count, "examples": int(count)}
+def means(batch_sums: dict[str, np.ndarray], num_batches: int | None = None) -> dict[str, Any]:
+    """Every metric's mean over the first `num_batches` of an evaluation (default all), and
+    the example count: the codelab's whole batches are the first ones of the padded set."""
+    totals = {name: np.asarray(s, np.float64)[:num_batches].sum() for name, s in batch_sums.items()}
+    count = int(totals.pop(COUNT))
+    return {**{name: total / count if count else float("nan") for name, total in totals.items()},
+            COUNT: count}  # fmt: skip
 
 
 def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> np.ndarray:
@@ -92,18 +117,23 @@ def _probabilities(model: nnx.Module, x: jax.Array) -> jax.Array:
     return jax.nn.softmax(model(x), axis=-1)
 
 
-def model_input(images: Any, image_shape: tuple[int, int], name: str = "images") -> np.ndarray:
-    """The one input rule of `predict` and of --mode=predict's .npy files and PNGs: `images`
-    as float32 (N, H * W) in [0, 1], or a one-line UserError that starts with `name`.
+def model_input(images: Any, image_shape: tuple[int, int, int], name: str = "images") -> np.ndarray:
+    """The one input rule of `predict` and of --mode=predict's .npy files and pictures:
+    `images` as float32 (N, H, W, C) in [0, 1], or a one-line UserError that starts with `name`.
 
-    Shapes: (H, W) is one image; (N, H, W) and (N, H * W) are N >= 1 images.
+    Shapes: (H, W, C) is one image, (N, H, W, C) is N >= 1 images, and so is the flat
+    (N, H * W * C); for grayscale (C = 1) also (H, W) and (N, H, W).
     Pixels: uint8 is 0..255 and is scaled by 1/255 (`PIXEL_SCALE`, as training does); any
     other integer dtype must hold only 0..255 and is scaled the same; floats (16, 32 or 64
     bits) must be finite and already in [0, 1], and are never rescaled (divide 0..255 floats
     by 255 first). bool, complex, string, object, structured and date/time arrays are refused.
     """
-    h, w = (int(side) for side in image_shape)
-    expected = f"expected ({h}, {w}) or (N, {h}, {w}) or (N, {h * w})"
+    h, w, c = (int(side) for side in image_shape)
+    one = [(h, w, c), *([(h, w)] if c == 1 else [])]
+    expected = "expected " + " or ".join(
+        ([f"({h}, {w})", f"(N, {h}, {w})"] if c == 1 else [])
+        + [f"({h}, {w}, {c})", f"(N, {h}, {w}, {c})", f"(N, {h * w * c})"]
+    )
     try:
         array = np.asarray(images)
     except (ValueError, TypeError) as exc:
@@ -117,15 +147,22 @@ def model_input(images: Any, image_shape: tuple[int, int], name: str = "images")
             f"{name}: pixels of dtype {array.dtype} cannot be used; pass uint8 (0..255), "
             "other integers in 0..255 or floats in [0, 1]"
         )
-    if array.shape == (h, w):
+    if array.shape in one:
         array = array[None]
-    if not (array.ndim == 3 and array.shape[1:] == (h, w)) and not (
-        array.ndim == 2 and array.shape[1] == h * w
-    ):
+    if array.ndim < 2 or array.shape[1:] not in (*one, (h * w * c,)):
         raise UserError(f"{name}: array shape {array.shape}; {expected}")
     if len(array) == 0:
         raise UserError(f"{name}: no images in it (shape {array.shape}); {expected} with N >= 1")
-    if kind == "f":
+    _check_range(array, name)
+    x = array.astype(np.float32)
+    if kind != "f":
+        x = x * PIXEL_SCALE  # bit for bit what training feeds the model
+    return x.reshape(len(x), h, w, c)
+
+
+def _check_range(array: np.ndarray, name: str) -> None:
+    """Floats must be finite and in [0, 1]; integers other than uint8 in 0..255."""
+    if array.dtype.kind == "f":
         finite = np.isfinite(array)
         if not finite.all():
             bad = int(array.size - np.count_nonzero(finite))
@@ -139,34 +176,26 @@ def model_input(images: Any, image_shape: tuple[int, int], name: str = "images")
                 f"{name}: float pixels must lie in [0, 1] but these range over "
                 f"[{low!s}, {high!s}]; divide 0..255 values by 255 first (or pass them as uint8)"
             )
-        x = array.astype(np.float32)
-    else:
-        if array.dtype != np.uint8:
-            low, high = array.min(), array.max()
-            if low < 0 or high > 255:
-                raise UserError(
-                    f"{name}: integer pixels must lie in 0..255 but these range over "
-                    f"{low}..{high}; scale them to 0..255 (uint8) or to floats in [0, 1] first"
-                )
-        x = array.astype(np.float32) * PIXEL_SCALE  # bit for bit what training feeds the model
-    return x.reshape(len(x), h * w)
+    elif array.dtype != np.uint8:
+        low, high = array.min(), array.max()
+        if low < 0 or high > 255:
+            raise UserError(
+                f"{name}: integer pixels must lie in 0..255 but these range over "
+                f"{low}..{high}; scale them to 0..255 (uint8) or to floats in [0, 1] first"
+            )
 
 
-def _image_shape(model: nnx.Module, image_shape: tuple[int, int] | None) -> tuple[int, int]:
-    """(H, W) of the images a model takes: the argument, the model's own `image_shape`, or the
-    square whose pixel count is the input width of an MLP's first layer."""
-    if image_shape is not None:
-        return tuple(image_shape)
-    if getattr(model, "image_shape", None) is not None:
-        return tuple(model.image_shape)
-    layers = getattr(model, "layers", None)
-    if layers and isinstance(layers[0], nnx.Linear):
-        side = math.isqrt(layers[0].in_features)
-        if side * side == layers[0].in_features:
-            return side, side
-    raise UserError(
-        f"predict: cannot tell the image size {type(model).__name__} takes; pass image_shape=(H, W)"
-    )
+def image_shape_of(model: nnx.Module, image_shape: tuple[int, ...] | None) -> tuple[int, ...]:
+    """(H, W, C) of the images a model takes: the argument, or the model's own `image_shape`
+    (the built-in models keep the one they were built for)."""
+    shape = image_shape if image_shape is not None else getattr(model, "image_shape", None)
+    if shape is None:
+        raise UserError(
+            f"predict: cannot tell the image shape {type(model).__name__} takes; pass "
+            "image_shape=(H, W, C)"
+        )
+    shape = tuple(int(side) for side in shape)
+    return shape if len(shape) == 3 else (*shape, 1)
 
 
 def predict(
@@ -174,22 +203,23 @@ def predict(
     images: Any,
     mesh: jax.sharding.Mesh | None = None,
     *,
-    image_shape: tuple[int, int] | None = None,
+    image_shape: tuple[int, ...] | None = None,
 ) -> np.ndarray:
-    """Class probabilities (N, classes) for images shaped (H, W), (N, H, W) or (N, H * W).
+    """Class probabilities (N, classes) for images shaped as `model_input` says: (N, H, W, C)
+    or one (H, W, C), and for grayscale also (N, H, W) and (H, W).
 
     The same rule as --mode=predict (`model_input`): uint8 pixels (0..255) and other integers
     in 0..255 are scaled by 1/255; floats must be finite and already in [0, 1] (they are never
     rescaled: divide 0..255 floats by 255 first). Anything else is a one-line UserError: a
     wrong shape, no images, NaN or infinite pixels, values out of range, a non-numeric dtype.
-    (H, W) is the model's `image_shape` or, for the MLP, the square of its input width; pass
-    `image_shape` for other models. On a mesh the images are padded to a multiple of its size
-    and split along `data`.
+    (H, W, C) is the model's `image_shape` (the built-in models keep it); pass `image_shape`
+    for other models. On a mesh the images are padded to a multiple of its size and split
+    along `data`.
     """
-    x = model_input(images, _image_shape(model, image_shape))
+    x = model_input(images, image_shape_of(model, image_shape))
     if mesh is None:
         return np.asarray(_probabilities(model, jnp.asarray(x)))
     pad = -len(x) % parallel.data_size(mesh)
-    x = np.concatenate([x, np.zeros((pad, x.shape[1]), x.dtype)])
+    x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
     sharded = parallel.shard_host_array(x, parallel.batch_sharding(mesh))
     return parallel.to_host(_probabilities(model, sharded))[: len(x) - pad]

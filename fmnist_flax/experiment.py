@@ -26,9 +26,11 @@ from fmnist_flax import (
     datasets,
     evaluate,
     grain_pipeline,
+    inference,
     input_pipeline,
     parallel,
     report,
+    restore,
     summaries,
     tables,
     train,
@@ -52,6 +54,7 @@ class Run:
     model: nnx.Module
     optimizer: nnx.Optimizer
     start_step: int
+    resumed: dict[str, Any]  # the progress item of the checkpoint resumed from ({}: none)
     signals: train.StopSignals
     sections: dict[str, list[report.Item]] = dataclasses.field(default_factory=dict)
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)  # extensions' entries
@@ -160,7 +163,9 @@ def set_up(
     model_lib.check_config(config.model, dataset.image_shape)
     mesh = parallel.make_mesh()
     on_host = config.input_pipeline == "grain"
-    device_data = input_pipeline.to_device(dataset, config.batch_size, mesh, not on_host)
+    device_data = input_pipeline.to_device(
+        dataset, config.batch_size, mesh, not on_host, config.optimizer.accumulate
+    )
     model, optimizer = train.create_train_state(
         config, dataset.image_shape, dataset.num_classes, mesh
     )
@@ -176,21 +181,63 @@ def set_up(
     changes = check_config_changes(checkpoints, config, accept_config_change)
     checkpoints.metadata["changes"] = {"changes": changes}
     expected = train.progress_of(0, device_data.batches_per_epoch, config)
-    start_step = checkpoints.resume(model, optimizer, expected)
-    if on_host:
-        saved = checkpoints.resumed_progress.get("data_iterator")
-        source = grain_pipeline.ArraySource(dataset.train_images, dataset.train_labels)
-        batches = grain_pipeline.GrainBatches(
-            source, config.batch_size, config.seed, mesh, saved, start_step
-        )
-    else:
-        batches = input_pipeline.DeviceBatches(device_data, config.seed, config.fused_steps)
+    optimizer_changed = any(c["field"].startswith("optimizer.") for c in changes)
+    start_step, resumed = restore.resume(checkpoints, model, optimizer, expected, optimizer_changed)
+    if not start_step and config.init_from:
+        optimizer = warm_start(model, config, mesh)
+    batches = training_batches(config, dataset, device_data, resumed, start_step)
     run = Run(
         config, workdir, dataset, device_data, batches, checkpoints, model, optimizer,
-        start_step, signals,
+        start_step, resumed, signals,
     )  # fmt: skip
     run.summary["config_changes"] = changes
+    if config.init_from:
+        run.summary["init_from"] = config.init_from
     return run
+
+
+def training_batches(
+    config: ml_collections.ConfigDict,
+    dataset: datasets.Dataset,
+    device_data: input_pipeline.DeviceData,
+    resumed: dict[str, Any],
+    start_step: int,
+) -> Any:
+    """What feeds training from `start_step` on: the Grain pipeline (its iterator where the
+    checkpoint left it) or the device pipeline."""
+    if config.input_pipeline != "grain":
+        return input_pipeline.DeviceBatches(device_data, config.seed, config.fused_steps)
+    source = grain_pipeline.ArraySource(dataset.train_images, dataset.train_labels)
+    return grain_pipeline.GrainBatches(
+        source, config.batch_size, config.seed, device_data.mesh, resumed.get("data_iterator"),
+        start_step, config.optimizer.accumulate,
+    )  # fmt: skip
+
+
+def warm_start(
+    model: nnx.Module, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
+) -> nnx.Optimizer:
+    """Load the model of `config.init_from` (WORKDIR or WORKDIR:STEP) into `model`: its
+    parameters and BatchNorm statistics, shapes checked in one line; returns a fresh
+    optimizer for it."""
+    workdir, step = parse_init_from(config.init_from)
+    source = inference.restore_model(workdir, step, flag="--init_from")[0]
+    learned = nnx.Any(nnx.Param, nnx.BatchStat)
+    wanted, loaded = nnx.state(model, learned), nnx.state(source, learned)
+    restore.check_shapes(wanted, loaded, f"--init_from={config.init_from}")
+    nnx.update(model, loaded)
+    optimizer = train.create_optimizer(model, config)
+    parallel.place_module((model, optimizer), mesh, config.param_sharding)
+    parallel.say(f"initialised from {workdir} (step {step or 'newest'}): its parameters")
+    return optimizer
+
+
+def parse_init_from(value: str) -> tuple[str, int | str | None]:
+    """'runs/a' -> ('runs/a', None); 'runs/a:200' -> ('runs/a', 200); 'runs/a:best'."""
+    workdir, _, step = value.rpartition(":")
+    if workdir and (step.isdigit() or step == checkpoint_lib.BEST):
+        return workdir, int(step) if step.isdigit() else step
+    return value, None
 
 
 def check_config_changes(
@@ -231,7 +278,21 @@ def describe(run: Run) -> None:
         d.train_images, d.train_labels, d.class_names, d.title))  # fmt: skip
     arrays = {k: v for k, v in vars(run.device_data).items() if isinstance(v, jax.Array)}
     run.show("Batches", tables.arrays_table("Data arrays on the device", arrays))
+    images, _ = test_set(run)
+    run.note("Batches", f"The test set ({len(images):,} uint8 images) stays on the host; "
+             "evaluation streams it to the devices in fixed-size calls.")  # fmt: skip
     run.show("Model", tables.params_table(run.model))
+
+
+def test_set(run: Run) -> tuple[Any, Any]:
+    """The test images and labels evaluated: the first `config.eval_examples` (0: all)."""
+    count = run.config.eval_examples or len(run.dataset.test_labels)
+    return run.dataset.test_images[:count], run.dataset.test_labels[:count]
+
+
+def evaluate_test(run: Run, model: nnx.Module) -> dict[str, Any]:
+    """Every metric of the task over the test set (`test_set`), on the run's mesh."""
+    return evaluate.evaluate(model, *test_set(run), run.config, run.device_data.mesh)
 
 
 def fit(run: Run) -> None:
@@ -240,7 +301,6 @@ def fit(run: Run) -> None:
     (process 0)."""
     metrics_path = run.workdir / workdir_lib.METRICS_FILE
     primary = parallel.is_primary()
-    data = run.device_data
     last = {"step": run.start_step, "time": time.perf_counter(), "eval": 0.0}
     with contextlib.ExitStack() as outputs:
         if primary:
@@ -253,15 +313,15 @@ def fit(run: Run) -> None:
         def on_eval(step: int, model: nnx.Module) -> dict[str, float]:
             began = time.perf_counter()
             model.eval()
-            full = evaluate.evaluate(model, data.test_x, data.test_y, data.test_mask)
+            full = evaluate_test(run, model)
             run.evaluation = step, full
             run.eval_seconds += time.perf_counter() - began
-            return {"test_loss": full["loss"], "test_accuracy": full["accuracy"]}
+            return {f"test_{k}": v for k, v in metrics_of(full).items() if k != evaluate.COUNT}
 
         def on_log(row: dict[str, float]) -> None:
             now = time.perf_counter()
             seconds = now - last["time"] - (run.eval_seconds - last["eval"])
-            rate = (row["step"] - last["step"]) * run.config.batch_size / seconds
+            rate = (row["step"] - last["step"]) * run.device_data.examples_per_step / seconds
             first = last["step"] == run.start_step  # its interval includes the compilation
             last.update(step=row["step"], time=now, eval=run.eval_seconds)
             if primary:
@@ -272,7 +332,7 @@ def fit(run: Run) -> None:
         run.examples_per_sec = train.fit(
             run.model, run.optimizer, run.device_data, run.config,
             start_step=run.start_step, checkpoints=run.checkpoints, on_log=on_log,
-            on_eval=on_eval, signals=run.signals, batches=run.batches,
+            on_eval=on_eval, signals=run.signals, batches=run.batches, resumed=run.resumed,
         )  # fmt: skip
     compared = parallel.check_replicas(nnx.state(run.model, nnx.Param), "the trained parameters")
     if jax.process_count() > 1:
@@ -294,38 +354,49 @@ def fit(run: Run) -> None:
              f"{run.eval_seconds:.1f} s, not counted in the examples/sec above.")  # fmt: skip
 
 
+def metrics_of(evaluation: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation's metrics and example count, without its predictions and batch sums."""
+    return {k: v for k, v in evaluation.items() if k not in ("predictions", "batch_sums")}
+
+
 def evaluate_model(run: Run) -> dict[str, Any]:
-    """The `nnx.vmap` evaluation over every test example, its tables and figures."""
-    d, data = run.dataset, run.device_data
+    """The `nnx.vmap` evaluation over the test set, its tables and figures."""
+    d = run.dataset
     if run.evaluation and run.evaluation[0] == run.config.steps:  # done at the last step
         full = run.evaluation[1]
     else:
-        full = evaluate.evaluate(run.model, data.test_x, data.test_y, data.test_mask)
-    codelab = evaluate.first_batches(full, data.codelab_test_batches)
-    counts = evaluate.confusion_matrix(d.test_labels, full["predictions"], d.num_classes)
-    result = {"full": full, "codelab": codelab, "confusion": counts}
+        full = evaluate_test(run, run.model)
+    whole_batches = full[evaluate.COUNT] // run.config.batch_size
+    codelab = evaluate.means(full["batch_sums"], whole_batches)
+    labels = test_set(run)[1]
+    counts = evaluate.confusion_matrix(labels, full["predictions"], d.num_classes)
+    result = {"full": metrics_of(full), "codelab": codelab, "confusion": counts}
     if not parallel.is_primary():
         return result
     last = run.history[-1] if run.history else {}
     rows = {
         "test, codelab (whole batches only)": codelab,
-        "test, full (last batch padded, masked)": full,
+        "test, full (last batch padded, masked)": result["full"],
     }
-    if "loss" in last and "accuracy" in last:
-        rows = {"last train batch": {**last, "examples": run.config.batch_size}, **rows}
+    if "loss" in last:
+        since = run.history[-2]["step"] if len(run.history) > 1 else 0
+        examples = (last["step"] - since) * run.device_data.examples_per_step
+        train_row = {k: v for k, v in last.items() if not k.startswith("test_") and k != "step"}
+        rows = {f"train, steps {since + 1}-{last['step']}": {**train_row, "examples": examples},
+                **rows}  # fmt: skip
     run.show("Evaluation", tables.evaluation_table(rows))
-    picks = report.sample_indices(len(d.test_images))
+    picks = report.sample_indices(len(labels))
     run.figure("Evaluation", "predictions.png", lambda: report.prediction_grid(
-        d.test_images[picks], d.test_labels[picks], full["predictions"][picks],
+        d.test_images[picks], labels[picks], full["predictions"][picks],
         d.class_names))  # fmt: skip
     run.figure("Evaluation", "confusion_matrix.png",
                lambda: report.confusion_figure(counts, d.class_names))  # fmt: skip
+    data = run.device_data
     run.show("Device placement", tables.placement_table({
         "params": nnx.state(run.model, nnx.Param),
         "optimizer state": nnx.state(run.optimizer, nnx.OptState),
         **({"train data": (data.train_images, data.train_labels)}
            if data.train_images is not None else {}),
-        "test batches": (data.test_x, data.test_y),
     }))  # fmt: skip
     return result
 
@@ -346,8 +417,8 @@ def write_outputs(run: Run, evaluation: dict[str, Any], wall_seconds: float) -> 
         )
     last = run.history[-1] if run.history else {}
     summary = {
-        **{f"test_{k}": full[k] for k in ("accuracy", "loss", "examples")},
-        **{f"codelab_test_{k}": codelab[k] for k in ("accuracy", "loss", "examples")},
+        **{f"test_{k}": v for k, v in full.items()},
+        **{f"codelab_test_{k}": v for k, v in codelab.items()},
         **{f"final_train_{k}": v for k, v in last.items() if k != "step"},
         "train_examples_per_sec": run.examples_per_sec,
         "eval_seconds_during_training": run.eval_seconds,

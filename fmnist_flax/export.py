@@ -1,7 +1,7 @@
 """--mode=export: a trained model as one serialized `jax.export` artifact that needs only JAX.
 
-The artifact maps uint8 images (batch, H, W), any batch size, to float32 class probabilities
-(batch, classes), for CPU and CUDA. It holds the parameters as constants and does what
+The artifact maps uint8 images (batch, H, W, C), any batch size, to float32 class
+probabilities (batch, classes), for CPU and CUDA. It holds the parameters as constants and does what
 `predict` does to uint8 input (scale by 1/255, the model in eval mode, softmax), so
 
     exported = jax.export.deserialize(open(FILE, "rb").read())
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fmnist_flax import checkpoint, parallel
+from fmnist_flax import inference, parallel
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
 from fmnist_flax.input_pipeline import PIXEL_SCALE
@@ -33,21 +33,23 @@ METADATA_SUFFIX = ".json"  # the metadata is FILE + this, so it never replaces F
 
 
 def probabilities_fn(model: nnx.Module) -> Callable[[jax.Array], jax.Array]:
-    """A pure function uint8 (batch, H, W) -> float32 (batch, classes) probabilities that
+    """A pure function uint8 (batch, H, W, C) -> float32 (batch, classes) probabilities that
     closes over the model's state, so exporting it bakes the parameters in as constants."""
     graphdef, state = nnx.split(model)
 
     def probabilities(images: jax.Array) -> jax.Array:
-        x = images.reshape(images.shape[0], -1).astype(jnp.float32) * PIXEL_SCALE
+        x = images.astype(jnp.float32) * PIXEL_SCALE
         return jax.nn.softmax(nnx.merge(graphdef, state)(x), axis=-1)
 
     return probabilities
 
 
-def export_probabilities(model: nnx.Module, image_shape: tuple[int, int]) -> jax.export.Exported:
+def export_probabilities(
+    model: nnx.Module, image_shape: tuple[int, int, int]
+) -> jax.export.Exported:
     """`model` (in eval mode) exported for PLATFORMS on uint8 images with a symbolic batch."""
-    height, width = (int(side) for side in image_shape)
-    shape = jax.export.symbolic_shape(f"batch, {height}, {width}")
+    height, width, channels = (int(side) for side in image_shape)
+    shape = jax.export.symbolic_shape(f"batch, {height}, {width}, {channels}")
     images = jax.ShapeDtypeStruct(shape, jnp.uint8)
     return jax.export.export(jax.jit(probabilities_fn(model)), platforms=PLATFORMS)(images)
 
@@ -68,7 +70,7 @@ def export_model(
     meta_path = path.with_name(path.name + METADATA_SUFFIX)
     workdir_lib.check_output_path(str(output))
     workdir_lib.check_output_path(str(meta_path))
-    model, step, config, info = checkpoint.restore_model(workdir, step, compute_dtype)
+    model, step, config, info = inference.restore_model(workdir, step, compute_dtype)
     image_shape = [int(side) for side in info["image_shape"]]
     exported = export_probabilities(model, tuple(image_shape))
     names = list(info["class_names"])
@@ -81,7 +83,8 @@ def export_model(
             "dtype": "uint8",
             "shape": [None, *image_shape],
             "range": [0, 255],
-            "meaning": "grayscale images, any batch size; scaled by 1/255 inside the artifact",
+            "meaning": "images (batch, height, width, channels), any batch size; scaled by "
+            "1/255 inside the artifact",
         },
         "output": {
             "dtype": "float32",

@@ -39,17 +39,25 @@ class ArraySource:
         return self.images[index], self.labels[index]
 
 
-def process_batches(source: ArraySource, batch_size: int, seed: int) -> grain.MapDataset:
+def process_batches(
+    source: ArraySource, batch_size: int, seed: int, accumulate: int = 1
+) -> grain.MapDataset:
     """This process's share of every global batch, in training order: element k is the share
-    of step k + 1's batch. Shuffled per epoch from `seed`; an epoch's remainder is dropped."""
+    of step k + 1's `accumulate` batches, (accumulate, share, ...) when accumulating. Shuffled
+    per epoch from `seed`; an epoch's remainder is dropped."""
     share = batch_size // jax.process_count()
     first = jax.process_index() * share
+
+    def read(picks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        mine = picks.reshape(accumulate, batch_size)[:, first : first + share]
+        return source[mine[0] if accumulate == 1 else mine]
+
     return (
         grain.MapDataset.range(len(source))
         .shuffle(seed=seed)
-        .batch(batch_size, drop_remainder=True)
+        .batch(batch_size * accumulate, drop_remainder=True)
         .repeat(None)
-        .map(lambda picks: source[picks[first : first + share]])
+        .map(read)
     )
 
 
@@ -64,13 +72,15 @@ class GrainBatches:
         mesh: Mesh,
         state: dict | None = None,
         step: int = 0,
+        accumulate: int = 1,
     ):
         """`state`: the iterator's saved position; without one, the batch after `step` (a
         checkpoint the device pipeline wrote)."""
         options = grain.ReadOptions(num_threads=READ_THREADS, prefetch_buffer_size=PREFETCH)
-        self.iterator = iter(process_batches(source, batch_size, seed).to_iter_dataset(options))
+        batches = process_batches(source, batch_size, seed, accumulate)
+        self.iterator = iter(batches.to_iter_dataset(options))
         self.iterator.set_state(state or {"next_index": step})
-        self.sharding = parallel.batch_sharding(mesh)
+        self.sharding = parallel.batch_sharding(mesh, axis=int(accumulate > 1))
 
     def chunks(self, step: int, stop: int) -> Iterator[tuple[Any, ...]]:
         """(images, labels, None, 0, 1, step) per step: the batch itself, no order to pick by."""

@@ -1,20 +1,22 @@
-"""Use a trained workdir: evaluate it on the full test set, or classify a user's images.
+"""Use a trained workdir: load its model (`load_model`), evaluate it on the test set
+(--mode=eval), or classify a user's images (--mode=predict).
 
 What --mode=predict (`read_images`) and the Python `predict(model, images)` accept is one rule,
-`evaluate.model_input`, with the model's image size (H, W) (28x28 for Fashion-MNIST):
+`evaluate.model_input`, with the model's image shape (H, W, C) ((28, 28, 1) for Fashion-MNIST):
 
-* .npy arrays and `predict`'s arrays are (H, W) for one image, or (N, H, W) or (N, H * W) for
-  N >= 1 images.
+* .npy arrays and `predict`'s arrays are (H, W, C) for one image, or (N, H, W, C) or
+  (N, H * W * C) for N >= 1 images; for grayscale (C = 1) also (H, W) and (N, H, W).
 * uint8 pixels are 0..255 and are scaled by 1/255, exactly as training scales them; other
   integer dtypes are accepted only when every value lies in 0..255, and are scaled the same.
 * Float pixels must be finite and lie in [0, 1]; they are never rescaled, so 0..255 floats are
   refused with a line that says to divide them by 255 first.
 * bool, complex, string, object, structured and date/time arrays are refused.
 * Image files (PNG, JPEG, ... anything Pillow reads) must be at most MAX_IMAGE_SIDE pixels on
-  each side, checked from the header before decoding, and not a decompression bomb. 8-bit
-  grayscale is 0..255; colour, palette and alpha images are converted to grayscale and 16-bit
-  grayscale is scaled by 1/65535, each with a note; another size is resized to (H, W), with a
-  note; float (mode F) images follow the float rule.
+  each side, checked from the header before decoding, and not a decompression bomb. They are
+  converted to the model's channels, each with a note: colour to grayscale for C = 1,
+  grayscale to RGB for C = 3 (RGBA for C = 4), alpha dropped, palettes expanded. 8-bit
+  pixels are 0..255, 16-bit grayscale is scaled by 1/65535, float (mode F) images follow the
+  float rule; another size is resized to (H, W), with a note.
 
 A file that breaks the rule gets one error line naming it and the others are still classified.
 """
@@ -27,16 +29,140 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import ml_collections
 import numpy as np
+from flax import nnx
 from PIL import Image
 
-from fmnist_flax import checkpoint, datasets, evaluate, input_pipeline, parallel, tables
+from fmnist_flax import config as config_lib
+from fmnist_flax import datasets, evaluate, parallel, restore, tables
+from fmnist_flax import model as model_lib
 from fmnist_flax import workdir as workdir_lib
+from fmnist_flax.checkpoint import (
+    BEST,
+    READ_ATTEMPTS,
+    Checkpoints,
+    StepVanished,
+    checkpoint_dir,
+    open_reader,
+    saved_item,
+)
 from fmnist_flax.errors import UserError
 
 MAX_IMAGE_SIDE = 4096  # larger image files are refused before they are decoded
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # grayscale, scaled by 1/65535
+PICTURE_MODES = {1: "L", 3: "RGB", 4: "RGBA"}  # the Pillow mode of each channel count
+GREY_MODES = ("L", "F", *SIXTEEN_BIT_MODES)  # read as they are, the channel copied for colour
+
+
+# What restore_model assumes for a checkpoint written before the `dataset` item existed.
+FASHION_MNIST_INFO = {
+    "name": "fashion_mnist",
+    "title": "Fashion-MNIST",
+    "class_names": ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+                    "Sneaker", "Bag", "Ankle boot"],
+    "image_shape": [28, 28],
+}  # fmt: skip
+
+
+def restore_model(
+    workdir: str | os.PathLike,
+    step: int | str | None = None,
+    compute_dtype: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    flag: str = "--workdir",
+) -> tuple[nnx.Module, int, ml_collections.ConfigDict, dict[str, Any]]:
+    """Rebuild a workdir's model from its saved config and restore only its parameters.
+
+    Returns the model, the step it was restored from, the config (with `compute_dtype`
+    applied) and the dataset's info (name, title, class names, image shape). On a `mesh` the
+    parameters are read straight into the saved run's layout over it, whatever the device and
+    process count of the run that saved them. Every problem is a one-line UserError, raised
+    before anything compiles, naming the workdir as `flag`.
+    """
+    path = pathlib.Path(workdir).expanduser()
+    if not path.is_dir():
+        raise UserError(f"{flag} {path} does not exist; pass the directory of a training run")
+    if not checkpoint_dir(path).is_dir():
+        raise UserError(f"{flag} {path} has no checkpoints; train there first")
+    checkpoints = open_reader(path)
+    try:
+        for attempt in range(READ_ATTEMPTS):  # a live run may rotate the chosen step away
+            try:
+                return _restore_model(checkpoints, step, compute_dtype, mesh, flag)
+            except StepVanished as gone:
+                if step is not None or attempt == READ_ATTEMPTS - 1:
+                    raise UserError(
+                        f"checkpoint {gone.step} in {checkpoints.directory} was removed while "
+                        "being read: the run training there rotated it away; read a kept step "
+                        "with --step, or wait for that run to end"
+                    ) from None
+                checkpoints.reload()
+    finally:
+        checkpoints.close()
+
+
+def _restore_model(
+    checkpoints: Checkpoints,
+    step: int | str | None,
+    compute_dtype: str | None,
+    mesh: jax.sharding.Mesh | None,
+    flag: str,
+) -> tuple[nnx.Module, int, ml_collections.ConfigDict, dict[str, Any]]:
+    path = checkpoints.directory.parent
+    steps = checkpoints.steps()
+    if not steps:
+        raise UserError(f"{flag} {path} has no checkpoints; train there first")
+    if step == BEST:
+        step = checkpoints.best_step()
+    if step is not None and step not in steps:
+        asked = f"--step={step}" if flag == "--workdir" else f"{flag}={path}:{step}"
+        raise UserError(f"{asked}: {path} has checkpoints for steps {steps}")
+    chosen, saved = checkpoints.saved("config", step)
+    if saved is None:
+        raise UserError(f"{flag} {path}: no checkpoint has an intact saved config")
+    config = config_lib.with_defaults(saved)
+    info = checkpoints.saved("dataset", chosen)[1] or FASHION_MNIST_INFO
+    if compute_dtype is not None:
+        config.compute_dtype = compute_dtype
+    if config.compute_dtype not in model_lib.COMPUTE_DTYPES:
+        raise UserError(
+            f"--compute_dtype={config.compute_dtype!r} is not supported; "
+            f"use one of {', '.join(model_lib.COMPUTE_DTYPES)}"
+        )
+    shape, classes = datasets.image_shape_of(info), len(info["class_names"])
+    model = model_lib.create_model(config, shape, classes)
+    if mesh is not None:
+        parallel.place_module(model, mesh, config.param_sharding)
+    restored = restore.restore(checkpoints, {"model": nnx.state(model)}, step, at_most=chosen)
+    if restored is None:
+        raise UserError(f"{flag} {path}: every checkpoint is damaged")
+    nnx.update(model, restored["model"])
+    model.eval()  # inference: no dropout, BatchNorm on its running statistics
+    return model, restored["step"], config, {**info, "image_shape": list(shape)}
+
+
+def load_model(
+    workdir: str | os.PathLike, step: int | str | None = None, compute_dtype: str | None = None
+) -> nnx.Module:
+    """The trained model of a workdir (newest checkpoint by default; `step="best"`: the best
+    test accuracy kept by `config.keep_best`), ready for `predict`.
+
+    Only parameters are read, no optimizer state; `compute_dtype` ('float32' or 'bfloat16')
+    overrides the dtype it was trained in. `class_names(workdir)` names its outputs.
+    """
+    return restore_model(workdir, step, compute_dtype)[0]
+
+
+def class_names(workdir: str | os.PathLike, step: int | None = None) -> tuple[str, ...]:
+    """The class names of the dataset a workdir's model was trained on (its newest step)."""
+    directory = checkpoint_dir(workdir)
+    steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
+    if not steps:
+        raise UserError(f"--workdir {workdir} has no checkpoints; train there first")
+    info = saved_item(directory, steps[-1] if step is None else step, "dataset")
+    return tuple((info or FASHION_MNIST_INFO)["class_names"])
 
 
 def run_eval(
@@ -47,34 +173,31 @@ def run_eval(
     data_dir: str | None = None,
     output: str | None = None,
 ) -> dict[str, Any]:
-    """Restore parameters only and evaluate the whole test set of the dataset the model was
-    trained on, on every device; the results also go to `output` (JSON) when given, never into
-    the workdir, which a training run may own. The batch is the training batch rounded up to a
-    multiple of the device count."""
+    """Restore parameters only and evaluate every metric of the task (task.py) on the whole
+    test set of the dataset the model was trained on, on every device; the results also go to
+    `output` (JSON) when given, never into the workdir, which a training run may own. The
+    batch is the training batch rounded up to a multiple of the device count."""
     workdir_lib.check_output_path(output)
     mesh = parallel.make_mesh()
-    model, step, config, info = checkpoint.restore_model(workdir, step, compute_dtype, mesh)
-    if "dataset" not in config:  # a checkpoint older than config.dataset
-        config.dataset = ml_collections.ConfigDict({"name": info["name"]})
+    model, step, config, info = restore_model(workdir, step, compute_dtype, mesh)
     dataset = datasets.load(config, data_dir)
     if list(dataset.image_shape) != list(info["image_shape"]):
         raise UserError(
             f"the test images are {dataset.image_shape} but the model was trained on "
             f"{tuple(info['image_shape'])}; pass the --data_dir it was trained with"
         )
-    x = input_pipeline.prepare_images(dataset.test_images)
     ways = parallel.data_size(mesh)
     batch_size = -(-config.batch_size // ways) * ways
-    batches = input_pipeline.padded_batches(x, dataset.test_labels, batch_size)
-    result = evaluate.evaluate(model, *input_pipeline.shard_batches(batches, mesh))
+    result = evaluate.evaluate(
+        model, dataset.test_images, dataset.test_labels, config, mesh, batch_size
+    )
     names = info["class_names"]
     counts = evaluate.confusion_matrix(dataset.test_labels, result["predictions"], len(names))
+    metrics = {k: v for k, v in result.items() if k not in ("predictions", "batch_sums")}
     report = {
         "step": step,
         "compute_dtype": config.compute_dtype,
-        "test_accuracy": result["accuracy"],
-        "test_loss": result["loss"],
-        "test_examples": result["examples"],
+        **{f"test_{name}": value for name, value in metrics.items()},
         "dataset": info["name"],
         "class_names": list(names),
         "confusion_matrix": counts.tolist(),
@@ -83,7 +206,7 @@ def run_eval(
         return report
     print(
         tables.evaluation_table(
-            {f"test, checkpoint {step} ({config.compute_dtype})": result}
+            {f"test, checkpoint {step} ({config.compute_dtype})": metrics}
         ).format(),
         tables.Table.of(
             "Confusion matrix (rows: true class, columns: predicted)",
@@ -98,26 +221,27 @@ def run_eval(
 
 
 def read_images(
-    path: pathlib.Path, image_shape: tuple[int, int] = (28, 28)
+    path: pathlib.Path, image_shape: tuple[int, int, int] = (28, 28, 1)
 ) -> tuple[list[tuple[str, np.ndarray]], list[str]]:
-    """(name, HxW float32 in [0, 1]) for each image in an image file or a .npy file, and notes.
-
-    The module docstring's rule decides what is accepted; anything else raises a one-line
-    UserError that names the file.
-    """
-    name, shape = str(path), (int(image_shape[0]), int(image_shape[1]))
+    """(name, (H, W, C) float32 in [0, 1]) for each image in a picture or a .npy file, and
+    notes. The module docstring's rule decides what is accepted; anything else raises a
+    one-line UserError that names the file."""
+    name, shape = str(path), tuple(int(side) for side in image_shape)
     if path.suffix.lower() == ".npy":
-        images = evaluate.model_input(_load_npy(path, name), shape, name).reshape(-1, *shape)
+        images = evaluate.model_input(_load_npy(path, name), shape, name)
         names = [name] if len(images) == 1 else [f"{name}[{i}]" for i in range(len(images))]
         return list(zip(names, images, strict=True)), []
     notes: list[str] = []
-    pixels = _read_picture(path, name, notes)
-    height, width = pixels.shape
-    x = evaluate.model_input(pixels, (height, width), name).reshape(height, width)
-    if (height, width) != shape:
+    pixels = _read_picture(path, name, notes, shape[2])
+    height, width = pixels.shape[:2]
+    x = evaluate.model_input(pixels, (height, width, shape[2]), name)[0]
+    if (height, width) != shape[:2]:
         notes.append(f"{name}: resized from {width}x{height} to {shape[1]}x{shape[0]}")
-        resized = Image.fromarray(x).resize(shape[::-1], Image.Resampling.BILINEAR)
-        x = np.asarray(resized, np.float32).clip(0, 1)  # bilinear can overshoot by an ulp
+        channels = [
+            np.asarray(Image.fromarray(x[..., c]).resize(shape[1::-1], Image.Resampling.BILINEAR))
+            for c in range(shape[2])
+        ]
+        x = np.stack(channels, axis=-1).astype(np.float32).clip(0, 1)  # bilinear overshoots
     return [(name, x)], notes
 
 
@@ -137,10 +261,15 @@ def _load_npy(path: pathlib.Path, name: str) -> np.ndarray:
     return array
 
 
-def _read_picture(path: pathlib.Path, name: str, notes: list[str]) -> np.ndarray:
-    """An image file's pixels at its own size: uint8 grayscale, or float32 in [0, 1] for
-    16-bit grayscale, or float32 as stored for mode F. Size limits are checked from the
-    header, before anything is decoded."""
+def _read_picture(path: pathlib.Path, name: str, notes: list[str], channels: int) -> np.ndarray:
+    """A picture's pixels at its own size with `channels` channels (last axis): uint8, or
+    float32 in [0, 1] for 16-bit grayscale, or float32 as stored for mode F. Size limits are
+    checked from the header, before anything is decoded."""
+    if channels not in PICTURE_MODES:
+        raise UserError(
+            f"{name}: the model takes {channels}-channel images, which no picture format holds; "
+            "pass them as a .npy array"
+        )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -152,8 +281,8 @@ def _read_picture(path: pathlib.Path, name: str, notes: list[str]) -> np.ndarray
                         f"{MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE} are refused, shrink it first"
                     )
                 mode = image.mode
-                if mode not in ("L", "F", *SIXTEEN_BIT_MODES):
-                    image = image.convert("L")
+                if mode not in (*GREY_MODES, PICTURE_MODES[channels]):
+                    image = image.convert(PICTURE_MODES[channels])
                 pixels = np.asarray(image)
     except UserError:
         raise
@@ -163,17 +292,28 @@ def _read_picture(path: pathlib.Path, name: str, notes: list[str]) -> np.ndarray
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"{name}: cannot read it as an image ({reason})") from None
     if mode in SIXTEEN_BIT_MODES:
-        low, high = int(pixels.min()), int(pixels.max())
-        if low < 0 or high > 65535:
-            raise UserError(
-                f"{name}: {mode} pixels range over {low}..{high}, outside the 0..65535 of a "
-                "16-bit image; save it as 8- or 16-bit grayscale"
-            )
-        notes.append(f"{name}: 16-bit grayscale ({mode}) scaled by 1/65535 to [0, 1]")
-        return pixels.astype(np.float32) / np.float32(65535)
-    if mode not in ("L", "F"):
-        notes.append(f"{name}: converted from {mode} to grayscale")
+        pixels = _sixteen_bit(pixels, mode, name, notes)
+    pixels = pixels.reshape(*pixels.shape[:2], -1)
+    target = "grayscale" if channels == 1 else PICTURE_MODES[channels]
+    if mode not in (*GREY_MODES, PICTURE_MODES[channels]):
+        dropped = " (alpha dropped)" if "A" in mode and channels < 4 else ""
+        notes.append(f"{name}: converted from {mode} to {target}{dropped}")
+    elif pixels.shape[2] != channels:  # grayscale for a colour model: the channel copied
+        pixels = np.repeat(pixels, channels, axis=2)
+        notes.append(f"{name}: converted from grayscale ({mode}) to {target}")
     return pixels
+
+
+def _sixteen_bit(pixels: np.ndarray, mode: str, name: str, notes: list[str]) -> np.ndarray:
+    """16-bit grayscale as float32 in [0, 1], with a note."""
+    low, high = int(pixels.min()), int(pixels.max())
+    if low < 0 or high > 65535:
+        raise UserError(
+            f"{name}: {mode} pixels range over {low}..{high}, outside the 0..65535 of a "
+            "16-bit image; save it as 8- or 16-bit grayscale"
+        )
+    notes.append(f"{name}: 16-bit grayscale ({mode}) scaled by 1/65535 to [0, 1]")
+    return pixels.astype(np.float32) / np.float32(65535)
 
 
 def run_predict(
@@ -192,12 +332,12 @@ def run_predict(
         raise UserError("--mode=predict needs --images=a.png,b.npy,...")
     workdir_lib.check_output_path(output)
     mesh = parallel.make_mesh()
-    model, _, _, info = checkpoint.restore_model(workdir, step, compute_dtype, mesh)
+    model, _, _, info = restore_model(workdir, step, compute_dtype, mesh)
     names = info["class_names"]
     named, errors = [], []
     for path in paths:
         try:
-            images, notes = read_images(pathlib.Path(path), tuple(info["image_shape"]))
+            images, notes = read_images(pathlib.Path(path), info["image_shape"])
         except UserError as exc:
             errors.append(str(exc))
             continue

@@ -1,7 +1,9 @@
-"""Batches on the devices: the dataset placed on the mesh once, batches gathered inside the step.
+"""Batches on the devices: the train set placed on the mesh once, batches gathered inside the
+step.
 
 The train images stay uint8 on every device; each epoch visits them in a fresh permutation made
-from (seed, epoch), and each device gathers only its slice of every batch.
+from (seed, epoch), and each device gathers only its slice of every batch. Images are
+(N, H, W, C) everywhere; normalisation and augmentation work for any channel count.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ PIXEL_SCALE = np.float32(1 / 255)
 
 
 def prepare_images(images: np.ndarray) -> np.ndarray:
-    """uint8 (N, H, W) -> float32 (N, H * W) in [0, 1], as the codelab does."""
-    return (images.astype(np.float32) * PIXEL_SCALE).reshape(len(images), -1)
+    """uint8 (N, H, W, C) -> float32 in [0, 1] on the host, as the codelab does."""
+    return images.astype(np.float32) * PIXEL_SCALE
 
 
 def shuffle(images: np.ndarray, labels: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -47,10 +49,11 @@ def fixed_batches(x: np.ndarray, y: np.ndarray, batch_size: int) -> tuple[np.nda
 
 
 def padded_batches(
-    x: np.ndarray, y: np.ndarray, batch_size: int
+    x: np.ndarray, y: np.ndarray, batch_size: int, num_batches: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every example, the last batch padded with zeros; the mask marks the real ones."""
-    num_batches = -(-len(x) // batch_size)
+    """Every example in `num_batches` batches (default: as few as hold them), the rest padded
+    with zeros; the mask marks the real ones."""
+    num_batches = -(-len(x) // batch_size) if num_batches is None else num_batches
     pad = num_batches * batch_size - len(x)
     mask = np.concatenate([np.ones(len(x), np.float32), np.zeros(pad, np.float32)])
     x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
@@ -63,63 +66,65 @@ def padded_batches(
 
 
 def normalize(images: jax.Array) -> jax.Array:
-    """uint8 pixels (..., H * W) -> float32 in [0, 1] on the device, the codelab's scaling."""
+    """uint8 pixels -> float32 in [0, 1] on the device, the codelab's scaling."""
     return images.astype(jnp.float32) * PIXEL_SCALE
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceData:
-    """What training and evaluation read, moved to the devices once; shapes never change.
+    """The train set as training reads it, moved to the devices once; shapes never change.
 
-    Train images stay uint8 (4x less device memory than float32), a copy on every device, and
-    are normalised inside the compiled step; each epoch visits them in a fresh on-device
-    permutation, and each device gathers only its slice of every batch. Test batches are split
-    along the mesh's `data` axis.
+    Train images stay uint8 (4x less device memory than float32), a copy on every device,
+    stored flat (N, H * W * C) so a batch is one row gather; they are normalised and reshaped
+    to (B, H, W, C) inside the compiled step. Each update reads `accumulate` batches of
+    `batch_size`. The test set stays on the host: evaluation streams it (evaluate.py).
     """
 
-    train_images: jax.Array | None  # (N, H * W) uint8; None when Grain feeds the batches
+    train_images: jax.Array | None  # (N, H * W * C) uint8; None when Grain feeds the batches
     train_labels: jax.Array | None  # (N,) int32
-    test_x: jax.Array  # (ceil(M / B), B, H * W) float32: every test example, last batch padded
-    test_y: jax.Array  # (ceil(M / B), B) int32
-    test_mask: jax.Array  # (ceil(M / B), B) float32, 1 for a real example
     batch_size: int
-    test_examples: int  # real (unpadded) test examples, known on the host
-    image_shape: tuple[int, int]
+    image_shape: tuple[int, int, int]
     mesh: Mesh
     train_examples: int
+    accumulate: int = 1  # batches of batch_size per update (gradient accumulation)
+
+    @property
+    def examples_per_step(self) -> int:
+        return self.batch_size * self.accumulate
 
     @property
     def batches_per_epoch(self) -> int:
-        """Whole batches per epoch; the remainder of each permutation is dropped."""
-        return self.train_examples // self.batch_size
-
-    @property
-    def codelab_test_batches(self) -> int:
-        """The codelab evaluates only whole batches: 19 of 512 = 9,728 of 10,000."""
-        return self.test_examples // self.batch_size
+        """Whole updates per epoch; the remainder of each permutation is dropped."""
+        return self.train_examples // self.examples_per_step
 
 
-def to_device(dataset: Dataset, batch_size: int, mesh: Mesh, with_train: bool = True) -> DeviceData:
-    """Flatten, pad the test set into masked batches and put everything on the mesh once (the
-    train set only `with_train`: a host pipeline such as Grain feeds it batch by batch)."""
-    if batch_size > len(dataset.train_images):
+def to_device(
+    dataset: Dataset, batch_size: int, mesh: Mesh, with_train: bool = True, accumulate: int = 1
+) -> DeviceData:
+    """Check the batch against the data and the mesh, and put the train set on the mesh once
+    (only `with_train`: a host pipeline such as Grain feeds it batch by batch)."""
+    examples = batch_size * accumulate
+    if examples > len(dataset.train_images):
+        per_step = f"--batch_size={batch_size}" + (
+            f" x accumulate={accumulate}" if accumulate > 1 else ""
+        )
         raise UserError(
-            f"--batch_size={batch_size} is larger than the {len(dataset.train_images):,} "
-            "training examples; use a smaller batch"
+            f"{per_step} is larger than the {len(dataset.train_images):,} training examples; "
+            "use a smaller batch"
         )
     parallel.check_batch(batch_size, parallel.data_size(mesh))
-    train_images = dataset.train_images.reshape(len(dataset.train_images), -1)
-    train = (train_images, dataset.train_labels.astype(np.int32))
-    test = padded_batches(prepare_images(dataset.test_images), dataset.test_labels, batch_size)
-    placed = [parallel.shard_host_array(a, parallel.replicated(mesh)) for a in train]
+    placed = (None, None)
+    if with_train:
+        flat = dataset.train_images.reshape(len(dataset.train_images), -1)
+        train = (flat, dataset.train_labels.astype(np.int32))
+        placed = [parallel.shard_host_array(a, parallel.replicated(mesh)) for a in train]
     return DeviceData(
-        *(placed if with_train else (None, None)),
-        *shard_batches(test, mesh),
+        *placed,
         batch_size=batch_size,
-        test_examples=len(dataset.test_labels),
         image_shape=dataset.image_shape,
         mesh=mesh,
         train_examples=len(dataset.train_labels),
+        accumulate=accumulate,
     )
 
 
@@ -163,16 +168,23 @@ def batch_at(
     order: jax.Array,
     index: jax.Array | int,
     batch_size: int,
+    image_shape: tuple[int, int, int],
     mesh: Mesh | None = None,
+    accumulate: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
-    """Batch `index` of an epoch's order, gathered and normalised (works inside jit too).
-
-    On a mesh the picks are split along `data` first, so each device gathers only its slice.
-    """
-    picks = jax.lax.dynamic_slice_in_dim(order, index * batch_size, batch_size)
+    """Update `index` of an epoch's order: `accumulate` batches of `batch_size`, gathered and
+    normalised to (B, H, W, C), or (accumulate, B, H, W, C) when accumulating (works inside
+    jit too). On a mesh each batch's picks are split along `data` first, so each device
+    gathers only its slice."""
+    examples = batch_size * accumulate
+    picks = jax.lax.dynamic_slice_in_dim(order, index * examples, examples)
+    if accumulate > 1:
+        picks = picks.reshape(accumulate, batch_size)
     if mesh is not None:
-        picks = jax.lax.with_sharding_constraint(picks, parallel.batch_sharding(mesh))
-    return normalize(images[picks]), labels[picks]
+        picks = jax.lax.with_sharding_constraint(
+            picks, parallel.batch_sharding(mesh, axis=picks.ndim - 1)
+        )
+    return normalize(images[picks]).reshape(*picks.shape, *image_shape), labels[picks]
 
 
 class DeviceBatches:
@@ -201,20 +213,20 @@ class DeviceBatches:
         return {}
 
 
-def augment(
-    x: jax.Array, key: jax.Array, image_shape: tuple[int, int], max_shift: int, flip: bool
-) -> jax.Array:
-    """Random left-right flips and shifts of up to `max_shift` pixels (zero fill), per example,
-    on the device; (B, H * W) in and out, labels untouched."""
-    images = x.reshape(len(x), *image_shape)
+def augment(x: jax.Array, key: jax.Array, max_shift: int, flip: bool) -> jax.Array:
+    """Random left-right flips and shifts of up to `max_shift` pixels (zero fill), per image,
+    on the device: (..., H, W, C) in and out, any channel count; labels untouched. The leading
+    axes are flattened first, so accumulated micro-batches draw what one batch would."""
+    images = x.reshape(-1, *x.shape[-3:])
     flip_key, shift_key = jax.random.split(key)
     if flip:
-        mirror = jax.random.bernoulli(flip_key, 0.5, (len(images), 1, 1))
+        mirror = jax.random.bernoulli(flip_key, 0.5, (len(images), 1, 1, 1))
         images = jnp.where(mirror, images[:, :, ::-1], images)
     if max_shift:
-        pad = ((0, 0), (max_shift, max_shift), (max_shift, max_shift))
+        pad = ((0, 0), (max_shift, max_shift), (max_shift, max_shift), (0, 0))
         offsets = jax.random.randint(shift_key, (len(images), 2), 0, 2 * max_shift + 1)
-        images = jax.vmap(lambda image, at: jax.lax.dynamic_slice(image, at, image_shape))(
+        offsets = jnp.concatenate([offsets, jnp.zeros_like(offsets[:, :1])], axis=1)
+        images = jax.vmap(lambda image, at: jax.lax.dynamic_slice(image, at, x.shape[-3:]))(
             jnp.pad(images, pad), offsets
         )
-    return images.reshape(len(images), -1)
+    return images.reshape(x.shape)

@@ -1,9 +1,10 @@
 """The models as Flax NNX modules (the codelab's MLP, section 5), each checking its own fields.
 
-A model's `__init__` takes its config fields, then keyword-only `image_shape`, `num_classes`
-(both from the dataset), `compute_dtype` and `rngs`; `__call__` maps (B, H * W) float32 pixels
-to (B, num_classes) float32 logits. An optional `check_config(fields, image_shape)` classmethod
-refuses bad values with one line before anything is built.
+A model's `__init__` takes its config fields, then keyword-only `image_shape` (H, W, C) and
+`num_classes` (both from the dataset), `compute_dtype` and `rngs`; `__call__` maps
+(B, H, W, C) float32 pixels in [0, 1] to (B, num_classes) float32 logits. An optional
+`check_config(fields, image_shape)` classmethod refuses bad values with one line before
+anything is built.
 """
 
 from __future__ import annotations
@@ -41,19 +42,20 @@ def _check_widths(field: str, widths: Any) -> None:
 
 
 class MLP(nnx.Module):
-    """pixels -> hidden... -> classes with GELU; float32 params, math in `compute_dtype`,
-    float32 logits."""
+    """flattened pixels -> hidden... -> classes with GELU; float32 params, math in
+    `compute_dtype`, float32 logits."""
 
     def __init__(
         self,
         hidden: Sequence[int] = (256, 128),
         *,
-        image_shape: tuple[int, int] = (28, 28),
+        image_shape: tuple[int, int, int] = (28, 28, 1),
         num_classes: int = 10,
         compute_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
         self.compute_dtype = compute_dtype
+        self.image_shape = tuple(image_shape)
         sizes = (math.prod(image_shape), *hidden, num_classes)
         # Linear's `dtype` casts inputs, kernel and bias to the compute dtype, as the codelab does.
         self.layers = nnx.List(
@@ -70,11 +72,11 @@ class MLP(nnx.Module):
         )
 
     @classmethod
-    def check_config(cls, fields: dict[str, Any], image_shape: tuple[int, int]) -> None:
+    def check_config(cls, fields: dict[str, Any], image_shape: tuple[int, int, int]) -> None:
         _check_widths("hidden", fields.get("hidden", (256,)))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x.astype(self.compute_dtype)
+        x = x.reshape(x.shape[0], -1).astype(self.compute_dtype)
         for layer in self.layers[:-1]:
             x = nnx.gelu(layer(x))
         return self.layers[-1](x).astype(jnp.float32)
@@ -91,20 +93,20 @@ class CNN(nnx.Module):
         dense: int = 256,
         dropout: float = 0.25,
         *,
-        image_shape: tuple[int, int] = (28, 28),
+        image_shape: tuple[int, int, int] = (28, 28, 1),
         num_classes: int = 10,
         compute_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
         self.compute_dtype = compute_dtype
         self.image_shape = tuple(image_shape)
-        channels = (1, *features)
+        channels = (image_shape[2], *features)
         self.convs = nnx.List(
             nnx.Conv(c_in, c_out, (3, 3), dtype=compute_dtype, rngs=rngs)
             for c_in, c_out in itertools.pairwise(channels)
         )
         self.norms = nnx.List(nnx.BatchNorm(c, dtype=compute_dtype, rngs=rngs) for c in features)
-        height, width = (side // 2 ** len(features) for side in image_shape)
+        height, width = (side // 2 ** len(features) for side in image_shape[:2])
         self.dense = nnx.Linear(
             height * width * features[-1], dense, dtype=compute_dtype, rngs=rngs
         )
@@ -112,13 +114,14 @@ class CNN(nnx.Module):
         self.head = nnx.Linear(dense, num_classes, dtype=compute_dtype, rngs=rngs)
 
     @classmethod
-    def check_config(cls, fields: dict[str, Any], image_shape: tuple[int, int]) -> None:
+    def check_config(cls, fields: dict[str, Any], image_shape: tuple[int, int, int]) -> None:
         features = fields.get("features", (32,))
         _check_widths("features", features)
-        if 2 ** len(features) > min(image_shape):
+        height, width = image_shape[:2]
+        if 2 ** len(features) > min(height, width):
             raise UserError(
-                f"--config.model.features={features!r}: each conv block halves the image, and "
-                f"{len(features)} blocks leave nothing of {image_shape[0]}x{image_shape[1]}"
+                f"--config.model.features={features!r}: each conv block halves the image's "
+                f"height and width, and {len(features)} blocks leave nothing of {height}x{width}"
             )
         dense = fields.get("dense", 1)
         if isinstance(dense, bool) or not isinstance(dense, int) or dense < 1:
@@ -127,7 +130,7 @@ class CNN(nnx.Module):
             raise UserError(f"--config.model.dropout={fields['dropout']!r} must be in [0, 1)")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x.reshape(x.shape[0], *self.image_shape, 1).astype(self.compute_dtype)  # -> NHWC
+        x = x.astype(self.compute_dtype)  # NHWC
         for conv, norm in zip(self.convs, self.norms, strict=True):
             x = nnx.max_pool(nnx.gelu(norm(conv(x))), (2, 2), strides=(2, 2))
         x = self.dropout(nnx.gelu(self.dense(x.reshape(x.shape[0], -1))))
@@ -138,7 +141,9 @@ MODELS = {"mlp": MLP, "cnn": CNN}  # config.model.name -> class; add new models 
 BUILT_IN_ARGS = ("image_shape", "num_classes", "compute_dtype", "rngs")  # not config fields
 
 
-def check_config(model_config: ml_collections.ConfigDict, image_shape: tuple[int, int]) -> None:
+def check_config(
+    model_config: ml_collections.ConfigDict, image_shape: tuple[int, int, int]
+) -> None:
     """Refuse an unknown model name, a field its constructor does not take, or (through the
     model's own `check_config`) a value it cannot use: one line each, before anything builds."""
     fields = model_config.to_dict()
@@ -160,7 +165,7 @@ def check_config(model_config: ml_collections.ConfigDict, image_shape: tuple[int
 
 def create_model(
     config: ml_collections.ConfigDict,
-    image_shape: tuple[int, int],
+    image_shape: tuple[int, int, int],
     num_classes: int,
     seed: int | None = None,
 ) -> nnx.Module:
@@ -184,7 +189,7 @@ def create_model(
 
 
 def static_args(
-    config: ml_collections.ConfigDict, image_shape: tuple[int, int], num_classes: int
+    config: ml_collections.ConfigDict, image_shape: tuple[int, int, int], num_classes: int
 ) -> tuple[str, tuple, tuple, str]:
     """What the init program is compiled for (hashable): the model's name, its fields, the
     data's shape and classes, the compute dtype."""

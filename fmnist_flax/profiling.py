@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import ml_collections
 from flax import nnx
 
 from fmnist_flax import input_pipeline, train
@@ -62,6 +63,7 @@ def op_kinds(hlo_text: str, kernel_shapes: set[tuple[int, ...]]) -> dict[str, st
 def profile_fused(
     train_state: tuple[nnx.Module, nnx.Optimizer],
     device_data: input_pipeline.DeviceData,
+    config: ml_collections.ConfigDict,
     steps: int = PROFILE_STEPS,
 ) -> dict[str, float]:
     """Trace `steps` fused steps of a fresh model with jax.profiler and sum the time of each
@@ -75,14 +77,16 @@ def profile_fused(
         if k.ndim > 1 and k.shape[0] != device_data.batch_size
     }
     graphdef, state = nnx.split((model, optimizer))
-    chunk = train.make_train_chunk(graphdef, device_data.batch_size, mesh=device_data.mesh)
+    frozen = ml_collections.FrozenConfigDict(config)
+    chunk = train.make_train_chunk(graphdef, frozen, device_data.image_shape, device_data.mesh)
+    sums = train.zero_sums(model, frozen, device_data.image_shape)
     order = input_pipeline.epoch_order(0, 0, len(device_data.train_labels))
     steps = min(steps, device_data.batches_per_epoch)
-    args = (device_data.train_images, device_data.train_labels, order, 0, steps)
+    args = (sums, device_data.train_images, device_data.train_labels, order, 0, steps)
     # Run the very executable whose text names the ops, so every event maps onto it.
     compiled = chunk.lower(state, *args).compile()
     kinds = op_kinds(compiled.as_text(), kernel_shapes)
-    state, _ = compiled(state, *args)  # warm before the trace
+    state, _, _ = compiled(state, *args)  # warm before the trace
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             jax.block_until_ready(compiled(state, *args))

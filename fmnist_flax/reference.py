@@ -93,6 +93,11 @@ def params_from_model(model: nnx.Module) -> Params:
     return params
 
 
+def flat_images(images) -> jax.Array:
+    """uint8 (N, 28, 28, 1) -> float32 (N, 784) in [0, 1], the codelab's flattened inputs."""
+    return pipeline.prepare_images(images).reshape(len(images), -1)
+
+
 def run_codelab(
     steps: int = 400, batch_size: int = 512, log_every: int = 25, data_dir: str = ""
 ) -> dict[str, float]:
@@ -102,12 +107,9 @@ def run_codelab(
     """
     dataset = datasets.load_dataset("fashion_mnist", data_dir or None, download=False)
     x, y = pipeline.shuffle(dataset.train_images, dataset.train_labels, seed=0)
-    x_batches, y_batches = jax.device_put(
-        pipeline.fixed_batches(pipeline.prepare_images(x), y, batch_size)
-    )
+    x_batches, y_batches = jax.device_put(pipeline.fixed_batches(flat_images(x), y, batch_size))
     test_x, test_y = jax.device_put(
-        pipeline.fixed_batches(pipeline.prepare_images(dataset.test_images), dataset.test_labels,
-                               batch_size)
+        pipeline.fixed_batches(flat_images(dataset.test_images), dataset.test_labels, batch_size)
     )  # fmt: skip
     tx = optax.adamw(3e-3, weight_decay=1e-4)
     params = init_mlp_params(jax.random.key(3))

@@ -42,6 +42,15 @@ def image_grid(fig: Figure, rows: int, cols: int, hspace: float) -> list[Any]:
     return list(fig.subplots(rows, cols, squeeze=False, gridspec_kw=spec).flat)
 
 
+def show_image(ax: Any, image: np.ndarray) -> None:
+    """One (H, W, C) uint8 image: grayscale (C = 1) in grey, RGB or RGBA in colour, any other
+    channel count by its first channel."""
+    if image.shape[-1] in (3, 4):
+        ax.imshow(image)
+    else:
+        ax.imshow(image[..., 0], cmap="gray")
+
+
 def examples_per_class(
     images: np.ndarray, labels: np.ndarray, class_names: Sequence[str], title: str
 ) -> Figure:
@@ -52,7 +61,7 @@ def examples_per_class(
         ax.axis("off")
         found = np.flatnonzero(labels == label)
         if label < len(class_names) and len(found):
-            ax.imshow(images[found[0]], cmap="gray")
+            show_image(ax, images[found[0]])
         if label < len(class_names):
             ax.set_title(class_names[label], fontsize=10)
     fig.suptitle(f"One {title} example per class")
@@ -106,7 +115,7 @@ def prediction_grid(
     for ax in axes:
         ax.axis("off")
     for ax, image, true, pred in zip(axes, images, labels, predictions, strict=False):
-        ax.imshow(image, cmap="gray")
+        show_image(ax, image)
         ax.set_title(
             f"{class_names[pred]} / {class_names[true]}",
             fontsize=9,

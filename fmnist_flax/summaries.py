@@ -14,7 +14,7 @@ from typing import Any
 import ml_collections
 from tensorboardX import SummaryWriter
 
-from fmnist_flax import train
+from fmnist_flax import optimizer
 
 TENSORBOARD_DIR = "tensorboard"
 TEST_PREFIX = "test_"  # metrics.jsonl names the evaluation's metrics test_loss, test_accuracy
@@ -35,7 +35,7 @@ class Summaries:
             logdir=str(workdir / TENSORBOARD_DIR),
             purge_step=start_step + 1 if start_step else None,
         )
-        self.schedule = train.learning_rate(config)
+        self.schedule = optimizer.learning_rate(config)
         text = json.dumps(config.to_dict(), indent=2, sort_keys=True)
         self.writer.add_text("config", f"```\n{text}\n```", start_step)
 

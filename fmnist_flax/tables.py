@@ -110,14 +110,14 @@ def setup_table(versions: dict[str, str], layout: str) -> Table:
 def splits_table(dataset: Dataset) -> Table:
     """Section 2: each split's counts, image shape and source, and whether MD5s were checked."""
     splits = (("train", dataset.train_images, dataset.train_labels, dataset.sources[0]),
-              ("test", dataset.test_images, dataset.test_labels, dataset.sources[2]))  # fmt: skip
+              ("test", dataset.test_images, dataset.test_labels, dataset.sources[1]))  # fmt: skip
     rows = [
         (split, f"{len(images):,}", images.shape[1:], f"{len(labels):,}", source)
         for split, images, labels, source in splits
     ]
     checked = "MD5-checked" if dataset.checked else "not MD5-checked"
     return Table.of(
-        f"{dataset.title} loaded from IDX files ({dataset.num_classes} classes, {checked})",
+        f"{dataset.title} loaded from {dataset.origin} ({dataset.num_classes} classes, {checked})",
         ("Split", "Images", "Image shape", "Labels", "Source"),
         rows,
     )
@@ -131,9 +131,9 @@ def arrays_table(title: str, arrays: dict[str, Any]) -> Table:
     return Table.of(title, ("Array", "Shape", "Dtype", "Device", "Layout"), rows)
 
 
-def metric_cell(name: str, value: float) -> str:
+def metric_cell(name: str, value: float, percent_places: int = 1) -> str:
     """Accuracies as percentages, every other metric with 4 decimals."""
-    return f"{100 * value:.1f}%" if "accuracy" in name else f"{value:.4f}"
+    return f"{100 * value:.{percent_places}f}%" if "accuracy" in name else f"{value:.4f}"
 
 
 def metric_names(row: dict[str, float]) -> list[str]:
@@ -156,12 +156,15 @@ def training_log_table(history: Sequence[dict[str, float]], examples_per_sec: fl
 
 
 def evaluation_table(results: dict[str, dict[str, Any]]) -> Table:
-    """Section 10: loss, accuracy and example count per evaluated split."""
+    """Section 10: every metric and the example count per evaluated split (a metric a split
+    lacks, such as training's gradient norm for the test set, is left blank)."""
+    names = metric_names({n: 0.0 for r in results.values() for n in r if n != "examples"})
     rows = [
-        (name, f"{r['loss']:.4f}", f"{100 * r['accuracy']:.2f}%", f"{r['examples']:,}")
-        for name, r in results.items()
+        (split, *(metric_cell(n, r[n], 2) if n in r else "" for n in names), f"{r['examples']:,}")
+        for split, r in results.items()
     ]
-    return Table.of("Evaluation", ("Split", "Loss", "Accuracy", "Examples evaluated"), rows)
+    headers = ("Split", *(n.replace("_", " ").capitalize() for n in names), "Examples evaluated")
+    return Table.of("Evaluation", headers, rows)
 
 
 def placement_table(trees: dict[str, Any]) -> Table:

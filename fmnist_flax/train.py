@@ -1,8 +1,10 @@
-"""The loss, the optimizer, the train step and the loop that runs it (sections 8 and 9).
+"""The loss, the train step and the loop that runs it (sections 8 and 9).
 
 `train_step` is the one place a step is defined: `jit_train_step` compiles it as the codelab's
 `nnx.jit` step, and `make_train_chunk` runs it K times inside one compiled `fori_loop` (the
-default path). Metrics are one dict from `loss_fn` to `metrics.jsonl` and every table.
+default path). The loss and every metric come from `task.per_example`; hyperparameters reach
+the step once, as the run's (frozen) config. Each logged row is the mean of every metric over
+the steps since the row before, summed on the device inside the chunks.
 """
 
 from __future__ import annotations
@@ -22,37 +24,24 @@ import optax
 from flax import nnx
 
 from fmnist_flax import checkpoint as checkpoint_lib
-from fmnist_flax import input_pipeline, parallel
+from fmnist_flax import input_pipeline, parallel, task
+from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax.errors import UserError
 from fmnist_flax.model import create_model
 
 Metrics = dict[str, jax.Array]
+Config = ml_collections.FrozenConfigDict  # hashable: what the compiled steps are built for
 AUGMENT_STREAM = 2  # fold_in index of the augmentation key (params 0, dropout 1)
 
 
-def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule | float:
-    """The codelab's constant rate, or linear warm-up then cosine decay over `config.steps`."""
-    opt = config.optimizer
-    if opt.schedule == "constant":
-        return opt.learning_rate
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=opt.learning_rate,
-        warmup_steps=opt.warmup_steps,
-        decay_steps=config.steps,
-        end_value=opt.learning_rate * opt.final_fraction,
-    )
-
-
 def create_optimizer(model: nnx.Module, config: ml_collections.ConfigDict) -> nnx.Optimizer:
-    """AdamW over the model's parameters (the codelab's), with the config's schedule."""
-    tx = optax.adamw(learning_rate(config), weight_decay=config.optimizer.weight_decay)
-    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+    """The config's Optax optimizer (AdamW by default, the codelab's) over the parameters."""
+    return nnx.Optimizer(model, optimizer_lib.create(config), wrt=nnx.Param)
 
 
 def create_train_state(
     config: ml_collections.ConfigDict,
-    image_shape: tuple[int, int],
+    image_shape: tuple[int, int, int],
     num_classes: int,
     mesh: jax.sharding.Mesh,
     seed: int | None = None,
@@ -65,24 +54,38 @@ def create_train_state(
 
 
 def loss_fn(
-    model: nnx.Module, x: jax.Array, y: jax.Array, label_smoothing: float = 0.0
+    model: nnx.Module, x: jax.Array, y: jax.Array, config: Config
 ) -> tuple[jax.Array, Metrics]:
-    """Mean softmax cross-entropy (labels smoothed when asked) and the metrics of the batch.
+    """The batch's mean loss and the mean of every metric of `task.per_example`."""
+    metrics = {name: jnp.mean(v) for name, v in task.per_example(model(x), y, config).items()}
+    return metrics["loss"], metrics
 
-    Every metric starts here: add an entry to `metrics` and it reaches metrics.jsonl, the
-    progress bar and the training table (and TensorBoard-style logs) with no other edit.
-    """
-    logits = model(x)
-    if label_smoothing:
-        targets = optax.smooth_labels(jax.nn.one_hot(y, logits.shape[-1]), label_smoothing)
-        loss = optax.softmax_cross_entropy(logits, targets).mean()
-    else:
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    metrics = {
-        "loss": loss,
-        "accuracy": jnp.mean(jnp.argmax(logits, axis=-1) == y),
-    }
-    return loss, metrics
+
+def _accumulated(model: nnx.Module, xs: jax.Array, ys: jax.Array, config: Config) -> tuple:
+    """The mean gradient and metrics of the micro-batches along the leading axis of xs, ys,
+    computed one micro-batch at a time (a scan), so only one batch's activations are alive."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, rest, x, y):
+        module = nnx.merge(graphdef, params, rest)  # BatchNorm statistics, dropout's stream
+        value, metrics = loss_fn(module, x, y, config)
+        return value, (metrics, nnx.split(module, nnx.Param, ...)[2])
+
+    grad = jax.value_and_grad(loss, has_aux=True)
+    (_, (metrics, rest)), grads = grad(params, rest, xs[0], ys[0])
+
+    def micro(carry, batch):
+        rest, grads, metrics = carry
+        (_, (more, rest)), more_grads = grad(params, rest, *batch)
+        return (
+            rest,
+            jax.tree.map(jnp.add, grads, more_grads),
+            jax.tree.map(jnp.add, metrics, more),
+        ), None
+
+    (rest, grads, metrics), _ = jax.lax.scan(micro, (rest, grads, metrics), (xs[1:], ys[1:]))
+    nnx.update(model, rest)
+    return jax.tree.map(lambda g: g / len(xs), grads), {k: v / len(xs) for k, v in metrics.items()}
 
 
 def train_step(
@@ -90,16 +93,20 @@ def train_step(
     optimizer: nnx.Optimizer,
     x: jax.Array,
     y: jax.Array,
-    label_smoothing: float = 0.0,
+    config: Config,
     log: bool | jax.Array = True,
 ) -> Metrics:
-    """One AdamW update in place; returns `loss_fn`'s metrics and the gradient's L2 norm.
+    """One optimizer update in place; returns `loss_fn`'s metrics and the gradient's L2 norm.
 
-    The norm is one more pass over every gradient, so inside a fused chunk it is computed only
-    when `log` (the chunk's last step) holds. Called as is, every operation is dispatched from
-    Python (the codelab's eager baseline).
+    With `config.optimizer.accumulate` = K > 1, x and y hold K micro-batches (K, B, ...) whose
+    mean gradient makes the one update. The norm is one more pass over every gradient, so
+    inside a fused chunk it is computed only when `log` (the chunk's last step) holds. Called
+    as is, every operation is dispatched from Python (the codelab's eager baseline).
     """
-    (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, x, y, label_smoothing)
+    if config.optimizer.accumulate > 1:
+        grads, metrics = _accumulated(model, x, y, config)
+    else:
+        (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, x, y, config)
     optimizer.update(model, grads)
     if log is True:
         metrics["grad_norm"] = optax.tree.norm(grads)
@@ -117,9 +124,7 @@ def _zero_norm(grads: nnx.State) -> jax.Array:
 # that costs graph mode ~15% per call (the Flax performance guide's advice). Their buffers are
 # donated and updated in place (~6% at batch 512): arrays taken from the model or optimizer
 # before a call are invalid after it; copy them first if you need them.
-jit_train_step = nnx.jit(
-    train_step, graph=False, static_argnames="label_smoothing", donate_argnums=(0, 1)
-)
+jit_train_step = nnx.jit(train_step, graph=False, static_argnames="config", donate_argnums=(0, 1))
 
 
 class Interrupted(UserError):
@@ -175,69 +180,89 @@ def progress_of(step: int, num_batches: int, config: ml_collections.ConfigDict) 
 @functools.lru_cache(maxsize=8)
 def make_train_chunk(
     graphdef: nnx.GraphDef,
-    batch_size: int,
-    image_shape: tuple[int, int] = (28, 28),
-    label_smoothing: float = 0.0,
-    max_shift: int = 0,
-    flip: bool = False,
-    fused: bool = True,
+    config: Config,
+    image_shape: tuple[int, int, int],
     mesh: jax.sharding.Mesh | None = None,
-) -> Callable[..., tuple[Any, Metrics]]:
-    """Compile `count` AdamW steps into one call: the default, fastest training path.
+) -> Callable[..., tuple[Any, Metrics, Metrics]]:
+    """Compile `count` steps into one call: the default, fastest training path.
 
-    With `fused=False` each call runs one step (the host loops): XLA's CPU backend runs
-    convolutions inside a loop body about 10x slower than at top level, so the CNN uses it.
+    With `config.fused_steps=False` each call runs one step (the host loops): XLA's CPU backend
+    runs convolutions inside a loop body about 10x slower than at top level, so the CNN uses it.
 
     Batches are picked from the epoch's order, normalised (and augmented, when asked) on the
-    device inside the loop; the state buffers are donated (updated in place) and only the last
-    step's metrics come back. `count` is a traced loop bound, so chunks of any length share one
-    compilation. Augmentation draws from `fold_in(aug_key, step)`, so a resumed run repeats it.
-    On a `mesh`, each batch is split along its `data` axis and XLA adds the collectives.
+    device inside the loop; the state buffers are donated (updated in place). `sums` (every
+    metric summed since the last logged row) goes in and comes out with this call's steps
+    added, and so do the last step's metrics. `count` is a traced loop bound, so chunks of any
+    length share one compilation. Augmentation draws from `fold_in(aug_key, step)`, so a
+    resumed run repeats it. On a `mesh`, each batch is split along its `data` axis and XLA
+    adds the collectives.
     """
+    batch_size, accumulate = config.batch_size, config.optimizer.accumulate
+    max_shift, flip, fused = config.augment.max_shift, config.augment.flip, config.fused_steps
 
     @functools.partial(jax.jit, donate_argnums=0)
-    def train_chunk(state, images, labels, order, start, count, first_step=0, aug_key=None):
+    def train_chunk(state, sums, images, labels, order, start, count, first_step=0, aug_key=None):
         def body(i, carry):
-            model, optimizer = nnx.merge(graphdef, carry[0])
+            state, sums, _ = carry
+            model, opt = nnx.merge(graphdef, state)
             if order is None:  # a batch fed from the host (Grain): the step's own images
-                x, y = input_pipeline.normalize(images), labels
+                x = input_pipeline.normalize(images).reshape(*labels.shape, *image_shape)
+                y = labels
             else:
-                x, y = input_pipeline.batch_at(images, labels, order, start + i, batch_size, mesh)
+                x, y = input_pipeline.batch_at(
+                    images, labels, order, start + i, batch_size, image_shape, mesh, accumulate
+                )
             if max_shift or flip:
                 key = jax.random.fold_in(aug_key, first_step + i)
-                x = input_pipeline.augment(x, key, image_shape, max_shift, flip)
+                x = input_pipeline.augment(x, key, max_shift, flip)
             # Only the last step's metrics leave the chunk, so only it computes the gradient
             # norm (1.29x faster at batch 32).
             log = i == count - 1 if fused else True
-            metrics = train_step(model, optimizer, x, y, label_smoothing, log)
-            return nnx.state((model, optimizer)), metrics
+            metrics = train_step(model, opt, x, y, config, log)
+            sums = {name: total + metrics[name] for name, total in sums.items()}
+            return nnx.state((model, opt)), sums, metrics
 
         if not fused:  # exactly one step, no loop around it
-            return body(0, (state, None))
-        shapes = jax.eval_shape(lambda s: body(0, (s, None))[1], state)
+            return body(0, (state, sums, None))
+        shapes = jax.eval_shape(lambda s: body(0, (s, sums, None))[2], state)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        return jax.lax.fori_loop(0, count, body, (state, zeros))
+        return jax.lax.fori_loop(0, count, body, (state, sums, zeros))
 
     return train_chunk
 
 
-def chunk_for(
-    graphdef: nnx.GraphDef,
-    config: ml_collections.ConfigDict,
-    image_shape: tuple[int, int],
-    mesh: jax.sharding.Mesh,
-) -> Callable[..., tuple[Any, Metrics]]:
-    """The compiled chunk a config's recipe needs (label smoothing, augmentation) on a mesh."""
-    return make_train_chunk(
-        graphdef,
-        config.batch_size,
-        image_shape,
-        config.label_smoothing,
-        config.augment.max_shift,
-        config.augment.flip,
-        config.fused_steps,
-        mesh,
+def zero_sums(model: nnx.Module, config: Config, image_shape: tuple[int, int, int]) -> Metrics:
+    """A zero for each metric `loss_fn` returns: where a logged row's sums start."""
+    x = jax.ShapeDtypeStruct((config.batch_size, *image_shape), jnp.float32)
+    y = jax.ShapeDtypeStruct((config.batch_size,), jnp.int32)
+    graphdef, state = nnx.split(model)
+    shapes = jax.eval_shape(
+        lambda s, x, y: loss_fn(nnx.merge(graphdef, s), x, y, config)[1], state, x, y
     )
+    return {name: np.zeros(s.shape, s.dtype) for name, s in shapes.items()}
+
+
+class RunningRow:
+    """The metrics of the steps since the last logged row: their sums (on the device, added
+    to by each chunk) and the step the row started after. A checkpoint keeps both, so a
+    resumed run logs the same rows as an uninterrupted one."""
+
+    def __init__(self, zeros: Metrics, start: int, saved: dict[str, Any] | None = None):
+        self.zeros, self.start, self.sums = zeros, start, zeros
+        if saved:  # from a checkpoint's progress item: float32 sums, exact through JSON
+            self.start = saved["start"]
+            self.sums = {k: np.float32(saved["sums"].get(k, 0.0)) for k in zeros}
+
+    def take(self, step: int, metrics: Metrics) -> tuple[int, Metrics, int, jax.Array]:
+        """The parts of the row logged at `step`; the next row starts here."""
+        parts = (step, self.sums, step - self.start, metrics["grad_norm"])
+        self.sums, self.start = self.zeros, step
+        return parts
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint's progress item keeps of it."""
+        sums = parallel.to_host(self.sums)
+        return {"row": {"start": self.start, "sums": {k: float(v) for k, v in sums.items()}}}
 
 
 def is_log_step(step: int, config: ml_collections.ConfigDict) -> bool:
@@ -286,9 +311,12 @@ class Guard:
             f"good checkpoint is {kept[-1] if kept else 'none'}; lower --learning_rate and retry"
         )
 
-    def row(self, step: int, metrics: Metrics) -> dict[str, float]:
-        """The metrics of a logged step on the host, as one JSON-ready row."""
-        row = {"step": step, **{k: float(v) for k, v in parallel.to_host(metrics).items()}}
+    def row(self, step: int, sums: Metrics, count: int, grad_norm: jax.Array) -> dict[str, float]:
+        """The row logged at `step` on the host, JSON-ready: every metric's mean over the
+        `count` steps since the row before (their `sums`), and the last step's `grad_norm`."""
+        values = parallel.to_host({"sums": sums, "grad_norm": grad_norm})
+        means = {k: float(v) / count for k, v in values["sums"].items()}
+        row = {"step": step, **means, "grad_norm": float(values["grad_norm"])}
         if not np.isfinite(row["loss"]):
             self.stop(f"the loss became {row['loss']}", step)
         self.last_finite = step
@@ -333,19 +361,21 @@ def fit(
     on_eval: Callable[[int, nnx.Module], dict[str, float]] | None = None,
     signals: StopSignals | None = None,
     batches: Any = None,
+    resumed: dict[str, Any] | None = None,
 ) -> float:
     """Run updates start_step+1..config.steps in fused chunks; returns examples/sec.
 
-    Metrics reach the host only at step 1, every `log_every` steps, each evaluation step
-    (`on_eval(step, model)` adds the test metrics to its row) and the last step. The clock
-    starts after the first (compiling) step and stops at `block_until_ready` on the final
-    state; evaluations are not counted. Checkpoints: see `must_save`; on SIGINT/SIGTERM
-    (`signals`) too. `batches` feeds the calls (default `DeviceBatches`).
+    Rows (each metric's mean since the row before) reach the host only at step 1, every
+    `log_every` steps, each evaluation step (`on_eval(step, model)` adds the test metrics to
+    its row) and the last step. The clock starts after the first (compiling) step and stops at
+    `block_until_ready` on the final state; evaluations are not counted. Checkpoints: see
+    `must_save`; on SIGINT/SIGTERM (`signals`) too. `batches` feeds the calls (default
+    `DeviceBatches`); `resumed` is the restored checkpoint's progress item.
     """
-    d, per_epoch = device_data, device_data.batches_per_epoch
+    d, per_epoch, pair = device_data, device_data.batches_per_epoch, (model, optimizer)
     model.train()  # dropout on, BatchNorm on batch statistics (no-ops for the MLP)
-    graphdef, state = nnx.split((model, optimizer))
-    train_chunk = chunk_for(graphdef, config, d.image_shape, d.mesh)
+    graphdef, state = nnx.split(pair)
+    train_chunk, row = _compiled(graphdef, model, d, config, start_step, resumed)
     aug_key, guard = augment_key(config), Guard(checkpoints, start_step)
     batches = batches or input_pipeline.DeviceBatches(d, config.seed, config.fused_steps)
     guard.warm_up(model, optimizer)
@@ -355,7 +385,7 @@ def fit(
         while step < config.steps:
             stop = next_stop(step, config, per_epoch)
             for call in batches.chunks(step, stop):  # images, labels, order, index, count, first
-                state, metrics = train_chunk(state, *call, aug_key)
+                state, row.sums, metrics = train_chunk(state, row.sums, *call, aug_key)
             if deferred:  # the last stop's row, read while this chunk runs: no pipeline drain
                 on_log(guard.row(*deferred))
             step, deferred = stop, None
@@ -363,24 +393,38 @@ def fit(
             # A signal to any process stops all of them at the same step (saving is collective).
             signum = max(parallel.from_every_process(signals.signum))
             saving = must_save(step, signum, config, checkpoints)
-            if not (saving or is_eval_step(step, config, per_epoch)):
-                deferred = (step, metrics) if is_log_step(step, config) else None
+            testing = on_eval is not None and is_eval_step(step, config, per_epoch)
+            parts = row.take(step, metrics) if testing or is_log_step(step, config) else None
+            if not (saving or testing):
+                deferred = parts
                 continue
-            seconds, tested = _log(
-                step, metrics, state, (model, optimizer), config, per_epoch, guard, on_log, on_eval
-            )
+            seconds, tested = _log(parts, state, pair, testing, guard, on_log, on_eval)
             evaluating += seconds
             if saving or (tested and config.keep_best):  # each evaluated step may be the best
-                progress = progress_of(step, per_epoch, config) | batches.state() | tested
-                guard.save(step, (model, optimizer), state, progress)
+                progress = progress_of(step, per_epoch, config) | batches.state() | row.state()
+                guard.save(step, pair, state, progress | tested)
             if signum:
                 raise interrupted(signum, step, checkpoints, "")
     jax.block_until_ready(state)
-    nnx.update((model, optimizer), state)
+    nnx.update(pair, state)
     model.eval()
-    if clock is None or clock[1] == config.steps:  # nothing timed (e.g. killed after its end)
+    return _rate(clock, evaluating, config.steps, d.examples_per_step)
+
+
+def _compiled(graphdef, model, d, config, start_step, resumed) -> tuple[Callable, RunningRow]:
+    """The chunk this run compiles, and its running row (carried on from a checkpoint's)."""
+    frozen = Config(config)
+    row = RunningRow(
+        zero_sums(model, frozen, d.image_shape), start_step, (resumed or {}).get("row")
+    )
+    return make_train_chunk(graphdef, frozen, d.image_shape, d.mesh), row
+
+
+def _rate(clock: tuple[float, int] | None, evaluating: float, steps: int, per_step: int) -> float:
+    """Training examples/sec from the clock's start to now, evaluations left out."""
+    if clock is None or clock[1] == steps:  # nothing timed (e.g. killed after its end)
         return float("nan")
-    return (config.steps - clock[1]) * d.batch_size / (time.perf_counter() - clock[0] - evaluating)
+    return (steps - clock[1]) * per_step / (time.perf_counter() - clock[0] - evaluating)
 
 
 def must_save(step: int, signum: int, config, checkpoints: checkpoint_lib.Checkpoints) -> bool:
@@ -397,21 +441,20 @@ def _clock_start(metrics: Metrics, step: int) -> tuple[float, int]:
     return time.perf_counter(), step
 
 
-def _log(step, metrics, state, pair, config, per_epoch, guard, on_log, on_eval) -> tuple:
-    """Log the row of `step` when due, with the test metrics at an evaluation step (after
-    training's own asynchronous work is done); returns the seconds spent evaluating and the
-    test metrics (empty when not evaluated)."""
-    evaluating = on_eval is not None and is_eval_step(step, config, per_epoch)
-    if not (evaluating or is_log_step(step, config)):
+def _log(parts, state, pair, testing, guard, on_log, on_eval) -> tuple[float, dict[str, float]]:
+    """Log the row `parts` (RunningRow.take) when there is one, with the test metrics when
+    `testing` (after training's own asynchronous work is done); returns the seconds spent
+    evaluating and the test metrics (empty when not evaluated)."""
+    if parts is None:
         return 0.0, {}
-    row = guard.row(step, metrics)
-    if evaluating:
-        jax.block_until_ready(state)
-        began = time.perf_counter()
-        nnx.update(pair, state)
-        row |= on_eval(step, pair[0])
-        pair[0].train()
+    row = guard.row(*parts)
+    if not testing:
+        on_log(row)
+        return 0.0, {}
+    jax.block_until_ready(state)
+    began = time.perf_counter()
+    nnx.update(pair, state)
+    row |= on_eval(parts[0], pair[0])
+    pair[0].train()
     on_log(row)
-    if not evaluating:
-        return 0.0, {}
     return time.perf_counter() - began, {k: v for k, v in row.items() if k.startswith("test_")}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import hashlib
+import json
+import os
 import pathlib
 import runpy
 import struct
@@ -103,9 +105,53 @@ def small_dataset_dir(tmp_path: pathlib.Path) -> tuple[pathlib.Path, datasets.Da
         array = images if "images" in stem else labels
         specs.append(write_idx(tmp_path / f"{stem}.gz", idx_bytes(array), compress=True))
     spec = datasets.DatasetSpec(
-        "small", "Small", tuple(specs), datasets.DATASETS["mnist"].class_names
+        "small", "Small", tuple(specs), datasets.IDX_DATASETS["mnist"].class_names
     )
     return tmp_path, spec
+
+
+# What `pip install jax` brings, and flatbuffers, which jax.export.deserialize needs.
+JAX_ONLY = ("jax", "jaxlib", "ml_dtypes", "numpy", "opt_einsum", "scipy", "flatbuffers")
+# Run by a `python -S` whose only import path is a directory of JAX_ONLY: it proves the
+# project's libraries are out of reach, then loads the artifact and classifies the images.
+JAX_ONLY_SCRIPT = """
+import importlib.util, json, sys
+import jax, numpy as np
+absent = ("flax", "orbax", "optax", "ml_collections", "absl", "fmnist_flax")
+assert not [name for name in absent if importlib.util.find_spec(name)], "not JAX alone"
+with open(sys.argv[1], "rb") as file:
+    exported = jax.export.deserialize(file.read())
+probabilities = np.asarray(exported.call(np.load(sys.argv[2])))
+print(json.dumps({"dtype": str(probabilities.dtype), "probabilities": probabilities.tolist()}))
+"""
+
+
+@pytest.fixture(scope="session")
+def jax_only(tmp_path_factory):
+    """`jax_only(artifact, images)`: an exported artifact's probabilities for uint8 `images`,
+    computed by a process that can import JAX_ONLY (linked from this venv) and nothing else."""
+    site_packages = pathlib.Path(jax.__file__).resolve().parents[1]
+    directory = tmp_path_factory.mktemp("jax_only")
+    for name in JAX_ONLY:
+        for entry in (name, f"{name}.libs"):
+            if (site_packages / entry).exists():
+                (directory / entry).symlink_to(site_packages / entry)
+    (directory / "run.py").write_text(JAX_ONLY_SCRIPT)
+
+    def call(artifact: pathlib.Path, images: np.ndarray) -> np.ndarray:
+        inputs = tmp_path_factory.mktemp("inputs") / "images.npy"
+        np.save(inputs, images)
+        result = subprocess.run(
+            [sys.executable, "-S", str(directory / "run.py"), str(artifact), str(inputs)],
+            cwd=inputs.parent, env={"PATH": os.environ["PATH"], "PYTHONPATH": str(directory)},
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        out = json.loads(result.stdout)
+        assert out["dtype"] == "float32"
+        return np.array(out["probabilities"], np.float32)
+
+    return call
 
 
 @pytest.fixture(scope="session")

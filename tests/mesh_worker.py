@@ -15,7 +15,7 @@ import jax
 from conftest import load_config
 from flax import nnx
 
-from fmnist_flax import checkpoint, datasets, evaluate, input_pipeline, parallel, train
+from fmnist_flax import checkpoint, datasets, evaluate, input_pipeline, parallel, restore, train
 
 PREDICTED = 5  # does not divide by 8: predict pads and unpads
 
@@ -28,7 +28,7 @@ def run(dataset, config, devices, param_sharding: str, workdir: pathlib.Path) ->
     config.param_sharding = param_sharding
     mesh = parallel.make_mesh(devices)
     device_data = input_pipeline.to_device(dataset, config.batch_size, mesh)
-    model, optimizer = train.create_train_state(config, (28, 28), 10, mesh)
+    model, optimizer = train.create_train_state(config, (28, 28, 1), 10, mesh)
     rows = []
     checkpoints = checkpoint.Checkpoints(workdir, max_to_keep=1)
     try:
@@ -37,15 +37,18 @@ def run(dataset, config, devices, param_sharding: str, workdir: pathlib.Path) ->
             start_step=0, checkpoints=checkpoints, on_log=rows.append,
         )  # fmt: skip
         checkpoints.wait()
-        restored = checkpoints.restore({"model": nnx.state(model)})["model"]
+        restored = restore.restore(checkpoints, {"model": nnx.state(model)})["model"]
     finally:
         checkpoints.close()
     order = input_pipeline.epoch_order(config.seed, 0, len(device_data.train_labels))
     x, _ = input_pipeline.batch_at(
-        device_data.train_images, device_data.train_labels, order, 0, config.batch_size, mesh
-    )
+        device_data.train_images, device_data.train_labels, order, 0, config.batch_size,
+        (28, 28, 1), mesh,
+    )  # fmt: skip
     params = nnx.state(model, nnx.Param)
-    full = evaluate.evaluate(model, device_data.test_x, device_data.test_y, device_data.test_mask)
+    some = input_pipeline.padded_batches(dataset.test_images[:300], dataset.test_labels[:300], 128)
+    test_batches = input_pipeline.shard_batches(some, mesh)[0]  # as evaluate places them
+    full = evaluate.evaluate(model, dataset.test_images, dataset.test_labels, config, mesh)
     return {
         "devices": mesh.size,
         "losses": [row["loss"] for row in rows],
@@ -64,7 +67,7 @@ def run(dataset, config, devices, param_sharding: str, workdir: pathlib.Path) ->
         "specs": {
             "batch": spec(x),
             "train_images": spec(device_data.train_images),
-            "test_x": spec(device_data.test_x),
+            "test_batches": spec(test_batches),
             "kernel": spec(model.layers[0].kernel[...]),
             "kernel_adam_mu": spec(optimizer.opt_state[0].mu["layers"][0]["kernel"][...]),
             "head_bias": spec(model.layers[-1].bias[...]),

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import EVERY_DUE_SAVE, REPO, load_config
 
-from fmnist_flax import checkpoint, experiment, load_model, parallel, train
+from fmnist_flax import checkpoint, experiment, inference, load_model, parallel, restore, train
 from fmnist_flax.errors import UserError
 
 
@@ -88,6 +88,8 @@ def test_checkpoint_holds_progress_and_config_as_json_and_no_pickle(trained):
         "step": 200, "epoch": 1, "index": 83, "num_batches": 117, "batch_size": 512, "seed": 0,
         # the last step is evaluated: its test metrics travel with it, for --step=best
         "test_accuracy": summary["test_accuracy"], "test_loss": summary["test_loss"],
+        # the running row: logged at this step, so the next one starts from nothing
+        "row": {"start": 200, "sums": {"accuracy": 0.0, "loss": 0.0}},
     }  # fmt: skip
     config = json.loads((step_dir / "config" / "metadata").read_text())
     assert config["model"]["hidden"] == [256, 128]
@@ -117,7 +119,7 @@ def test_damaged_latest_checkpoint_falls_back_with_one_warning(trained, tmp_path
         p for p in (workdir / "checkpoints" / "200" / "model" / "d").iterdir() if p.is_file()
     ][:1]
     data_file.write_bytes(data_file.read_bytes()[:10])
-    _, step, _, _ = checkpoint.restore_model(workdir)  # a reader: the workdir is left as is
+    _, step, _, _ = inference.restore_model(workdir)  # a reader: the workdir is left as is
     assert step == 100
     assert (workdir / "checkpoints" / "200").is_dir()
     warnings = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
@@ -125,7 +127,7 @@ def test_damaged_latest_checkpoint_falls_back_with_one_warning(trained, tmp_path
     assert "\n" not in warnings[0]
     writer = checkpoint.Checkpoints(workdir)  # a training run sets the step aside, kept
     try:
-        assert writer.restore({"progress": None})["step"] == 100
+        assert restore.restore(writer, {"progress": None})["step"] == 100
     finally:
         writer.close()
     assert (workdir / "damaged_checkpoints" / "200").is_dir()
@@ -307,8 +309,8 @@ def test_keep_best_keeps_the_best_evaluated_step_beside_the_newest(tmp_path):
     the newest two and the best (step 3) stay, across a restart; --step=best restores step 3,
     and is one line where no kept step was evaluated."""
     config = load_config("default")
-    model, optimizer = train.create_train_state(config, (28, 28), 10, parallel.make_mesh())
-    metadata = {"config": config.to_dict(), "dataset": checkpoint.FASHION_MNIST_INFO}
+    model, optimizer = train.create_train_state(config, (28, 28, 1), 10, parallel.make_mesh())
+    metadata = {"config": config.to_dict(), "dataset": inference.FASHION_MNIST_INFO}
 
     def save(steps_and_accuracies):
         manager = checkpoint.Checkpoints(tmp_path, max_to_keep=2, keep_best=True, metadata=metadata)
@@ -322,10 +324,10 @@ def test_keep_best_keeps_the_best_evaluated_step_beside_the_newest(tmp_path):
 
     assert save([(1, None)]) == [1]
     with pytest.raises(UserError, match=r"--step=best: no checkpoint in .* was saved at an eval"):
-        checkpoint.restore_model(tmp_path, checkpoint.BEST)
+        inference.restore_model(tmp_path, checkpoint.BEST)
     assert save([(2, 0.5), (3, 0.9), (4, None), (5, 0.6)]) == [3, 4, 5]
     assert save([(6, 0.7), (7, 0.65)]) == [3, 6, 7]
     reader = checkpoint.Checkpoints(tmp_path, read_only=True)
     assert reader.best_step() == 3
     reader.close()
-    assert checkpoint.restore_model(tmp_path, checkpoint.BEST)[1] == 3
+    assert inference.restore_model(tmp_path, checkpoint.BEST)[1] == 3

@@ -18,8 +18,10 @@ from fmnist_flax import (
     experiment,
     input_pipeline,
     load_model,
+    optimizer,
     parallel,
     predict,
+    restore,
     train,
 )
 from fmnist_flax import config as config_lib
@@ -36,9 +38,9 @@ def test_the_documented_configs_exist():
 def test_each_config_loads_validates_builds_and_documents_its_command(name):
     config = load_config(name)
     config_lib.validate(config)
-    model = create_model(config, (28, 28), 10)
+    model = create_model(config, (28, 28, 1), 10)
     assert type(model) is MODELS[config.model.name]
-    logits = model(jnp.zeros((2, 784)))
+    logits = model(jnp.zeros((2, 28, 28, 1)))
     assert logits.shape == (2, 10) and logits.dtype == jnp.float32
     doc = (REPO / "configs" / f"{name}.py").read_text()
     assert f"python main.py --config=configs/{name}.py" in doc
@@ -107,12 +109,12 @@ def test_the_same_command_resumed_is_bit_exact(name, tmp_path):
 
     def saved_arrays(workdir):
         model, optimizer = train.create_train_state(
-            shortened(name), (28, 28), 10, parallel.make_mesh()
+            shortened(name), (28, 28, 1), 10, parallel.make_mesh()
         )
         manager = checkpoint.Checkpoints(workdir, read_only=True)
         try:
             targets = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
-            arrays = manager.restore(targets, 6)
+            arrays = restore.restore(manager, targets, 6)
         finally:
             manager.close()
         return raw_leaves({k: arrays[k] for k in targets})
@@ -126,14 +128,14 @@ def test_the_same_command_resumed_is_bit_exact(name, tmp_path):
 def test_warmup_cosine_schedule_rises_then_decays():
 
     config = load_config("mlp_best")
-    schedule = train.learning_rate(config)
+    schedule = optimizer.learning_rate(config)
     peak, warmup = config.optimizer.learning_rate, config.optimizer.warmup_steps
     assert float(schedule(0)) == 0.0
     assert float(schedule(warmup)) == pytest.approx(peak)
     assert float(schedule(warmup // 2)) == pytest.approx(peak / 2, rel=1e-3)
     assert float(schedule(config.steps)) == pytest.approx(peak * config.optimizer.final_fraction)
 
-    assert train.learning_rate(load_config("default")) == 3e-3  # the codelab's constant rate
+    assert optimizer.learning_rate(load_config("default")) == 3e-3  # the codelab's constant rate
 
 
 def shifted(image, dy, dx):
@@ -144,10 +146,10 @@ def shifted(image, dy, dx):
 def test_augmentation_moves_pixels_but_keeps_each_image_in_its_row(real_dataset):
     images = real_dataset.test_images[:64]
     x = input_pipeline.prepare_images(images)
-    out = np.asarray(input_pipeline.augment(jnp.asarray(x), jax.random.key(0), (28, 28), 1, True))
+    out = np.asarray(input_pipeline.augment(jnp.asarray(x), jax.random.key(0), 1, True))
     assert out.shape == x.shape
     changed = 0
-    for image, row in zip(images.astype(np.float32) * input_pipeline.PIXEL_SCALE, out, strict=True):
+    for image, row in zip(x[..., 0], out, strict=True):
         candidates = [
             shifted(flipped, dy, dx)
             for flipped in (image, image[:, ::-1])
@@ -156,15 +158,17 @@ def test_augmentation_moves_pixels_but_keeps_each_image_in_its_row(real_dataset)
         assert any(np.array_equal(row.reshape(28, 28), c) for c in candidates)
         changed += not np.array_equal(row.reshape(28, 28), image)
     assert changed > 32  # most images really were moved or mirrored
-    again = np.asarray(input_pipeline.augment(jnp.asarray(x), jax.random.key(0), (28, 28), 1, True))
+    again = np.asarray(input_pipeline.augment(jnp.asarray(x), jax.random.key(0), 1, True))
     np.testing.assert_array_equal(out, again)  # same key, same augmentation: resumable
 
 
 def test_label_smoothing_changes_the_loss_as_defined():
     model = MLP(rngs=nnx.Rngs(0))
-    x, y = jnp.ones((4, 784)), jnp.arange(4)
-    plain, _ = train.loss_fn(model, x, y)
-    smooth, _ = train.loss_fn(model, x, y, 0.1)
+    x, y = jnp.ones((4, 28, 28, 1)), jnp.arange(4)
+    config = load_config("default")
+    plain, _ = train.loss_fn(model, x, y, train.Config(config))
+    config.label_smoothing = 0.1
+    smooth, _ = train.loss_fn(model, x, y, train.Config(config))
     logits = model(x)
     targets = jax.nn.one_hot(y, 10) * 0.9 + 0.1 / 10
     expected = -(targets * jax.nn.log_softmax(logits)).sum(-1).mean()

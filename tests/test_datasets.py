@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import idx_bytes, offline, small_arrays, write_idx
 
+from fmnist_flax import config as config_lib
 from fmnist_flax import datasets
 from fmnist_flax.errors import UserError
 
@@ -22,15 +23,16 @@ def one_line(exc: pytest.ExceptionInfo) -> str:
 
 
 def test_real_debian_files_load_with_the_published_counts_and_balance(real_dataset):
-    assert real_dataset.train_images.shape == (60_000, 28, 28)
-    assert real_dataset.test_images.shape == (10_000, 28, 28)
+    assert real_dataset.train_images.shape == (60_000, 28, 28, 1)
+    assert real_dataset.test_images.shape == (10_000, 28, 28, 1)
     assert real_dataset.train_images.dtype == np.uint8
+    assert real_dataset.train_labels.dtype == np.int32 and real_dataset.origin == "IDX files"
     np.testing.assert_array_equal(np.bincount(real_dataset.train_labels), [6_000] * 10)
     np.testing.assert_array_equal(np.bincount(real_dataset.test_labels), [1_000] * 10)
 
 
 def test_debian_recompressed_gz_is_accepted_by_its_payload_md5():
-    fashion = datasets.DATASETS["fashion_mnist"]
+    fashion = datasets.IDX_DATASETS["fashion_mnist"]
     test_labels = fashion.files[3]
     path = fashion.system_dir / test_labels.gz_name
     assert datasets.md5_hex(path.read_bytes()) != test_labels.gz_md5  # Debian re-compressed it
@@ -53,7 +55,7 @@ def test_small_gz_and_raw_files_load(tmp_path, compress):
 def test_small_dataset_loads_from_data_dir(small_dataset_dir, tmp_path_factory):
     directory, spec = small_dataset_dir
     dataset = datasets.load_dataset(offline(spec, tmp_path_factory.mktemp("empty")), directory)
-    assert dataset.train_images.shape == (64, 28, 28)
+    assert dataset.train_images.shape == (64, 28, 28, 1)
     assert dataset.test_labels.shape == (20,)
     assert dataset.sources[0] == str(directory / spec.files[0].gz_name)
     assert dataset.checked and dataset.num_classes == 10
@@ -98,7 +100,7 @@ def test_image_and_label_counts_must_agree(small_dataset_dir, tmp_path_factory):
     _, labels = small_arrays(63)
     bad = write_idx(directory / spec.files[1].gz_name, idx_bytes(labels), compress=True)
     spec = dataclasses.replace(spec, files=(spec.files[0], bad, *spec.files[2:]))
-    with pytest.raises(UserError, match=r"has 64 images but .* has 63 labels") as exc:
+    with pytest.raises(UserError, match=r"images-idx3-ubyte.gz has 64 images but 63 labels") as exc:
         datasets.load_dataset(offline(spec, tmp_path_factory.mktemp("empty")), directory)
     one_line(exc)
 
@@ -117,7 +119,7 @@ def test_md5_mismatch_is_refused(tmp_path, compress):
 
 def test_no_data_and_no_network_names_the_three_ways(tmp_path):
     spec = dataclasses.replace(
-        datasets.DATASETS["fashion_mnist"], cache_root=tmp_path / "cache", system_dir=tmp_path,
+        datasets.IDX_DATASETS["fashion_mnist"], cache_root=tmp_path / "cache", system_dir=tmp_path,
         base_url="http://127.0.0.1:9",
     )  # fmt: skip
     with pytest.raises(UserError) as exc:
@@ -163,7 +165,7 @@ class _Server:
 def web_spec(tmp_path, url):
     """Fashion-MNIST's spec downloading from a loopback `url` into an empty cache."""
     return dataclasses.replace(
-        datasets.DATASETS["fashion_mnist"], cache_root=tmp_path / "cache",
+        datasets.IDX_DATASETS["fashion_mnist"], cache_root=tmp_path / "cache",
         system_dir=tmp_path / "none", base_url=url,
     )  # fmt: skip
 
@@ -198,3 +200,124 @@ def test_download_that_stays_wrong_is_refused_and_not_kept(tmp_path):
         server.close()
     assert server.requests == ["y-labels.gz", "y-labels.gz"]
     assert list(web_spec(tmp_path, server.url).cache_dir.iterdir()) == []
+
+
+# --- The `arrays` dataset: train.npz and test.npz --------------------------------------------
+
+
+def write_arrays(directory, shape=(6, 5, 3), train=12, test=4, classes=3, **extra):
+    """train.npz and test.npz of random uint8 images of `shape` and labels 0..classes-1."""
+    directory.mkdir(exist_ok=True)
+    rng = np.random.default_rng(0)
+    for name, n in (("train", train), ("test", test)):
+        images = rng.integers(0, 256, (n, *shape), dtype=np.uint8)
+        arrays = {"images": images, "labels": np.arange(n) % classes, **extra}
+        np.savez(directory / f"{name}.npz", **arrays)
+    return directory
+
+
+def load_arrays(directory):
+    config = config_lib.get_config()
+    config.dataset.name, config.data_dir = "arrays", str(directory)
+    return datasets.load(config)
+
+
+@pytest.mark.parametrize("shape", [(6, 5, 3), (6, 5, 1), (6, 5)])
+def test_arrays_load_colour_or_grey_as_uint8_nhwc(tmp_path, shape):
+    directory = write_arrays(tmp_path / "d", shape)
+    (directory / "classes.txt").write_text("cat\ndog\nfish\n")
+    dataset = load_arrays(directory)
+    assert dataset.image_shape == (6, 5, shape[2] if len(shape) == 3 else 1)
+    assert dataset.train_images.dtype == np.uint8 and dataset.train_labels.dtype == np.int32
+    assert (len(dataset.train_labels), len(dataset.test_labels)) == (12, 4)
+    assert dataset.class_names == ("cat", "dog", "fish") and dataset.origin == ".npz files"
+    assert dataset.title == "d (arrays)" and dataset.sources[1] == str(directory / "test.npz")
+    stored = np.load(directory / "train.npz")["images"]
+    np.testing.assert_array_equal(dataset.train_images.reshape(stored.shape), stored)
+
+
+def test_arrays_without_classes_txt_name_their_classes_by_number(tmp_path):
+    assert load_arrays(write_arrays(tmp_path / "d", classes=4)).class_names == ("0", "1", "2", "3")
+
+
+def test_float_pixels_with_their_range_become_uint8(tmp_path):
+    directory = tmp_path / "d"
+    directory.mkdir()
+    for name in ("train", "test"):
+        images = np.linspace(0, 1, 2 * 4 * 4 * 3).reshape(2, 4, 4, 3)
+        np.savez(directory / f"{name}.npz", images=images, labels=[0, 1], pixel_range=[0, 1])
+    dataset = load_arrays(directory)
+    assert dataset.train_images.dtype == np.uint8
+    assert dataset.train_images.min() == 0 and dataset.train_images.max() == 255
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("missing", "train.npz not found; the arrays dataset needs train.npz and test.npz"),
+        ("not npz", "train.npz: cannot read it as an .npz archive"),
+        ("no labels", "train.npz has no labels array (it holds images)"),
+        ("float", "train.npz: images are float64; pixels must be uint8 (0..255), or floats"),
+        ("float out of range", "train.npz: float pixels are not all within its pixel_range"),
+        ("bad label", "train.npz: label 7 at index 0 is outside 0..2"),
+        ("negative label", "train.npz: label -1 is negative"),
+        ("count", "train.npz has 12 images but 3 labels; they must pair"),
+        ("empty", "train.npz holds no examples; each split needs at least one"),
+        ("shape", "train.npz holds (7, 5, 3) images but"),
+        ("objects", "train.npz: cannot read it as an .npz archive"),
+        ("rank", "train.npz: images of shape (12, 90); expected (N, H, W) or (N, H, W, C)"),
+    ],
+)
+def test_bad_array_files_are_one_line_naming_the_file(tmp_path, change, message):
+    directory = write_arrays(tmp_path / "d")
+    (directory / "classes.txt").write_text("a\nb\nc\n")
+    train = directory / "train.npz"
+    images = np.zeros((12, 6, 5, 3), np.uint8)
+    labels = np.arange(12) % 3
+    rewrite = {
+        "no labels": {"images": images},
+        "float": {"images": images.astype(np.float64), "labels": labels},
+        "float out of range": {"images": images + 2.0, "labels": labels, "pixel_range": [0, 1]},
+        "bad label": {"images": images, "labels": np.full(12, 7)},
+        "negative label": {"images": images, "labels": np.full(12, -1)},
+        "count": {"images": images, "labels": labels[:3]},
+        "empty": {"images": images[:0], "labels": labels[:0]},
+        "shape": {"images": np.zeros((12, 7, 5, 3), np.uint8), "labels": labels},
+        "objects": {"images": np.array([object()] * 12), "labels": labels},
+        "rank": {"images": images.reshape(12, 90), "labels": labels},
+    }
+    if change == "missing":
+        train.unlink()
+    elif change == "not npz":
+        train.write_bytes(b"not a zip")
+    else:
+        np.savez(train, **rewrite[change])
+    with pytest.raises(UserError) as exc:
+        load_arrays(directory)
+    assert message in one_line(exc)
+    assert str(train) in str(exc.value)
+
+
+def test_a_registered_loader_is_a_dataset_name(tmp_path, monkeypatch):
+    """The registry's promise: one decorated function makes a source the config can name."""
+    monkeypatch.setattr(datasets, "DATASETS", dict(datasets.DATASETS))
+
+    @datasets.register("stripes", needs="nothing at all")
+    def load_stripes(data_dir):
+        images = np.zeros((8, 4, 4, 3), np.uint8)
+        images[::2, :, :, 0] = 255
+        split = (images, np.arange(8) % 2)
+        return datasets.make_dataset(
+            "stripes", "Stripes", ("red", "black"), split, split,
+            sources=("memory", "memory"), origin="memory",
+        )  # fmt: skip
+
+    config = config_lib.get_config()
+    config.dataset.name = "stripes"
+    with pytest.raises(UserError, match=r"--config\.dataset\.name=stripes needs --data_dir=DIR"):
+        datasets.load(config)
+    config.data_dir = str(tmp_path)
+    assert datasets.load(config).class_names == ("red", "black")
+    config.dataset.name = "stripe"
+    with pytest.raises(UserError, match=r"'stripe' is not one of fashion_mnist, mnist, idx"):
+        datasets.get(config)

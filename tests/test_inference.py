@@ -23,7 +23,7 @@ from fmnist_flax.errors import UserError
 from fmnist_flax.input_pipeline import PIXEL_SCALE
 from fmnist_flax.model import MLP
 
-SHAPES = "expected (28, 28) or (N, 28, 28) or (N, 784)"
+SHAPES = "expected (28, 28) or (N, 28, 28) or (28, 28, 1) or (N, 28, 28, 1) or (N, 784)"
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +68,8 @@ def test_load_model_and_predict_api_matches_the_evaluation(workdir, real_dataset
 def test_predict_mode_classifies_readable_images_and_names_the_rest(
     workdir, real_dataset, tmp_path
 ):
-    Image.fromarray(real_dataset.test_images[0]).save(tmp_path / "a.png")
-    big = np.kron(real_dataset.test_images[1], np.ones((3, 3), np.uint8))
+    Image.fromarray(real_dataset.test_images[0, ..., 0]).save(tmp_path / "a.png")
+    big = np.kron(real_dataset.test_images[1, ..., 0], np.ones((3, 3), np.uint8))
     Image.fromarray(np.stack([big] * 3, -1)).save(tmp_path / "big_rgb.png")
     np.save(tmp_path / "many.npy", real_dataset.test_images[2:5])
     np.save(tmp_path / "wrong.npy", np.zeros((5, 5)))
@@ -123,10 +123,10 @@ def test_read_images_takes_pngs_and_arrays_of_the_models_size(tmp_path):
     [(name, pixels)], notes = inference.read_images(tmp_path / "white.png")
     assert name.endswith("white.png") and notes == [] and pixels.max() == 1.0
     Image.fromarray(np.zeros((40, 30, 3), np.uint8)).save(tmp_path / "rgb.png")
-    [(_, pixels)], notes = inference.read_images(tmp_path / "rgb.png", (12, 12))
-    assert pixels.shape == (12, 12) and len(notes) == 2  # converted and resized, each noted
+    [(_, pixels)], notes = inference.read_images(tmp_path / "rgb.png", (12, 12, 1))
+    assert pixels.shape == (12, 12, 1) and len(notes) == 2  # converted and resized, each noted
     np.save(tmp_path / "three.npy", np.zeros((3, 12, 12), np.uint8))
-    images, _ = inference.read_images(tmp_path / "three.npy", (12, 12))
+    images, _ = inference.read_images(tmp_path / "three.npy", (12, 12, 1))
     assert [n for n, _ in images][-1].endswith("three.npy[2]")
     with pytest.raises(UserError, match=r"expected \(28, 28\) or \(N, 28, 28\)"):
         inference.read_images(tmp_path / "three.npy")
@@ -146,7 +146,7 @@ def refusal(call, *args, **kwargs) -> str:
     return message
 
 
-def images_of(path, shape=(28, 28)) -> np.ndarray:
+def images_of(path, shape=(28, 28, 1)) -> np.ndarray:
     """--mode=predict's reading of a file, stacked as run_predict stacks it."""
     named, _ = inference.read_images(path, shape)
     return np.stack([image for _, image in named])
@@ -214,7 +214,7 @@ def test_16_bit_png_is_scaled_by_its_own_range_not_clipped(model, tmp_path):
 def test_float_pixels_must_lie_in_0_1_and_are_never_rescaled(model, tmp_path):
     pixels = (np.random.default_rng(1).random((2, 28, 28)) * 0.5 + 0.25).astype(np.float32)
     np.save(tmp_path / "good.npy", pixels)
-    np.testing.assert_array_equal(images_of(tmp_path / "good.npy"), pixels)  # taken as they are
+    np.testing.assert_array_equal(images_of(tmp_path / "good.npy")[..., 0], pixels)  # as they are
     pixels[1, 2, 3] = 1.5  # one pixel above 1 used to divide the whole file by 255
     pixels[0, 0, 0] = np.float32(0.1) / 3  # the minimum, shown as float32 shows it
     np.save(tmp_path / "one_above.npy", pixels)
@@ -243,7 +243,7 @@ def test_integer_pixels_are_0_to_255_whatever_their_dtype(model, tmp_path):
             images_of(tmp_path / "ints.npy").reshape(3, -1), scaled.reshape(3, -1)
         )
         np.testing.assert_array_equal(
-            evaluate.model_input(u8.astype(dtype), (28, 28)), scaled.reshape(3, -1)
+            evaluate.model_input(u8.astype(dtype), (28, 28, 1)), scaled.reshape(3, 28, 28, 1)
         )
     wide = u8.astype(np.uint16)
     wide[0, 0, 0] = 300
@@ -288,7 +288,7 @@ def test_predict_takes_one_image_a_stack_or_rows_and_refuses_other_shapes(model,
     one = predict(model, images[1])  # a batch of 1: XLA may sum in another order
     np.testing.assert_allclose(one, stack[1:2], rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(predict(model, images[1].tolist()), one)
-    for shape in ((5, 5), (784,), (3, 28, 28, 1), (2, 783), (28, 29), ()):
+    for shape in ((5, 5), (784,), (3, 28, 28, 2), (2, 783), (28, 29), ()):
         assert refusal(predict, model, np.zeros(shape, np.uint8)) == (
             f"images: array shape {shape}; {SHAPES}"
         )
@@ -325,7 +325,7 @@ def test_cli_files_and_the_python_api_give_identical_probabilities(model, tmp_pa
         np.testing.assert_array_equal(evaluate.predict(model, read), expected)
     np.testing.assert_array_equal(predict(model, u8.astype(np.float32) * PIXEL_SCALE), expected)
     np.testing.assert_allclose(predict(model, u8 / 255.0), expected, atol=1e-6)
-    np.testing.assert_array_equal(predict(model, u8, image_shape=(28, 28)), expected)
+    np.testing.assert_array_equal(predict(model, u8, image_shape=(28, 28, 1)), expected)
 
 
 def test_a_resized_colour_png_is_noted_and_stays_in_0_1(tmp_path):
@@ -336,7 +336,7 @@ def test_a_resized_colour_png_is_noted_and_stays_in_0_1(tmp_path):
         f"{name}: converted from RGB to grayscale",
         f"{name}: resized from 30x40 to 28x28",
     ]
-    assert pixels.shape == (28, 28) and pixels.dtype == np.float32
+    assert pixels.shape == (28, 28, 1) and pixels.dtype == np.float32
     assert pixels.min() >= 0 and pixels.max() <= 1
 
 

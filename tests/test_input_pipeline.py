@@ -11,17 +11,15 @@ from fmnist_flax import datasets, input_pipeline, parallel
 from fmnist_flax.errors import UserError
 
 
-def test_device_data_keeps_uint8_train_images_and_covers_the_test_set(real_dataset):
+def test_device_data_keeps_uint8_train_images_flat_and_no_test_set(real_dataset):
     device_data = input_pipeline.to_device(real_dataset, 512, parallel.make_mesh())
-    assert device_data.train_images.shape == (60_000, 784)
+    assert device_data.train_images.shape == (60_000, 784)  # one row gather per batch
     assert device_data.train_images.dtype == np.uint8  # normalised inside the step
-    assert device_data.batches_per_epoch == 117
-    assert device_data.test_x.shape == (20, 512, 784)
-    assert device_data.codelab_test_batches == 19  # the codelab's 9,728
-    assert float(device_data.test_mask.sum()) == 10_000
-    np.testing.assert_array_equal(
-        np.asarray(device_data.test_y).reshape(-1)[:10_000], real_dataset.test_labels
-    )
+    assert device_data.batches_per_epoch == 117 and device_data.image_shape == (28, 28, 1)
+    assert not any(name.startswith("test") for name in vars(device_data))  # streamed instead
+    accumulating = input_pipeline.to_device(real_dataset, 128, parallel.make_mesh(), False, 4)
+    assert accumulating.train_images is None  # Grain feeds it
+    assert accumulating.examples_per_step == 512 and accumulating.batches_per_epoch == 117
 
 
 @pytest.mark.parametrize(
@@ -47,13 +45,21 @@ def test_each_epoch_gets_a_fresh_seeded_permutation(real_dataset):
     assert not np.array_equal(first, np.asarray(input_pipeline.epoch_order(0, 1, 60_000)))
     assert not np.array_equal(first, np.asarray(input_pipeline.epoch_order(1, 0, 60_000)))
     x, y = input_pipeline.batch_at(
-        device_data.train_images, device_data.train_labels, jax.numpy.asarray(first), 2, 512
-    )
+        device_data.train_images, device_data.train_labels, jax.numpy.asarray(first), 2, 512,
+        (28, 28, 1),
+    )  # fmt: skip
     picks = first[1024:1536]
     np.testing.assert_array_equal(np.asarray(y), real_dataset.train_labels[picks])
     np.testing.assert_array_equal(
         np.asarray(x), input_pipeline.prepare_images(real_dataset.train_images[picks])
     )
+    # Accumulating 4 batches of 128 reads the same 512 examples, as (4, 128, ...).
+    xs, ys = input_pipeline.batch_at(
+        device_data.train_images, device_data.train_labels, jax.numpy.asarray(first), 2, 128,
+        (28, 28, 1), accumulate=4,
+    )  # fmt: skip
+    assert xs.shape == (4, 128, 28, 28, 1) and ys.shape == (4, 128)
+    np.testing.assert_array_equal(np.asarray(xs).reshape(x.shape), np.asarray(x))
 
 
 def test_codelab_fixed_batches_drop_the_remainder():
@@ -68,6 +74,8 @@ def test_batch_larger_than_the_train_set_is_refused(small_dataset_dir, tmp_path_
     dataset = datasets.load_dataset(offline(spec, tmp_path_factory.mktemp("empty")), directory)
     with pytest.raises(UserError, match="--batch_size=65 is larger than the 64 training"):
         input_pipeline.to_device(dataset, 65, parallel.make_mesh())
+    with pytest.raises(UserError, match="--batch_size=32 x accumulate=3 is larger than the 64"):
+        input_pipeline.to_device(dataset, 32, parallel.make_mesh(), accumulate=3)
 
 
 def test_padded_batches_mask_only_the_padding():
@@ -77,3 +85,29 @@ def test_padded_batches_mask_only_the_padding():
     assert xb.shape == (3, 2, 2)
     np.testing.assert_array_equal(mask.reshape(-1), [1, 1, 1, 1, 1, 0])
     np.testing.assert_array_equal(yb.reshape(-1)[:5], y)
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_augmentation_flips_and_shifts_any_channel_count(channels):
+    """Each image's channels move together: a flip mirrors the width, a shift moves height and
+    width with zero fill, and the channel axis is never touched."""
+    rng = np.random.default_rng(0)
+    x = jax.numpy.asarray(rng.random((64, 6, 5, channels), np.float32))
+    key = jax.random.key(1)
+    flipped = np.asarray(input_pipeline.augment(x, key, 0, True))
+    pairs = list(zip(flipped, np.asarray(x), strict=True))
+    mirrored = [np.array_equal(f, i[:, ::-1]) for f, i in pairs]
+    same = [np.array_equal(f, i) for f, i in pairs]
+    assert all(m or s for m, s in zip(mirrored, same, strict=True)) and 10 < sum(mirrored) < 54
+    shifted = np.asarray(input_pipeline.augment(x, key, 1, False))
+    for image, moved in zip(np.asarray(x), shifted, strict=True):
+        padded = np.pad(image, ((1, 1), (1, 1), (0, 0)))
+        assert any(
+            np.array_equal(moved, padded[dy : dy + 6, dx : dx + 5])
+            for dy in range(3) for dx in range(3)
+        )  # fmt: skip
+    # Micro-batches (K, B, ...) draw exactly what one batch of K * B would.
+    stacked = input_pipeline.augment(x.reshape(4, 16, 6, 5, channels), key, 1, True)
+    np.testing.assert_array_equal(
+        np.asarray(stacked).reshape(x.shape), np.asarray(input_pipeline.augment(x, key, 1, True))
+    )

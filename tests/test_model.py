@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -39,8 +40,8 @@ def test_he_normal_init_is_untruncated_with_std_sqrt_2_over_fan_in():
 def test_compute_dtype_casts_activations_and_returns_float32_logits(dtype):
     model = model_lib.MLP(compute_dtype=dtype, rngs=nnx.Rngs(0))
     assert model.compute_dtype == dtype
-    x = jnp.ones((3, 784))
-    hidden = jax.make_jaxpr(model.layers[0])(x.astype(dtype)).out_avals[0]
+    x = jnp.ones((3, 28, 28, 1))
+    hidden = jax.make_jaxpr(model.layers[0])(x.reshape(3, -1).astype(dtype)).out_avals[0]
     assert hidden.dtype == dtype
     logits = model(x)
     assert logits.shape == (3, 10) and logits.dtype == jnp.float32
@@ -50,11 +51,11 @@ def test_create_model_follows_the_config_and_seed():
     config = load_config("default")
     config.model.hidden = (32,)
     config.compute_dtype = "bfloat16"
-    model = model_lib.create_model(config, (28, 28), 10)
+    model = model_lib.create_model(config, (28, 28, 1), 10)
     assert model.compute_dtype == jnp.bfloat16
     assert model_lib.count_params(model) == 784 * 32 + 32 + 32 * 10 + 10
-    again = model_lib.create_model(config, (28, 28), 10)
-    other = model_lib.create_model(config, (28, 28), 10, seed=1)
+    again = model_lib.create_model(config, (28, 28, 1), 10)
+    other = model_lib.create_model(config, (28, 28, 1), 10, seed=1)
     k = model.layers[0].kernel[...]
     np.testing.assert_array_equal(k, again.layers[0].kernel[...])
     assert not np.array_equal(k, other.layers[0].kernel[...])
@@ -65,8 +66,8 @@ def test_the_init_compiled_for_speed_of_compiling_gives_the_same_bits(name):
     """create_model compiles the init with model_lib.INIT_COMPILER_OPTIONS; a compile with
     XLA's default options must give the same values."""
     config = load_config(name)
-    model = model_lib.create_model(config, (28, 28), 10, seed=5)
-    static = model_lib.static_args(config, (28, 28), 10)
+    model = model_lib.create_model(config, (28, 28, 1), 10, seed=5)
+    static = model_lib.static_args(config, (28, 28, 1), 10)
     default = jax.jit(lambda seed: nnx.state(model_lib._construct(*static, seed)))
     expected = default(jnp.asarray(5, jnp.uint32))
     for got, want in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(expected), strict=True):
@@ -77,10 +78,22 @@ def test_the_init_compiled_for_speed_of_compiling_gives_the_same_bits(name):
 
 def test_models_take_their_shape_and_classes_from_the_data():
     config = load_config("cnn")
-    model = model_lib.create_model(config, (20, 12), 3)
-    assert model(jnp.zeros((2, 240))).shape == (2, 3)
-    mlp = model_lib.create_model(load_config("default"), (5, 7), 4)
-    assert mlp.layers[0].kernel.shape == (35, 256) and mlp(jnp.zeros((1, 35))).shape == (1, 4)
+    model = model_lib.create_model(config, (20, 12, 1), 3)
+    assert model(jnp.zeros((2, 20, 12, 1))).shape == (2, 3)
+    mlp = model_lib.create_model(load_config("default"), (5, 7, 1), 4)
+    assert mlp.layers[0].kernel.shape == (35, 256) and mlp(jnp.zeros((1, 5, 7, 1))).shape == (1, 4)
+
+
+@pytest.mark.parametrize("name", ["default", "cnn"])
+def test_every_model_takes_colour_images(name):
+    """(H, W, C) with C = 3: the MLP flattens every channel, the CNN's first conv takes C."""
+    model = model_lib.create_model(load_config(name), (32, 32, 3), 10)
+    assert model(jnp.zeros((2, 32, 32, 3))).shape == (2, 10)
+    if name == "default":
+        assert model.layers[0].kernel.shape == (32 * 32 * 3, 256)
+    else:
+        assert model.convs[0].kernel.shape == (3, 3, 3, 32)
+    assert model.image_shape == (32, 32, 3)
 
 
 @pytest.mark.parametrize(
@@ -92,6 +105,7 @@ def test_models_take_their_shape_and_classes_from_the_data():
         ("default", "name", "resnet", "--config.model.name='resnet' is not one of mlp, cnn"),
         ("cnn", "features", (), "--config.model.features=() must be a tuple of positive"),
         ("cnn", "features", (8,) * 5, "5 blocks leave nothing of 28x28"),
+        ("cnn", "features", (8,) * 6, "halves the image's height and width, and 6 blocks"),
         ("cnn", "dropout", 1.5, "--config.model.dropout=1.5 must be in"),
     ],
 )
@@ -99,17 +113,17 @@ def test_each_model_checks_its_own_fields_in_one_line(name, field, value, messag
     config = load_config(name)
     config.model = ml_collections.ConfigDict({**config.model.to_dict(), field: value})
     with pytest.raises(UserError, match=re.escape(message)) as exc:
-        model_lib.create_model(config, (28, 28), 10)
+        model_lib.create_model(config, (28, 28, 1), 10)
     assert "\n" not in str(exc.value)
 
 
 def test_a_model_without_its_own_check_fails_in_one_line_not_a_traceback(monkeypatch):
     class Tiny(nnx.Module):
         def __init__(self, width: int = 4, *, image_shape, num_classes, compute_dtype, rngs):
-            self.head = nnx.Linear(image_shape[0] * image_shape[1], width * num_classes, rngs=rngs)
+            self.head = nnx.Linear(math.prod(image_shape), width * num_classes, rngs=rngs)
 
     monkeypatch.setitem(model_lib.MODELS, "tiny", Tiny)
     config = load_config("default")
     config.model = ml_collections.ConfigDict({"name": "tiny", "width": -1})
     with pytest.raises(UserError, match=r"model 'tiny' cannot be built from --config\.model: "):
-        model_lib.create_model(config, (28, 28), 10)
+        model_lib.create_model(config, (28, 28, 1), 10)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import EVERY_DUE_SAVE, REPO
 
-from fmnist_flax import checkpoint, evaluate, input_pipeline, parallel
+from fmnist_flax import evaluate, inference, parallel
 from fmnist_flax.errors import UserError
 
 # Measured on 2 CPU cores, 50 AdamW steps at batch 128: the 8-device runs differ from the
@@ -66,7 +66,7 @@ def test_eight_devices_train_like_one_and_arrays_are_really_sharded(tmp_path):
         for name, value in run["params"].items():
             np.testing.assert_allclose(value, one["params"][name], rtol=0, atol=PARAM_ATOL)
         assert run["specs"]["batch"] == "P('data',)"  # each device holds 128 / 8 examples
-        assert run["specs"]["test_x"] == "P(None, 'data')"
+        assert run["specs"]["test_batches"] == "P(None, 'data')"  # what evaluate streams
         assert run["specs"]["train_images"] == "replicated"
         assert run["restored_equal"]  # Orbax wrote and read the sharded state exactly
         # Evaluation and prediction on the mesh: every test image once, the same answers.
@@ -123,10 +123,11 @@ def test_two_processes_train_one_model_and_one_process_restores_it(tmp_path, rea
     assert [r["step"] for r in rows] == [1, 10, 20, 30]  # one writer: no duplicated rows
 
     # The checkpoint both processes wrote restores in this single-device process.
-    model, step, config, _ = checkpoint.restore_model(workdir, mesh=parallel.make_mesh())
+    model, step, config, _ = inference.restore_model(workdir, mesh=parallel.make_mesh())
     assert (step, config.batch_size) == (30, 256)
-    device_data = input_pipeline.to_device(real_dataset, 256, parallel.make_mesh())
-    result = evaluate.evaluate(model, device_data.test_x, device_data.test_y, device_data.test_mask)
+    result = evaluate.evaluate(
+        model, real_dataset.test_images, real_dataset.test_labels, config, parallel.make_mesh()
+    )
     assert result["accuracy"] == pytest.approx(summary["test_accuracy"], abs=2e-4)
     assert result["loss"] == pytest.approx(summary["test_loss"], rel=1e-5)
 

@@ -75,28 +75,31 @@ PIXEL_DTYPES = st.one_of(
 
 
 @st.composite
-def pixel_arrays(draw) -> tuple[np.ndarray, tuple[int, int]]:
-    h, w = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+def pixel_arrays(draw) -> tuple[np.ndarray, tuple[int, int, int]]:
+    h, w, c = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.sampled_from([1, 3]))
     n = draw(st.integers(0, 3))
     shape = draw(
         st.one_of(
-            st.sampled_from([(h, w), (n, h, w), (n, h * w)]),
-            hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=4),
+            st.sampled_from([(h, w), (n, h, w), (h, w, c), (n, h, w, c), (n, h * w * c)]),
+            hnp.array_shapes(min_dims=0, max_dims=5, min_side=0, max_side=4),
         )
     )
-    return draw(hnp.arrays(draw(PIXEL_DTYPES), shape)), (h, w)
+    return draw(hnp.arrays(draw(PIXEL_DTYPES), shape)), (h, w, c)
 
 
 @FAST
 @given(pixel_arrays())
 def test_the_input_rule_gives_pixels_in_0_1_or_a_one_line_refusal(case):
-    array, (h, w) = case
+    array, (h, w, c) = case
     try:
-        x = evaluate.model_input(array, (h, w))
+        x = evaluate.model_input(array, (h, w, c))
     except UserError as exc:
         assert one_line(exc).startswith("images: ")
         return
-    assert x.dtype == np.float32 and x.ndim == 2 and len(x) >= 1 and x.shape[1] == h * w
+    assert x.dtype == np.float32 and x.ndim == 4 and len(x) >= 1 and x.shape[1:] == (h, w, c)
+    assert (
+        array.shape[-2:] == (h, w) or array.shape[-3:] == (h, w, c) or array.shape[-1] == x[0].size
+    )
     assert np.isfinite(x).all() and x.min() >= 0 and x.max() <= 1
     if array.dtype.kind in "ui":
         expected = array.astype(np.float32) * PIXEL_SCALE
@@ -135,5 +138,5 @@ def test_read_images_on_random_or_mutated_bytes_reads_them_or_refuses_in_one_lin
             return
     assert named and all("\n" not in note for note in notes)
     for _, pixels in named:
-        assert pixels.dtype == np.float32 and pixels.shape == (28, 28)
+        assert pixels.dtype == np.float32 and pixels.shape == (28, 28, 1)
         assert np.isfinite(pixels).all() and pixels.min() >= 0 and pixels.max() <= 1

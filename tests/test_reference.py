@@ -10,16 +10,17 @@ import pytest
 from conftest import load_config
 from flax import nnx
 
-from fmnist_flax import codelab, input_pipeline, reference, train
+from fmnist_flax import codelab, reference, train
 from fmnist_flax.model import MLP
 
 RTOL = 1e-6  # float32 parity
+TASK = train.Config(load_config("default"))  # the codelab's loss: no label smoothing
 BF16_ATOL = 0.05  # bfloat16 vs float32 logits: 8 mantissa bits through three layers
 
 
 @pytest.fixture(scope="module")
 def batch(real_dataset):
-    x = input_pipeline.prepare_images(real_dataset.train_images[:512])
+    x = reference.flat_images(real_dataset.train_images[:512])  # the codelab's (512, 784)
     return jnp.asarray(x), jnp.asarray(real_dataset.train_labels[:512].astype(np.int32))
 
 
@@ -44,7 +45,7 @@ def test_logits_loss_and_grads_match_the_reference(batch):
     model = MLP(rngs=nnx.Rngs(0))
     params = reference.params_from_model(model)
     np.testing.assert_allclose(model(x), reference.mlp(params, x), rtol=RTOL, atol=1e-6)
-    (loss, aux), grads = nnx.value_and_grad(train.loss_fn, has_aux=True)(model, x, y)
+    (loss, aux), grads = nnx.value_and_grad(train.loss_fn, has_aux=True)(model, x, y, TASK)
     (ref_loss, ref_aux), ref_grads = jax.value_and_grad(reference.loss_with_metrics, has_aux=True)(
         params, (x, y)
     )
@@ -61,7 +62,7 @@ def test_one_adamw_step_gives_the_same_params_and_metrics(batch):
     tx = optax.adamw(config.optimizer.learning_rate, weight_decay=config.optimizer.weight_decay)
     ref_step = reference.make_train_step(tx, jnp.float32)
     ref_params, _, ref_metrics = ref_step(params, tx.init(params), (x, y))
-    metrics = train.jit_train_step(model, train.create_optimizer(model, config), x, y)
+    metrics = train.jit_train_step(model, train.create_optimizer(model, config), x, y, TASK)
     assert_trees_close(reference.params_from_model(model), ref_params, atol=1e-7)
     assert_trees_close(metrics, ref_metrics)
     # The step really moved the weights (by about the learning rate: Adam's first step is ~lr).
@@ -89,7 +90,9 @@ def test_the_gradient_checks_sgd_step_matches_the_codelabs(batch):
     """The codelab's hand-written SGD step (pure PyTree) and the NNX gradient check's agree."""
     x, y = batch
     model = MLP(rngs=nnx.Rngs(0))
-    _, check = codelab.gradient_check(model, x, y, 3e-3)
+    config = load_config("default")
+    config.optimizer.learning_rate = 3e-3
+    _, check = codelab.gradient_check(model, x, y, config)
     params = reference.params_from_model(model)
     stepped, loss = reference.sgd_step(params, (x, y), 3e-3)
     np.testing.assert_allclose(loss, check["loss"], rtol=RTOL)

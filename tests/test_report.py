@@ -10,66 +10,61 @@ from conftest import load_config
 from flax import nnx
 from PIL import Image
 
-from fmnist_flax import codelab, datasets, evaluate, experiment, report
+from fmnist_flax import datasets, evaluate, experiment, report
 from fmnist_flax.model import MLP
 
-TABLE_TITLES = (
+TABLE_TITLES = (  # every table of a run without the codelab's demonstrations
     "Set-up",
     "Fashion-MNIST loaded from IDX files",
     "Data arrays on the device",
     "MLP parameters: 235,146 trainable values",
-    "Gradient tree matches the parameter tree",
-    "Python dispatch vs jitted step",
     "Training metrics",
     "Evaluation",
-    "Mixed-precision timing after warm-up",
     "Device placement",
-    "Throughput in tokens (projection)",
 )
 FIGURE_SIZES = {  # (width, height) in pixels: figsize * DPI
     "examples_per_class.png": (1000, 500),
     "training_curve.png": (800, 400),
     "predictions.png": (1000, 1060),
     "confusion_matrix.png": (800, 700),
-    "dispatch_vs_jit.png": (800, 260),
-    "precision.png": (800, 260),
 }
 
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
-
+    """A run with no extension: what report.py draws for any project copied from this one."""
     config = load_config("default")
     config.steps = 30
     config.log_every = 10
     workdir = tmp_path_factory.mktemp("report") / "w"
-    return workdir, experiment.train_and_evaluate(config, workdir, [codelab.Codelab()])
+    return workdir, experiment.train_and_evaluate(config, workdir)
+
+
+def blank(path) -> bool:
+    with Image.open(path) as image:
+        return np.asarray(image.convert("L"), np.float32).std() <= 10
 
 
 @pytest.mark.slow
 def test_a_full_run_writes_every_figure_readable_and_not_blank(full_run):
     workdir, summary = full_run
-    assert summary["gradient_check"]["trees_match"]
-    assert summary["gradient_check"]["grad_vs_value_and_grad"] == 0.0
+    assert {p.name for p in (workdir / "report").iterdir()} == {*FIGURE_SIZES, "report.html"}
     for name, size in FIGURE_SIZES.items():
         with Image.open(workdir / "report" / name) as image:
             assert image.size == size, name
-            pixels = np.asarray(image.convert("L"), np.float32)
-        assert pixels.std() > 10, f"{name} looks blank"
+        assert not blank(workdir / "report" / name), f"{name} looks blank"
     assert summary["report"] == str(workdir / "report" / "report.html")
 
 
 @pytest.mark.slow
 def test_report_html_is_self_contained_with_every_table_figure_and_the_config(full_run):
-    workdir, summary = full_run
+    workdir, _ = full_run
     page = (workdir / "report" / "report.html").read_text()
     for title in TABLE_TITLES:
         assert f"<h3>{title}" in page, title
     for name in FIGURE_SIZES:
         assert f"alt='{name}' src='data:image/png;base64," in page, name
     assert "235,146" in page
-    assert "Projection, not a measurement" in page
-    assert f"{summary['train_examples_per_sec'] * codelab.TOKENS_PER_EXAMPLE:,.0f}" in page
     assert re.search(r"""(src|href)\s*=\s*['"]?\s*(https?:)?//""", page) is None
     assert "<script" not in page and "<link" not in page and "@import" not in page
     assert '"steps": 30' in page  # the run's config
@@ -84,6 +79,22 @@ def test_confusion_rows_sum_to_one_and_count_every_example(full_run):
     assert report.row_normalise(np.zeros((2, 2))).sum() == 0  # empty rows stay finite
 
 
+def test_colour_images_are_drawn_in_colour_and_grey_ones_in_grey():
+    rng = np.random.default_rng(0)
+    for channels, kind in ((3, (8, 6, 3)), (1, (8, 6))):
+        images = rng.integers(0, 256, (10, 8, 6, channels), dtype=np.uint8)
+        labels = np.arange(10) % 5
+        names = [f"class {i}" for i in range(5)]
+        figures = (
+            report.examples_per_class(images, labels, names, "Colours"),
+            report.prediction_grid(images, labels, labels, names),
+        )
+        for fig in figures:
+            shown = [ax.images[0] for ax in fig.axes if ax.images]
+            assert shown and all(image.get_array().shape == kind for image in shown)
+            assert all((image.get_cmap().name == "gray") == (channels == 1) for image in shown)
+
+
 def test_prediction_grid_marks_a_known_wrong_prediction_red(real_dataset):
     model = MLP(rngs=nnx.Rngs(0))
     model.layers[-1].bias[...] = model.layers[-1].bias[...].at[0].set(1e4)  # always "T-shirt"
@@ -91,23 +102,13 @@ def test_prediction_grid_marks_a_known_wrong_prediction_red(real_dataset):
     images, labels = real_dataset.test_images[picks], real_dataset.test_labels[picks]
     predictions = evaluate.predict(model, images).argmax(axis=1)
     assert (predictions == 0).all()
-    names = datasets.DATASETS["fashion_mnist"].class_names
+    names = datasets.IDX_DATASETS["fashion_mnist"].class_names
     fig = report.prediction_grid(images, labels, predictions, names)
     for ax, label in zip(fig.axes, labels, strict=True):
         expected = report.GREEN if label == 0 else report.RED
         assert ax.title.get_color() == expected
         assert ax.title.get_text() == f"{names[0]} / {names[label]}"
     assert (labels != 0).any() and (labels == 0).any()  # both colours were exercised
-
-
-def test_basic_report_skips_the_timing_comparisons(quick_config, tmp_path):
-    quick_config.steps = 5
-    quick_config.report = "basic"
-    summary = experiment.train_and_evaluate(quick_config, tmp_path / "w", [codelab.Codelab()])
-    names = {p.name for p in (tmp_path / "w" / "report").iterdir()}
-    assert names == set(FIGURE_SIZES) - {"dispatch_vs_jit.png", "precision.png"} | {"report.html"}
-    assert "dispatch_vs_jit" not in summary and "precision" not in summary
-    assert summary["gradient_check"]["trees_match"]
 
 
 def test_progress_bar_redraws_only_when_told(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 from conftest import load_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fmnist_flax import experiment, summaries, train
+from fmnist_flax import experiment, optimizer, summaries
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def assert_matches_metrics_log(workdir, config) -> None:
         written = scalars(reader, summaries.tag(name))
         assert written.keys() == logged.keys(), name
         assert written == pytest.approx(logged, rel=1e-6), name
-    rate = train.learning_rate(config)
+    rate = optimizer.learning_rate(config)
     assert scalars(reader, "train/learning_rate") == pytest.approx(
         {row["step"]: rate for row in rows}
     )

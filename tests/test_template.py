@@ -14,11 +14,14 @@ import subprocess
 import sys
 import sysconfig
 
+import jax
 import numpy as np
 import pytest
 from conftest import EVERY_DUE_SAVE, REPO, idx_bytes, load_config
+from flax import nnx
+from PIL import Image
 
-from fmnist_flax import input_pipeline, parallel, train
+from fmnist_flax import input_pipeline, load_model, parallel, predict, train
 
 PACKAGE = REPO / "fmnist_flax"
 # What a template user may delete; nothing that trains, evaluates or reports may import them.
@@ -72,11 +75,11 @@ def test_golden_first_steps_on_fixed_real_images(real_dataset):
     """The codelab's model from seed 0 on the first 512 training images of the file: any
     change to the init, the loss, the optimizer or the data scaling moves these numbers."""
     config = load_config("default")
-    model, optimizer = train.create_train_state(config, (28, 28), 10, parallel.make_mesh())
+    model, optimizer = train.create_train_state(config, (28, 28, 1), 10, parallel.make_mesh())
     x = input_pipeline.prepare_images(real_dataset.train_images[:512])
     y = real_dataset.train_labels[:512].astype(np.int32)
-    first = train.jit_train_step(model, optimizer, x, y)
-    second = train.jit_train_step(model, optimizer, x, y)
+    first = train.jit_train_step(model, optimizer, x, y, train.Config(config))
+    second = train.jit_train_step(model, optimizer, x, y, train.Config(config))
     assert float(first["loss"]) == pytest.approx(2.5092971324920654, rel=1e-5)
     assert float(first["grad_norm"]) == pytest.approx(1.989441990852356, rel=1e-5)
     assert float(first["accuracy"]) == 27 / 512
@@ -87,9 +90,23 @@ def test_golden_first_steps_on_fixed_real_images(real_dataset):
 # --- The template as a user copies it -------------------------------------------------------
 
 
-def copy_project(tmp_path: pathlib.Path) -> pathlib.Path:
-    """The package, main.py and configs/ in a fresh directory, as someone copying it has."""
+def copy_project(tmp_path: pathlib.Path, whole: bool = False) -> pathlib.Path:
+    """The package, main.py and configs/ in a fresh directory, as someone copying it has;
+    `whole`: every file git tracks (tests, docs, pyproject.toml, scripts) too."""
     root = tmp_path / "project"
+    if whole:
+        tracked = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split("\0")
+        for name in filter(None, tracked):
+            if (REPO / name).is_file():
+                (root / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(REPO / name, root / name)
+        return root
     shutil.copytree(PACKAGE, root / "fmnist_flax", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "configs", root / "configs")
     shutil.copy(REPO / "main.py", root)
@@ -114,30 +131,17 @@ def run(root: pathlib.Path, *args: str, check: bool = True) -> subprocess.Comple
     return done
 
 
+def rows_of(workdir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary_of(workdir: pathlib.Path) -> dict:
+    return json.loads((workdir / "summary.json").read_text())
+
+
 QUICK = (
     "--steps=20", "--log_every=10", "--checkpoint_every=10", "--batch_size=128", EVERY_DUE_SAVE,
 )  # fmt: skip
-
-
-@pytest.mark.slow
-def test_deleting_the_codelab_and_the_reference_leaves_a_working_trainer(tmp_path):
-    root = copy_project(tmp_path)
-    for name in ("codelab", "reference"):
-        (root / "fmnist_flax" / f"{name}.py").unlink()
-    work = root / "runs" / "w"
-    done = run(root, *QUICK, "--report=basic", f"--workdir={work}")
-    where = isolated(root, "-c", "import fmnist_flax; print(fmnist_flax.__file__)").stdout
-    assert where.startswith(str(root / "fmnist_flax"))  # the copy, not the install
-    summary = json.loads((work / "summary.json").read_text())
-    assert summary["test_accuracy"] > 0.5 and "gradient_check" not in summary
-    assert "Gradient tree" not in done.stdout and "Training metrics" in done.stdout
-    names = {p.name for p in (work / "report").iterdir()}
-    assert {"training_curve.png", "predictions.png", "confusion_matrix.png"} <= names
-    run(root, "--mode=eval", f"--workdir={work}", f"--output={tmp_path / 'eval.json'}")
-    assert json.loads((tmp_path / "eval.json").read_text())["test_examples"] == 10_000
-    np.save(root / "x.npy", np.zeros((2, 28, 28), np.uint8))
-    assert "x.npy[1]:" in run(root, "--mode=predict", f"--workdir={work}", "--images=x.npy").stdout
-    assert str(work / "checkpoints") in run(root, *QUICK, "--steps=30", f"--workdir={work}").stdout
 
 
 # --- docs/extending.md, followed literally ---------------------------------------------------
@@ -158,15 +162,24 @@ def recipe(name: str) -> str:
 def follow(section: str, root: pathlib.Path, **values: str) -> list[subprocess.CompletedProcess]:
     """Apply each annotated code block of a guide section to the project at `root`: create,
     insert before or after the line holding the anchor, or replace that line; `run` executes
-    the block's commands (`{NAME}` filled from `values`)."""
+    the block's commands (`python main.py ...` or a script an earlier block created, `{NAME}`
+    filled from `values`); `delete` carries out its `rm` lines."""
     results = []
     for step in STEP.finditer(section):
         action, anchor, body = step["action"], step["anchor"], step["body"]
-        if action == "run":
+        if action in ("run", "delete"):
             for line in body.strip().splitlines():
                 words = line.format(**values).split()
-                assert words[:2] == ["python", "main.py"], line
-                results.append(run(root, *words[2:]))
+                if action == "delete":
+                    assert words[0] == "rm", line
+                    for name in words[1:]:
+                        target = root / name
+                        shutil.rmtree(target) if name != "-r" and target.is_dir() else None
+                        target.unlink() if target.is_file() else None
+                    continue
+                assert words[0] == "python" and (root / words[1]).is_file(), line
+                results.append(isolated(root, *words[1:]))
+                assert results[-1].returncode == 0, results[-1].stderr[-3000:]
             continue
         path = root / step["path"]
         if action == "create":
@@ -182,7 +195,7 @@ def follow(section: str, root: pathlib.Path, **values: str) -> list[subprocess.C
 
 def write_idx_dataset(directory: pathlib.Path, shape=(12, 12), classes=("cat", "dog", "fish")):
     """A small IDX dataset of another image size with its own classes.txt."""
-    directory.mkdir()
+    directory.mkdir(parents=True)
     rng = np.random.default_rng(0)
     for stem, n in (("train", 96), ("t10k", 30)):
         labels = np.arange(n) % len(classes)
@@ -193,34 +206,162 @@ def write_idx_dataset(directory: pathlib.Path, shape=(12, 12), classes=("cat", "
     (directory / "classes.txt").write_text("\n".join(classes) + "\n")
 
 
-@pytest.mark.slow
-def test_the_guides_recipes_work_when_followed_literally(tmp_path):
+def write_png_folders(directory: pathlib.Path) -> None:
+    """train/ and test/, a folder of 16x16 RGB PNGs per class: bright or dark squares."""
+    rng = np.random.default_rng(1)
+    for split, n in (("train", 48), ("test", 16)):
+        for label, name in enumerate(("dark", "bright")):
+            (directory / split / name).mkdir(parents=True)
+            for i in range(n // 2):
+                pixels = rng.integers(0, 80, (16, 16, 3), dtype=np.uint8) + 150 * label
+                Image.fromarray(pixels.astype(np.uint8)).save(directory / split / name / f"{i}.png")
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A copied project, its data directory and the values the guide's commands take."""
     root = copy_project(tmp_path)
-    write_idx_dataset(root / "pets")
-    values = {"DATA_DIR": str(root / "pets"), "WORKDIR": str(root / "runs")}
+    values = {"DATA_DIR": str(root / "data"), "WORKDIR": str(root / "runs")}
+    return root, values
+
+
+@pytest.mark.slow
+def test_the_metric_model_config_and_idx_recipes(project):
+    root, values = project
+    write_idx_dataset(root / "data" / "pets")
     np.save(root / "pets.npy", np.zeros((2, 12, 12), np.uint8))
     assert follow(recipe("Add a metric"), root, **values) == []
     assert follow(recipe("Add a model"), root, **values) == []
     [config_run] = follow(recipe("Add a config"), root, **values)
     assert "Linear parameters: 7,850 trainable values" in config_run.stdout
-    [data_run, _, predict_run] = follow(recipe("Use another dataset"), root, **values)
+    [data_run, _, predict_run] = follow(recipe("Use another IDX dataset"), root, **values)
 
     for done in (config_run, data_run):
         assert re.search(r"Step +Loss +Accuracy +Grad norm +Top2 accuracy", done.stdout)
         assert "top2_accuracy" in done.stdout  # the progress bar shows it too
-    rows = [
-        json.loads(line) for line in (root / "runs/pets/metrics.jsonl").read_text().splitlines()
-    ]
+    rows = rows_of(root / "runs/pets")
     tested = [row["step"] for row in rows if "test_accuracy" in row]  # each epoch, the end
     epoch = tested[0]
     assert tested == sorted({*range(epoch, 20, epoch), 20})
     assert [row["step"] for row in rows] == sorted({1, 5, 10, 15, 20, *tested})
     assert all(row["accuracy"] <= row["top2_accuracy"] <= 1 for row in rows)
+    # The one metric definition reaches the test set: rows, the summary and --mode=eval.
+    assert all(r["test_accuracy"] <= r["test_top2_accuracy"] for r in rows if "test_loss" in r)
+    assert "Test top2 accuracy" in data_run.stdout
+    assert "test_top2_accuracy" in summary_of(root / "runs/pets")
     assert "pets (IDX) loaded from IDX files (3 classes, not MD5-checked)" in data_run.stdout
-    assert "(12, 12)" in data_run.stdout
+    assert "(12, 12, 1)" in data_run.stdout
     evaluation = json.loads((root / "runs/pets-eval.json").read_text())
     assert evaluation["class_names"] == ["cat", "dog", "fish"]
     assert evaluation["test_examples"] == 30 and evaluation["test_accuracy"] > 0.5
+    assert evaluation["test_accuracy"] <= evaluation["test_top2_accuracy"] <= 1
     assert re.search(r"pets\.npy\[0\]: (cat|dog|fish) \(", predict_run.stdout)
     page = (root / "runs/pets/report/report.html").read_text()
     assert "pets (IDX)" in page and "Fashion-MNIST" not in page.split("<h2>Config")[0]
+
+
+@pytest.mark.slow
+def test_the_loss_term_optimizer_and_fine_tuning_recipes(project):
+    root, values = project
+    assert len(follow(recipe("Add a loss term"), root, **values)) == 1
+    sgd_run, rmsprop_run = follow(recipe("Use another optimizer"), root, **values)
+    follow(recipe("Fine-tune from another run"), root, **values)
+    runs = root / "runs"
+    # The same init and first batch as the plain run: the z-loss only adds to the loss.
+    z_first, plain_first = rows_of(runs / "z_loss")[0], rows_of(runs / "pretrained")[0]
+    assert z_first["loss"] > plain_first["loss"] + 1e-3
+    assert z_first["accuracy"] == plain_first["accuracy"]
+    assert summary_of(runs / "z_loss")["config"]["z_loss"] == 0.01
+    sgd = summary_of(runs / "sgd")
+    assert sgd["config"]["optimizer"]["name"] == "sgd" and sgd["steps"] == 20
+    assert [row["step"] for row in rows_of(runs / "sgd")] == [1, 5, 10, 15, 20]  # updates
+    assert sgd["test_accuracy"] > 0.5 and "Training metrics" in sgd_run.stdout + rmsprop_run.stdout
+    assert summary_of(runs / "rmsprop")["config"]["optimizer"]["name"] == "rmsprop"
+    tuned = summary_of(runs / "finetuned")
+    assert tuned["init_from"] == str(runs / "pretrained")
+    # It starts where the pretrained run ended, far below a fresh model's first loss.
+    assert rows_of(runs / "finetuned")[0]["loss"] < 0.5 * plain_first["loss"]
+
+
+@pytest.mark.slow
+def test_the_colour_recipe_trains_resumes_evaluates_predicts_and_exports(project, jax_only):
+    root, values = project
+    _, train_run, _, predict_run, _ = follow(
+        recipe("Train on colour images from .npz files"), root, **values
+    )
+    work = root / "runs" / "colours"
+    assert "colours (arrays) loaded from .npz files (3 classes" in train_run.stdout
+    assert "(32, 32, 3)" in train_run.stdout
+    assert json.loads((root / "runs/colours-eval.json").read_text())["test_accuracy"] > 0.9
+    assert re.search(r"blue\.png: blue \(", predict_run.stdout)
+    assert "grey.png: converted from grayscale (L) to RGB" in predict_run.stdout
+    assert re.search(r"grey\.png: (red|green|blue) \(", predict_run.stdout)
+    # The artifact runs with JAX alone on (N, 32, 32, 3) uint8, as predict does.
+    images = np.load(root / "colours" / "test.npz")["images"][:5]
+    got = jax_only(root / "runs" / "colours.jaxexport", images)
+    assert got.shape == (5, 3)
+    np.testing.assert_allclose(got, predict(load_model(work), images), rtol=1e-6, atol=1e-7)
+    # Killed after its step-40 save (not a logged step: the row in progress travels in the
+    # checkpoint), the same command resumes and ends exactly where the uninterrupted run ends.
+    [command] = [line for line in recipe("Train on colour images").splitlines()
+                 if line.startswith("python main.py --config.dataset.name=arrays")]  # fmt: skip
+    args = [a for a in command.format(**values).split()[2:] if not a.startswith("--workdir")]
+    args += ["--checkpoint_every=20", EVERY_DUE_SAVE]
+    direct, killed = root / "runs" / "direct", root / "runs" / "killed"
+    run(root, *args, f"--workdir={direct}")
+    shutil.copytree(direct, killed)
+    shutil.rmtree(killed / "checkpoints" / "60")
+    (killed / "summary.json").unlink()
+    assert "resuming from checkpoint 40" in run(root, *args, f"--workdir={killed}").stdout
+    assert rows_of(killed) == rows_of(direct)
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(load_model(direct))),
+        jax.tree.leaves(nnx.state(load_model(killed))),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_the_data_source_recipe(project):
+    root, values = project
+    write_png_folders(root / "data" / "shapes")
+    [done] = follow(recipe("Add a data source"), root, **values)
+    assert "shapes (PNG folders) loaded from PNG folders (2 classes" in done.stdout
+    summary = summary_of(root / "runs" / "pngs")
+    assert summary["dataset"]["image_shape"] == [16, 16, 3]
+    assert summary["dataset"]["class_names"] == ["bright", "dark"]
+
+
+@pytest.mark.slow
+def test_deleting_the_demonstrations_leaves_a_working_trainer_and_a_passing_fast_tier(tmp_path):
+    root = copy_project(tmp_path, whole=True)
+    follow(recipe("Delete the demonstrations"), root)
+    assert not (root / "fmnist_flax" / "codelab.py").exists() and not (root / "scripts").exists()
+    work = root / "runs" / "w"
+    done = run(root, *QUICK, "--report=basic", f"--workdir={work}")
+    where = isolated(root, "-c", "import fmnist_flax; print(fmnist_flax.__file__)").stdout
+    assert where.startswith(str(root / "fmnist_flax"))  # the copy, not the install
+    summary = summary_of(work)
+    assert summary["test_accuracy"] > 0.5 and "gradient_check" not in summary
+    assert "Gradient tree" not in done.stdout and "Training metrics" in done.stdout
+    names = {p.name for p in (work / "report").iterdir()}
+    assert {"training_curve.png", "predictions.png", "confusion_matrix.png"} <= names
+    run(root, "--mode=eval", f"--workdir={work}", f"--output={tmp_path / 'eval.json'}")
+    assert json.loads((tmp_path / "eval.json").read_text())["test_examples"] == 10_000
+    np.save(root / "x.npy", np.zeros((2, 28, 28), np.uint8))
+    assert "x.npy[1]:" in run(root, "--mode=predict", f"--workdir={work}", "--images=x.npy").stdout
+    assert str(work / "checkpoints") in run(root, *QUICK, "--steps=30", f"--workdir={work}").stdout
+    # --mode=benchmark is no longer offered: not in --help, one line if asked for.
+    shown = run(root, "--help").stdout
+    assert re.search(r"--mode: <train\|eval\|predict\|export>:", shown) and "--bench_" not in shown
+    refused = run(root, "--mode=benchmark", check=False)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().startswith("error: ") and len(refused.stderr.splitlines()) == 1
+    # The copy's own fast tier passes, sharing this run's compilation cache.
+    tier = isolated(
+        root, "-m", "pytest", "-q", "-m", "not slow", "-x", "-p", "no:randomly",
+        "-o", f"cache_dir={REPO / '.pytest_cache'}",
+    )  # fmt: skip
+    assert tier.returncode == 0, tier.stdout[-3000:] + tier.stderr[-2000:]
+    assert re.search(r"\d+ passed", tier.stdout) and " failed" not in tier.stdout

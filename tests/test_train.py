@@ -16,7 +16,7 @@ def first_batches(real_dataset, count, batch_size=512):
     order = input_pipeline.epoch_order(0, 0, 60_000)
     batches = [
         input_pipeline.batch_at(
-            device_data.train_images, device_data.train_labels, order, i, batch_size
+            device_data.train_images, device_data.train_labels, order, i, batch_size, (28, 28, 1)
         )
         for i in range(count)
     ]
@@ -26,7 +26,8 @@ def first_batches(real_dataset, count, batch_size=512):
 def test_first_adamw_step_is_near_chance_and_returns_grad_norm(real_dataset, quick_config):
     _, _, [(x, y)] = first_batches(real_dataset, 1)
     model = MLP(rngs=nnx.Rngs(2))
-    metrics = train.jit_train_step(model, train.create_optimizer(model, quick_config), x, y)
+    optimizer = train.create_optimizer(model, quick_config)
+    metrics = train.jit_train_step(model, optimizer, x, y, train.Config(quick_config))
     assert 0.0 <= float(metrics["accuracy"]) < 0.3  # the codelab's "~10% on a fresh model"
     assert float(metrics["grad_norm"]) > 0
     assert np.isfinite(float(metrics["loss"]))
@@ -40,20 +41,24 @@ def test_fused_chunks_equal_one_step_per_call(real_dataset, quick_config, comput
     chunk's last step (inside a conditional, so XLA may sum in another order), agrees to
     float32 rounding: 1 part in 10^7 measured in bfloat16, asserted within 1e-6."""
     quick_config.compute_dtype = compute_dtype
+    task = train.Config(quick_config)
     device_data, order, batches = first_batches(real_dataset, 12)
-    plain_model = create_model(quick_config, (28, 28), 10)
+    plain_model = create_model(quick_config, (28, 28, 1), 10)
     plain_opt = train.create_optimizer(plain_model, quick_config)
+    plain_rows = []
     for x, y in batches:
-        plain_metrics = train.jit_train_step(plain_model, plain_opt, x, y)
+        plain_metrics = train.jit_train_step(plain_model, plain_opt, x, y, task)
+        plain_rows.append({k: float(v) for k, v in plain_metrics.items()})
 
-    model = create_model(quick_config, (28, 28), 10)
+    model = create_model(quick_config, (28, 28, 1), 10)
     optimizer = train.create_optimizer(model, quick_config)
     graphdef, state = nnx.split((model, optimizer))
-    chunk = train.make_train_chunk(graphdef, 512)
+    chunk = train.make_train_chunk(graphdef, task, (28, 28, 1))
+    sums = train.zero_sums(model, task, (28, 28, 1))
     images, labels = device_data.train_images, device_data.train_labels
-    state, _ = chunk(state, images, labels, order, 0, 5)  # chunks of 5, 1 and 6 steps
-    state, _ = chunk(state, images, labels, order, 5, 1)
-    state, metrics = chunk(state, images, labels, order, 6, 6)
+    state, sums, _ = chunk(state, sums, images, labels, order, 0, 5)  # chunks of 5, 1, 6 steps
+    state, sums, _ = chunk(state, sums, images, labels, order, 5, 1)
+    state, sums, metrics = chunk(state, sums, images, labels, order, 6, 6)
     nnx.update((model, optimizer), state)
     for a, b in zip(
         jax.tree.leaves(nnx.state((plain_model, plain_opt))),
@@ -64,6 +69,11 @@ def test_fused_chunks_equal_one_step_per_call(real_dataset, quick_config, comput
     for name in ("loss", "accuracy"):
         assert float(metrics[name]) == float(plain_metrics[name])
     assert float(metrics["grad_norm"]) == pytest.approx(float(plain_metrics["grad_norm"]), rel=1e-6)
+    # The running sums carried across the three calls hold every one of the 12 steps.
+    assert set(sums) == {"loss", "accuracy"}
+    for name in sums:
+        total = sum(row[name] for row in plain_rows)
+        assert float(sums[name]) == pytest.approx(total, rel=1e-6)
 
 
 def test_chunks_stop_at_log_checkpoint_and_epoch_boundaries(quick_config):

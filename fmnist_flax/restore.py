@@ -1,0 +1,192 @@
+"""Orbax checkpoints, reading side: restore the newest intact step, set damaged ones aside,
+check shapes, and resume a run exactly (model, optimizer, data position, running row).
+
+A reader of a live run (eval, predict, export) never moves anything: it skips a damaged step
+and starts over when the trainer rotates the step it was reading away.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+from flax import nnx
+
+from fmnist_flax import parallel
+from fmnist_flax.checkpoint import (
+    ARRAY_ITEMS,
+    DAMAGED_DIR,
+    Checkpoints,
+    StepVanished,
+    check_readable,
+    item_problem,
+    key_data,
+    wrap_keys,
+)
+from fmnist_flax.errors import UserError
+from fmnist_flax.tables import path_name
+
+
+class ShapeMismatch(UserError):
+    """An array of the checkpoint's item `item` differs in shape or name from its target."""
+
+    def __init__(self, message: str, item: str):
+        super().__init__(message)
+        self.item = item
+
+
+def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """{'layers.0.kernel': (784, 256), ...} for a state or a checkpoint's metadata tree."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
+    shapes = {}
+    for path, leaf in leaves:
+        keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
+        if keys and keys[-1] == "value":  # nnx.Variable's own field, not part of the name
+            keys = keys[:-1]
+        shapes[path_name(tuple(keys))] = tuple(leaf.shape)
+    return shapes
+
+
+def check_shapes(target: Any, stored: Any, what: str, item: str = "model") -> None:
+    """Raise one line naming the first array whose shape differs, or that one side lacks."""
+    want, have = _flat_shapes(target), _flat_shapes(stored)
+    for name in sorted(want.keys() | have.keys()):
+        if want.get(name) != have.get(name):
+            saved = have.get(name, "nothing (not in the checkpoint)")
+            built = want.get(name, "nothing (not in the model)")
+            raise ShapeMismatch(
+                f"{what}: parameter {name} has shape {saved} in the checkpoint but {built} in the "
+                "model being restored; use the config the checkpoint was trained with",
+                item,
+            )
+
+
+def restore_step(checkpoints: Checkpoints, step: int, targets: dict[str, Any]) -> dict[str, Any]:
+    """The named items of one step: array items into the shapes of their targets (checked
+    first), JSON items checked for their fields. Any damage raises (ValueError or Orbax's)."""
+    metadata = checkpoints.manager.item_metadata(step)
+    arrays = {name: key_data(t) for name, t in targets.items() if name in ARRAY_ITEMS}
+    for name, target in arrays.items():
+        stored = metadata[name]
+        if stored is None:
+            raise ValueError(f"item {name} has no metadata")
+        check_shapes(target, getattr(stored, "tree", stored), f"checkpoint {step}", name)
+    args = {
+        name: ocp.args.StandardRestore(arrays[name]) if name in arrays
+        else ocp.args.JsonRestore()
+        for name in targets
+    }  # fmt: skip
+    restored = checkpoints.manager.restore(step, args=ocp.args.Composite(**args))
+    for name in targets:
+        problem = None if name in arrays else item_problem(name, restored[name])
+        if problem:
+            raise ValueError(problem)
+    return {
+        name: wrap_keys(restored[name], targets[name]) if name in arrays else restored[name]
+        for name in targets
+    }
+
+
+def set_aside(checkpoints: Checkpoints, step: int, reason: str) -> None:
+    """Move a damaged step out of the way, under a name that never replaces another."""
+    if checkpoints.read_only:  # a reader leaves the workdir as it found it
+        logging.warning("checkpoint %d is damaged (%s); using an older one", step, reason)
+        return
+    directory = checkpoints.directory
+    damaged = directory.parent / DAMAGED_DIR / str(step)
+    damaged.parent.mkdir(exist_ok=True)
+    copy = 1
+    while damaged.exists():
+        damaged = damaged.with_name(f"{step}.{copy}")
+        copy += 1
+    shutil.move(directory / str(step), damaged)
+    checkpoints.reload()
+    logging.warning(
+        "checkpoint %d is damaged (%s); moved it to %s and using an older one",
+        step, reason, damaged,
+    )  # fmt: skip
+
+
+def restore(
+    checkpoints: Checkpoints,
+    targets: dict[str, Any],
+    step: int | None = None,
+    at_most: int | None = None,
+) -> dict[str, Any] | None:
+    """Restore the named items of `step` (default: the newest intact one, no newer than
+    `at_most`), or None if none.
+
+    A damaged step is moved aside with a one-line warning and the next older one is tried;
+    a shape mismatch is the user's to fix and is raised, not skipped.
+    """
+    parallel.sync("restore")  # every process lists the same steps
+    checkpoints.reload()
+    directory, steps = checkpoints.directory, checkpoints.steps()
+    candidates = [step] if step is not None else [s for s in steps[::-1] if s <= (at_most or s)]
+    if step is not None and step not in steps:
+        raise UserError(f"no checkpoint for step {step} in {directory}; it has {steps}")
+    for candidate in candidates:
+        try:
+            restored = restore_step(checkpoints, candidate, targets)
+        except UserError:
+            raise
+        except Exception as exc:  # Orbax and tensorstore raise many types for a bad file
+            if not (directory / str(candidate)).is_dir():
+                raise StepVanished(candidate) from None
+            check_readable(directory / str(candidate))
+            reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            if step is not None:
+                raise UserError(f"checkpoint {step} in {directory} is damaged: {reason}") from None
+            if jax.process_count() > 1:
+                # Each process may read different files (FSDP shards), so the others may be
+                # mid-restore: they cannot agree to skip it. Stop with what to do.
+                raise UserError(
+                    f"checkpoint {candidate} in {directory} cannot be read here ({reason}); "
+                    f"move it to {directory.parent / DAMAGED_DIR} and run the same command "
+                    "again to resume from the one before"
+                ) from None
+            set_aside(checkpoints, candidate, reason)
+            continue
+        return {**restored, "step": candidate}
+    return None
+
+
+def resume(
+    checkpoints: Checkpoints,
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    expected: dict[str, int],
+    optimizer_changed: bool = False,
+) -> tuple[int, dict[str, Any]]:
+    """Restore the newest intact checkpoint into model and optimizer; returns its step (0:
+    none) and its progress item. The data position must match `expected` (batch size, seed,
+    batches per epoch). When `optimizer_changed` (an accepted change of config.optimizer)
+    left the saved optimizer state another shape, the optimizer starts afresh."""
+    targets = {"model": nnx.state(model), "optimizer": nnx.state(optimizer), "progress": None}
+    try:
+        restored = restore(checkpoints, targets)
+    except ShapeMismatch as mismatch:
+        if not (optimizer_changed and mismatch.item == "optimizer"):
+            raise
+        del targets["optimizer"]
+        restored = restore(checkpoints, targets)
+        parallel.say(
+            f"note: the optimizer's state in {checkpoints.directory} does not fit the new "
+            "config.optimizer; the optimizer starts afresh (moments and schedule from 0)"
+        )
+    if restored is None:
+        return 0, {}
+    saved = restored["progress"]
+    for key in ("batch_size", "seed", "num_batches"):
+        if saved[key] != expected[key]:
+            raise UserError(
+                f"{checkpoints.directory} was trained with {key}={saved[key]}, this run has "
+                f"{expected[key]}; resume with the same value or use a new --workdir"
+            )
+    nnx.update(model, restored["model"])
+    if "optimizer" in restored:
+        nnx.update(optimizer, restored["optimizer"])
+    return restored["step"], saved
