@@ -224,7 +224,10 @@ def warm_start(
     source = inference.restore_model(workdir, step, flag="--init_from")[0]
     learned = nnx.Any(nnx.Param, nnx.BatchStat)
     wanted, loaded = nnx.state(model, learned), nnx.state(source, learned)
-    restore.check_shapes(wanted, loaded, f"--init_from={config.init_from}")
+    restore.check_shapes(
+        wanted, loaded, f"--init_from={config.init_from}",
+        advice="a warm start needs the same model fields and number of classes",
+    )  # fmt: skip
     nnx.update(model, loaded)
     optimizer = train.create_optimizer(model, config)
     parallel.place_module((model, optimizer), mesh, config.param_sharding)

@@ -50,7 +50,12 @@ def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_shapes(target: Any, stored: Any, what: str, item: str = "model") -> None:
+RESTORE_ADVICE = "use the config the checkpoint was trained with"
+
+
+def check_shapes(
+    target: Any, stored: Any, what: str, item: str = "model", advice: str = RESTORE_ADVICE
+) -> None:
     """Raise one line naming the first array whose shape differs, or that one side lacks."""
     want, have = _flat_shapes(target), _flat_shapes(stored)
     for name in sorted(want.keys() | have.keys()):
@@ -59,7 +64,7 @@ def check_shapes(target: Any, stored: Any, what: str, item: str = "model") -> No
             built = want.get(name, "nothing (not in the model)")
             raise ShapeMismatch(
                 f"{what}: parameter {name} has shape {saved} in the checkpoint but {built} in the "
-                "model being restored; use the config the checkpoint was trained with",
+                f"model being restored; {advice}",
                 item,
             )
 

@@ -63,6 +63,10 @@ def test_without_workdir_a_fresh_run_directory_is_made_and_printed(tmp_path):
         ("--mode=serve", "--mode"),
         ("--data_dir=/nonexistent/fmnist", "is not a directory"),
         ("shoe.png", "unexpected arguments shoe.png; flags look like --steps=400"),
+        ("--config.optimizer.momentum=0.9", "optimizer 'adamw' does not take momentum; its own"),
+        ("--config.optimizer.name=adagrad", "--config.optimizer.name='adagrad' is not one of"),
+        ("--init_from=/nonexistent/run", "--init_from /nonexistent/run does not exist"),
+        ("--config.dataset.name=arrays", "needs --data_dir=DIR holding train.npz and test.npz"),
     ],
 )
 def test_bad_flags_exit_non_zero_with_one_line(flag, expected, tmp_path):

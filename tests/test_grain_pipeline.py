@@ -38,6 +38,21 @@ def test_each_epoch_is_a_fresh_permutation_cut_into_whole_batches():
     assert [other[i][1].tolist() for i in range(3)] != epochs[0]
 
 
+def test_accumulated_steps_read_their_micro_batches_as_one_batch_would():
+    """With accumulate=K, step k reads the K * B records one batch of K * B would, as
+    (K, B, ...) micro-batches; the epoch has as many steps as such batches fit."""
+    whole = grain_pipeline.process_batches(numbered(30), batch_size=12, seed=0)
+    micro = grain_pipeline.process_batches(numbered(30), batch_size=3, seed=0, accumulate=4)
+    for step in range(4):  # two epochs of 2 steps
+        images, labels = micro[step]
+        assert images.shape == (4, 3, 4) and labels.shape == (4, 3)
+        np.testing.assert_array_equal(labels.reshape(-1), whole[step][1])
+    colour = grain_pipeline.ArraySource(np.zeros((30, 2, 2, 3), np.uint8), np.arange(30))
+    fed = grain_pipeline.GrainBatches(colour, 3, 0, parallel.make_mesh(), None, 0, 4)
+    [(x, y, *_)] = list(fed.chunks(0, 1))
+    assert x.shape == (4, 3, 12) and y.shape == (4, 3)
+
+
 def test_a_restored_iterator_state_continues_with_the_same_batches():
     images = np.arange(256, dtype=np.uint8).reshape(64, 2, 2)
     source, mesh = grain_pipeline.ArraySource(images, np.arange(64)), parallel.make_mesh()

@@ -132,6 +132,41 @@ def test_read_images_takes_pngs_and_arrays_of_the_models_size(tmp_path):
         inference.read_images(tmp_path / "three.npy")
 
 
+def test_pictures_take_the_models_channels_with_a_note(tmp_path):
+    """For a colour model: RGB as it is, RGBA without its alpha, grayscale copied to each
+    channel, another size resized per channel; for a grayscale one, colour converted."""
+    rgb = np.random.default_rng(5).integers(0, 256, (8, 6, 3), dtype=np.uint8)
+    Image.fromarray(rgb).save(tmp_path / "rgb.png")
+    Image.fromarray(np.dstack([rgb, np.full((8, 6), 9, np.uint8)])).save(tmp_path / "rgba.png")
+    Image.fromarray(rgb[..., 0]).save(tmp_path / "grey.png")
+    shape = (8, 6, 3)
+    [(_, pixels)], notes = inference.read_images(tmp_path / "rgb.png", shape)
+    assert notes == [] and pixels.shape == shape
+    np.testing.assert_array_equal(pixels, rgb * np.float32(1 / 255))
+    [(name, pixels)], notes = inference.read_images(tmp_path / "rgba.png", shape)
+    assert notes == [f"{name}: converted from RGBA to RGB (alpha dropped)"]
+    np.testing.assert_array_equal(pixels, rgb * np.float32(1 / 255))
+    [(name, pixels)], notes = inference.read_images(tmp_path / "grey.png", shape)
+    assert notes == [f"{name}: converted from grayscale (L) to RGB"]
+    assert all(np.array_equal(pixels[..., c], pixels[..., 0]) for c in range(3))
+    [(name, pixels)], notes = inference.read_images(tmp_path / "rgb.png", (4, 3, 3))
+    assert notes == [f"{name}: resized from 6x8 to 3x4"] and pixels.shape == (4, 3, 3)
+    assert pixels.min() >= 0 and pixels.max() <= 1
+    [(name, pixels)], notes = inference.read_images(tmp_path / "rgba.png", (8, 6, 1))
+    assert notes == [f"{name}: converted from RGBA to grayscale (alpha dropped)"]
+    assert pixels.shape == (8, 6, 1)
+    np.save(tmp_path / "one.npy", rgb)
+    np.save(tmp_path / "two.npy", np.stack([rgb, rgb]))
+    assert len(inference.read_images(tmp_path / "one.npy", shape)[0]) == 1
+    assert len(inference.read_images(tmp_path / "two.npy", shape)[0]) == 2
+    with pytest.raises(UserError, match=r"shape \(8, 6, 3\); expected \(8, 6\) or \(N, 8, 6\)"):
+        inference.read_images(tmp_path / "one.npy", (8, 6, 1))
+    with pytest.raises(UserError, match=r"expected \(4, 6, 3\) or \(N, 4, 6, 3\) or \(N, 72\)"):
+        inference.read_images(tmp_path / "one.npy", (4, 6, 3))
+    with pytest.raises(UserError, match="2-channel images, which no picture format holds"):
+        inference.read_images(tmp_path / "rgb.png", (8, 6, 2))
+
+
 @pytest.fixture(scope="module")
 def model():
     return MLP(rngs=nnx.Rngs(0))  # untrained: 28x28 in, 10 classes out

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from fmnist_flax import input_pipeline, parallel, train
+from fmnist_flax import experiment, input_pipeline, parallel, train
 from fmnist_flax.model import MLP, create_model
 
 
@@ -98,3 +100,46 @@ def test_evaluations_come_each_epoch_or_every_eval_every_steps_and_at_the_end(
         stops.append(step)
     tested = [s for s in stops if train.is_eval_step(s, quick_config, 117)]
     assert tested == (evaluated or [60, 120, 180, 240, 300, 360, 400])
+
+
+def rows_of(workdir) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def short_run(quick_config, workdir, fields=None):
+    """50 steps, a row every 25, with `fields` ({"optimizer.accumulate": 4, ...}) changed."""
+    quick_config.steps, quick_config.log_every = 50, 25
+    quick_config.update_from_flattened_dict(fields or {})
+    return experiment.train_and_evaluate(quick_config, workdir)
+
+
+def test_a_row_is_the_mean_of_the_steps_since_the_row_before(quick_config, tmp_path):
+    """Logged every 25 steps, a row equals the mean of the rows the same run logs every step
+    (the gradient norm stays the row's last step's): summed inside the compiled chunks."""
+    short_run(quick_config, tmp_path / "every25")
+    short_run(quick_config, tmp_path / "every1", {"log_every": 1})
+    every = {row["step"]: row for row in rows_of(tmp_path / "every1")}
+    rows = rows_of(tmp_path / "every25")
+    assert [row["step"] for row in rows] == [1, 25, 50]
+    for row, since in zip(rows[1:], (1, 25), strict=True):
+        steps = range(since + 1, row["step"] + 1)  # 24 steps, then 25
+        for name in ("loss", "accuracy"):
+            mean = np.mean([every[s][name] for s in steps])
+            assert row[name] == pytest.approx(mean, rel=1e-6), (row["step"], name)
+        assert row["grad_norm"] == pytest.approx(every[row["step"]]["grad_norm"], rel=1e-5)
+    assert rows[0] == every[1]  # step 1 is a row of its own
+
+
+def test_accumulating_4_batches_of_128_trains_like_batches_of_512(quick_config, tmp_path):
+    """One update per 4 micro-batches of 128 reads the same 512 examples as a batch of 512
+    (the same data order and augmentation draws) and averages their gradients."""
+    base = short_run(quick_config, tmp_path / "b512", {"augment.flip": True})
+    accumulated = short_run(
+        quick_config, tmp_path / "b128x4", {"batch_size": 128, "optimizer.accumulate": 4}
+    )
+    assert accumulated["steps"] == base["steps"] == 50  # steps count updates
+    for a, b in zip(rows_of(tmp_path / "b128x4"), rows_of(tmp_path / "b512"), strict=True):
+        assert a["step"] == b["step"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
+        assert a["accuracy"] == pytest.approx(b["accuracy"], abs=1e-3)
+    assert accumulated["test_accuracy"] == pytest.approx(base["test_accuracy"], abs=2e-3)
