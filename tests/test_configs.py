@@ -40,7 +40,7 @@ def test_each_config_loads_validates_builds_and_documents_its_command(name):
     config_lib.validate(config)
     model = create_model(config, (28, 28, 1), 10)
     assert type(model) is MODELS[config.model.name]
-    logits = model(jnp.zeros((2, 28, 28, 1)))
+    logits = nnx.eval_shape(lambda m, x: m(x), model, jax.ShapeDtypeStruct((2, 28, 28, 1), float))
     assert logits.shape == (2, 10) and logits.dtype == jnp.float32
     doc = (REPO / "configs" / f"{name}.py").read_text()
     assert f"python main.py --config=configs/{name}.py" in doc

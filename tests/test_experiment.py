@@ -81,12 +81,13 @@ def test_init_from_starts_from_another_runs_parameters_with_a_fresh_optimizer(
     quick_config, tmp_path
 ):
     quick_config.steps, quick_config.log_every, quick_config.checkpoint_every = 20, 10, 10
+    quick_config.eval_examples = 500  # the test set is not what this test is about
     experiment.train_and_evaluate(quick_config, tmp_path / "base")
     tuned_config = load_config("default")
     tuned_config.update_from_flattened_dict({
         "steps": 10, "log_every": 5, "report": "none", "checkpoint_min_interval_secs": 0.0,
         "init_from": f"{tmp_path / 'base'}:10", "optimizer.name": "sgd",
-        "optimizer.learning_rate": 0.01,
+        "optimizer.learning_rate": 0.01, "eval_examples": 500,
     })  # fmt: skip
     experiment.train_and_evaluate(tuned_config, tmp_path / "tuned")
     summary = json.loads((tmp_path / "tuned" / "summary.json").read_text())
@@ -105,7 +106,7 @@ def test_init_from_starts_from_another_runs_parameters_with_a_fresh_optimizer(
 
 
 def test_init_from_mistakes_are_one_line(quick_config, tmp_path):
-    quick_config.steps = 5
+    quick_config.steps, quick_config.eval_examples = 5, 500
     experiment.train_and_evaluate(quick_config, tmp_path / "base")
     (tmp_path / "empty").mkdir()
     cases = {
@@ -125,7 +126,7 @@ def test_init_from_mistakes_are_one_line(quick_config, tmp_path):
 
 
 def test_an_accepted_optimizer_change_starts_the_optimizer_afresh(quick_config, tmp_path, capsys):
-    quick_config.steps, quick_config.checkpoint_every = 10, 10
+    quick_config.steps, quick_config.checkpoint_every, quick_config.eval_examples = 10, 10, 500
     experiment.train_and_evaluate(quick_config, tmp_path / "w")
     quick_config.steps = 20
     quick_config.optimizer.name = "sgd"

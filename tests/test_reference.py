@@ -45,10 +45,13 @@ def test_logits_loss_and_grads_match_the_reference(batch):
     model = MLP(rngs=nnx.Rngs(0))
     params = reference.params_from_model(model)
     np.testing.assert_allclose(model(x), reference.mlp(params, x), rtol=RTOL, atol=1e-6)
-    (loss, aux), grads = nnx.value_and_grad(train.loss_fn, has_aux=True)(model, x, y, TASK)
-    (ref_loss, ref_aux), ref_grads = jax.value_and_grad(reference.loss_with_metrics, has_aux=True)(
-        params, (x, y)
-    )
+    # Each side compiled as one program (eagerly, every op would compile on its own).
+    (loss, aux), grads = nnx.jit(
+        lambda m: nnx.value_and_grad(train.loss_fn, has_aux=True)(m, x, y, TASK)
+    )(model)
+    (ref_loss, ref_aux), ref_grads = jax.jit(
+        jax.value_and_grad(reference.loss_with_metrics, has_aux=True)
+    )(params, (x, y))
     np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
     np.testing.assert_allclose(aux["accuracy"], ref_aux["accuracy"], rtol=RTOL)
     assert_trees_close(by_name(grads), ref_grads, atol=1e-8)
@@ -94,9 +97,9 @@ def test_the_gradient_checks_sgd_step_matches_the_codelabs(batch):
     config.optimizer.learning_rate = 3e-3
     _, check = codelab.gradient_check(model, x, y, config)
     params = reference.params_from_model(model)
-    stepped, loss = reference.sgd_step(params, (x, y), 3e-3)
+    stepped, loss = jax.jit(reference.sgd_step)(params, (x, y), 3e-3)
     np.testing.assert_allclose(loss, check["loss"], rtol=RTOL)
-    after = reference.cross_entropy_loss(stepped, (x, y))
+    after = jax.jit(reference.cross_entropy_loss)(stepped, (x, y))
     np.testing.assert_allclose(after, check["loss_after_one_sgd_step"], rtol=1e-5)
     assert float(after) < float(loss)
     np.testing.assert_array_equal(params["w1"], model.layers[0].kernel[...])  # untouched
