@@ -18,6 +18,7 @@ import json
 import logging as std_logging
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 import threading
@@ -37,12 +38,13 @@ from fmnist_flax.errors import UserError
 CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never deleted
 STEP_MARKER = "_CHECKPOINT_METADATA"  # what Orbax writes in every step it finalises
+STEP_FILES = (STEP_MARKER, "commit_success.txt")  # a step's own files besides its items
 SPACE_MARGIN = 1.5  # bytes a save needs per byte of state, metadata included (measured ~1.1)
 INODES_PER_SAVE = 100  # files and directories a save creates (measured 51 for the MLP)
 BEST_METRIC = "test_accuracy"  # what keep_best and --step=best rank steps by (higher is better)
 BEST = "best"  # --step=best
 SAVE_NICENESS = 19  # the save threads' CPU priority (nice), the lowest
-READ_ATTEMPTS = 5  # a reader of a live run starts over this often when a step is rotated away
+READ_ATTEMPTS = 20  # a reader of a live run starts over this often when a step is rotated away
 
 
 ARRAY_ITEMS = ("model", "optimizer")  # array trees
@@ -95,10 +97,11 @@ class _OrbaxNoise(std_logging.Filter):
 
 # A reader's manager is read-only by design; a step's metadata is missing when it is damaged,
 # unreadable or rotated away, each of which this module reports in its own line; a save waits
-# for the one before in the low-priority saving thread, not in training's.
+# for the one before in the low-priority saving thread, not in training's; a reader restores
+# the model item alone by design.
 _ORBAX_NOTICES = (
     "read only", "read_only=True", "Metadata file does not exist",
-    "Waiting for previous save to complete",
+    "Waiting for previous save to complete", "was found in the checkpoint, but could not be",
 )  # fmt: skip
 
 
@@ -113,13 +116,16 @@ for _logger in (logging.get_absl_logger(), std_logging.getLogger("asyncio")):
 
 def _abandoned_write_hook(previous):
     """After a failed save, tensorstore still completes the abandoned writes' futures and
-    their callbacks find Orbax's event loop closed; each would print a traceback as an
-    unraisable exception, often before the failure reaches the training loop. Those say
-    nothing the one-line error does not."""
+    their callbacks find Orbax's event loop closed; after a failed read (a step rotated away
+    under a reader, or damaged), the reads abandoned with it end in coroutines nobody awaits.
+    Each would print a traceback as an unraisable exception; the failure itself is reported
+    in one line (or the reader starts over from the newest step)."""
 
     def hook(unraisable):
         value = unraisable.exc_value
-        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+        closed = isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
+        abandoned_read = "while reading array index" in str(value)
+        if not (closed or abandoned_read):
             previous(unraisable)
 
     hook.quiet_abandoned_writes = True
@@ -211,8 +217,8 @@ class Checkpoints:
         self._thread_error: UserError | None = None
         if not read_only:
             prepare_directory(self.directory)
-            if not hasattr(sys.unraisablehook, "quiet_abandoned_writes"):
-                sys.unraisablehook = _abandoned_write_hook(sys.unraisablehook)
+        if not hasattr(sys.unraisablehook, "quiet_abandoned_writes"):  # a reader's reads too
+            sys.unraisablehook = _abandoned_write_hook(sys.unraisablehook)
         policies = ocp.checkpoint_managers
         self._best = _KeepBest({})
         keep = [policies.LatestN(max_to_keep), *([self._best] if keep_best else [])]
@@ -335,7 +341,7 @@ class Checkpoints:
             )
 
     def _resume_hint(self) -> str:
-        kept = sorted(self._manager.all_steps())
+        kept = complete_steps(self.directory)  # on disk: Orbax's own list may be mid-update
         last = f"checkpoint {kept[-1]}" if kept else "the start (no checkpoint was completed)"
         return f"free some space and run the same command again to resume from {last}"
 
@@ -367,7 +373,11 @@ class Checkpoints:
     def close(self) -> None:
         if self._thread is not None:  # a save still starting (its failure already reported)
             self._thread.join()
-        self._manager.close()
+        try:
+            self._manager.close()  # waits for the save in flight, raising its failure again
+        except Exception as exc:  # Orbax and tensorstore raise many types for a failed write
+            if not abandoned_writes():  # not reported yet: say it, in one line
+                raise self._save_failed(self._saving, exc) from None
 
     def saved(self, item: str, step: int | None = None) -> tuple[int, dict[str, Any] | None]:
         """(step, JSON `item`) of `step`, or of the newest step whose item is intact: restore()
@@ -377,14 +387,29 @@ class Checkpoints:
         damage = None
         for candidate in self.steps()[::-1]:
             try:
-                return candidate, saved_item(self.directory, candidate, item)
+                value = saved_item(self.directory, candidate, item)
             except Unreadable:
                 raise
             except UserError as exc:
+                if self.rotated(candidate):
+                    raise StepVanished(candidate) from None
                 damage = damage or exc
+                continue
+            if damage:  # an older step than asked for: say so
+                logging.warning("%s; using checkpoint %d instead", damage, candidate)
+            return candidate, value
         if damage:
             raise damage
         return 0, None
+
+    def rotated(self, step: int) -> bool:
+        """For a reader, whether `step` looks rotated away by a live training run rather than
+        damaged: it is no longer complete, or the run has completed a step newer than any
+        this reader listed."""
+        if not self.read_only:
+            return False
+        done, listed = complete_steps(self.directory), self.steps()
+        return step not in done or (bool(listed) and done[-1] > listed[-1])
 
     def _scores(self) -> dict[int, float]:
         """The test accuracy of each kept step saved at an evaluation, from its progress item."""
@@ -398,15 +423,16 @@ class Checkpoints:
                 scores[step] = progress[BEST_METRIC]
         return scores
 
-    def best_step(self) -> int:
-        """The kept step of the best test accuracy (saved at an evaluation), for --step=best."""
+    def best_steps(self) -> list[int]:
+        """The kept steps saved at an evaluation, best test accuracy first, for --step=best
+        (a damaged best one is passed over for the next)."""
         scores = self._scores()
         if not scores:
             raise UserError(
                 f"--step=best: no checkpoint in {self.directory} was saved at an evaluation; "
                 "train with --config.keep_best=True, or pass a step number"
             )
-        return max(scores, key=lambda step: (scores[step], step))
+        return sorted(scores, key=lambda step: (scores[step], step), reverse=True)
 
 
 def open_reader(workdir: str | os.PathLike) -> Checkpoints:
@@ -415,6 +441,11 @@ def open_reader(workdir: str | os.PathLike) -> Checkpoints:
     for attempt in range(READ_ATTEMPTS):
         try:
             return Checkpoints(workdir, read_only=True)
+        except PermissionError:
+            raise UserError(
+                f"{checkpoint_dir(workdir)} cannot be read (permission denied); fix its "
+                "permissions (or run as its owner) and run the same command again"
+            ) from None
         except FileNotFoundError:
             if attempt == READ_ATTEMPTS - 1:
                 raise UserError(
@@ -439,11 +470,36 @@ def prepare_directory(directory: pathlib.Path) -> None:
     for path in sorted(directory.iterdir()):
         if path.name.isdigit() and path.is_dir():
             check_readable(path)
-        if path.name.isdigit() and not (path / STEP_MARKER).exists():
-            raise UserError(
-                f"{path} is not a checkpoint this project wrote (no {STEP_MARKER}); move it out "
-                f"of {directory}, where the newest {CHECKPOINT_DIR} are rotated away"
-            )
+        if not path.name.isdigit() or (path / STEP_MARKER).exists():
+            continue
+        if half_deleted(path):  # a kill while Orbax was removing a rotated-away step
+            shutil.rmtree(path, ignore_errors=True)  # every process of a run may try
+            if not path.exists():
+                logging.warning("%s was half deleted when its run stopped; removed it", path)
+                continue
+        raise UserError(
+            f"{path} is not a checkpoint this project wrote (no {STEP_MARKER}); move it out "
+            f"of {directory}, where the newest {CHECKPOINT_DIR} are rotated away"
+        )
+
+
+def complete_steps(directory: pathlib.Path) -> list[int]:
+    """The steps Orbax finished writing in `directory` (its marker file in them), on disk."""
+    try:
+        return sorted(
+            int(p.name) for p in directory.iterdir()
+            if p.name.isdigit() and (p / STEP_MARKER).exists()
+        )  # fmt: skip
+    except OSError:
+        return []
+
+
+def half_deleted(path: pathlib.Path) -> bool:
+    """Whether a step directory without its marker holds nothing but what this project's saves
+    write (Orbax deletes a rotated step file by file, the marker among the first)."""
+    if not path.is_dir() or path.is_symlink():
+        return False
+    return {p.name for p in path.iterdir()} <= {*STEP_FILES, *ARRAY_ITEMS, *JSON_ITEMS}
 
 
 class Unreadable(UserError):

@@ -132,6 +132,10 @@ RESUMABLE_FIELDS = (
 )  # fmt: skip
 
 
+# Fields that move the data position a checkpoint saves: a resume cannot change them.
+POSITION_FIELDS = ("batch_size", "seed", "optimizer.accumulate", "dataset.examples")
+
+
 def with_defaults(saved: dict[str, Any]) -> ml_collections.ConfigDict:
     """A saved config, with each field added since it was saved at its default (defaults keep
     the behaviour of the runs before them). The model's fields are the saved model's own."""

@@ -71,13 +71,41 @@ class Dataset:
         return len(self.class_names)
 
     def info(self) -> dict:
-        """What a checkpoint records so a model can be used without the data: JSON-ready."""
+        """What a checkpoint records so a model can be used without the data, and so a resume
+        on other data is noticed: JSON-ready."""
         return {
             "name": self.name,
             "title": self.title,
             "class_names": list(self.class_names),
             "image_shape": list(self.image_shape),
+            "examples": [len(self.train_labels), len(self.test_labels)],
+            "fingerprint": self.fingerprint(),
         }
+
+    def fingerprint(self) -> str:
+        """A hash of every label and of ~512 images spread over both splits (milliseconds):
+        other files of the same shape give another one."""
+        digest = hashlib.sha256()
+        for images, labels in ((self.train_images, self.train_labels),
+                               (self.test_images, self.test_labels)):  # fmt: skip
+            digest.update(np.ascontiguousarray(labels, np.int32).tobytes())
+            digest.update(np.ascontiguousarray(images[:: max(1, len(images) // 256)]).tobytes())
+        return digest.hexdigest()[:16]
+
+
+# What names the data a run trains on; a resume whose data differs in any is a config change.
+IDENTITY = ("name", "image_shape", "class_names", "examples", "fingerprint")
+
+
+def identity_changes(saved: dict, now: dict) -> list[dict]:
+    """The fields of the data's identity (`Dataset.info`) that differ from what a checkpoint
+    recorded, as `dataset.<field>` changes; a field it did not record is not compared."""
+    saved = {**saved, "image_shape": list(image_shape_of(saved))}
+    return [
+        {"field": f"dataset.{key}", "saved": saved[key], "now": now[key]}
+        for key in IDENTITY
+        if key in saved and saved[key] != now[key]
+    ]
 
 
 def image_shape_of(info: dict) -> tuple[int, int, int]:
@@ -176,7 +204,15 @@ def read_class_names(data_dir: pathlib.Path, labels: np.ndarray) -> tuple[str, .
     """A directory's classes: classes.txt (one name per line), or 0..max label."""
     path = data_dir / CLASSES_FILE
     if not path.is_file():
-        return tuple(str(i) for i in range(int(labels.max(initial=0)) + 1))
+        count = int(labels.max(initial=0)) + 1
+        missing = count - len(np.unique(labels))
+        if missing:  # a stray label would silently add classes nothing is labelled with
+            raise UserError(
+                f"{data_dir}: the labels run up to {count - 1} but {missing} of the classes "
+                f"0..{count - 1} have no example; a stray label? Name the classes in "
+                f"{path} (one per line) if some really have none"
+            )
+        return tuple(str(i) for i in range(count))
     try:
         names = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as exc:

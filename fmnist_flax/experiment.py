@@ -37,7 +37,7 @@ from fmnist_flax import (
 )
 from fmnist_flax import model as model_lib
 from fmnist_flax import workdir as workdir_lib
-from fmnist_flax.errors import UserError
+from fmnist_flax.errors import UserError, warning_line
 from fmnist_flax.tables import Table
 
 
@@ -109,15 +109,15 @@ def train_and_evaluate(
     with contextlib.ExitStack() as cleanup:
         signals = cleanup.enter_context(train.StopSignals())
         run = set_up(config, workdir, signals, cleanup, accept_config_change)
-        summary_path = run.workdir / workdir_lib.SUMMARY_FILE
-        if run.start_step > config.steps or (
-            run.start_step == config.steps and summary_path.exists()
-        ):
+        # An unreadable summary.json (a kill while it was replaced is not one: it is written
+        # atomically) is written again from the final checkpoint.
+        summary = workdir_lib.read_json(run.workdir / workdir_lib.SUMMARY_FILE)
+        if run.start_step > config.steps or (run.start_step == config.steps and summary):
             parallel.say(
                 f"workdir {run.workdir} already holds step {run.start_step}; nothing to do for "
                 f"--steps={config.steps} (pass a larger --steps to continue)"
             )
-            return workdir_lib.read_json(summary_path)
+            return summary or {}
         describe(run)
         for extension in extensions:
             extension.before_training(run)
@@ -178,7 +178,7 @@ def set_up(
     )
     cleanup.callback(checkpoints.close)
     cleanup.callback(checkpoints.wait)  # runs first: the last save is on disk before closing
-    changes = check_config_changes(checkpoints, config, accept_config_change)
+    changes = check_config_changes(checkpoints, config, dataset, accept_config_change)
     checkpoints.metadata["changes"] = {"changes": changes}
     expected = train.progress_of(0, device_data.batches_per_epoch, config)
     optimizer_changed = any(c["field"].startswith("optimizer.") for c in changes)
@@ -244,21 +244,31 @@ def parse_init_from(value: str) -> tuple[str, int | str | None]:
 
 
 def check_config_changes(
-    checkpoints: checkpoint_lib.Checkpoints, config: ml_collections.ConfigDict, accept: bool
+    checkpoints: checkpoint_lib.Checkpoints,
+    config: ml_collections.ConfigDict,
+    dataset: datasets.Dataset,
+    accept: bool,
 ) -> list[dict[str, Any]]:
-    """Refuse to resume with values that change what the run computes, in one line naming
-    each; with `accept`, return them (with the earlier accepted ones) for the record."""
+    """Refuse to resume with values (or data) that change what the run computes, in one line
+    naming each; with `accept`, return them (with the earlier accepted ones) for the record.
+    Values that move the data position (the batch, the seed, the train set's size) cannot be
+    accepted: the saved position would not mean the same examples."""
     step, saved = checkpoints.saved("config")
     if saved is None:
         return []
     earlier = checkpoints.saved("changes", step)[1] or {"changes": []}
     changes = config_lib.training_changes(saved, config.to_dict())
-    if changes and not accept:
-        listed = ", ".join(f"{c['field']} {c['saved']!r} -> {c['now']!r}" for c in changes)
+    changes += datasets.identity_changes(
+        checkpoints.saved("dataset", step)[1] or {}, dataset.info()
+    )
+    fixed = [c for c in changes if c["field"] in config_lib.POSITION_FIELDS]
+    if changes and (fixed or not accept):
+        listed = ", ".join(f"{c['field']} {c['saved']!r} -> {c['now']!r}" for c in fixed or changes)
+        way = "" if fixed else ", or pass --accept_config_change to go on with the new ones"
         raise UserError(
-            f"{checkpoints.directory} holds step {step} trained with other values: "
-            f"{listed}; resume with the saved values, pass a new --workdir, or pass "
-            "--accept_config_change to go on with the new ones (summary.json records them)"
+            f"{checkpoints.directory} holds step {step} trained with other values: {listed}; "
+            f"resume with the saved values (and data) or pass a new --workdir{way}"
+            + (" (summary.json records them)" if way else "")
         )
     return earlier["changes"] + [{"step": step, **c} for c in changes]
 
@@ -404,20 +414,32 @@ def evaluate_model(run: Run) -> dict[str, Any]:
     return result
 
 
+def write_report(run: Run) -> pathlib.Path | None:
+    """report/ with every section; a write that fails is one warning line, and the run's
+    summary is written without it."""
+    directory = run.workdir / "report"
+    try:
+        return report.write_report(
+            directory,
+            title=f"fmnist-flax: {run.dataset.title} with Flax NNX",
+            sections=run.sections,
+            config=run.config.to_dict(),
+        )
+    except OSError as exc:
+        warning_line(
+            f"cannot write the report in {directory} ({workdir_lib.disk_problem(directory, exc)})"
+            "; summary.json is written without it"
+        )
+        return None
+
+
 def write_outputs(run: Run, evaluation: dict[str, Any], wall_seconds: float) -> dict[str, Any]:
     """summary.json and report/ (process 0), then the results where a person looks first."""
     full, codelab = evaluation["full"], evaluation["codelab"]
     if not parallel.is_primary():
         return {"test_accuracy": full["accuracy"], "process_index": jax.process_index()}
     config, mesh = run.config, run.device_data.mesh
-    report_path = None
-    if run.reporting:
-        report_path = report.write_report(
-            run.workdir / "report",
-            title=f"fmnist-flax: {run.dataset.title} with Flax NNX",
-            sections=run.sections,
-            config=config.to_dict(),
-        )
+    report_path = write_report(run) if run.reporting else None
     last = run.history[-1] if run.history else {}
     summary = {
         **{f"test_{k}": v for k, v in full.items()},

@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from absl import logging
 from flax import nnx
 from PIL import Image
 
@@ -44,6 +45,7 @@ from fmnist_flax.checkpoint import (
     READ_ATTEMPTS,
     Checkpoints,
     StepVanished,
+    Unreadable,
     checkpoint_dir,
     open_reader,
     saved_item,
@@ -90,6 +92,8 @@ def restore_model(
     try:
         for attempt in range(READ_ATTEMPTS):  # a live run may rotate the chosen step away
             try:
+                if step == BEST:
+                    return _restore_best(checkpoints, compute_dtype, mesh, flag)
                 return _restore_model(checkpoints, step, compute_dtype, mesh, flag)
             except StepVanished as gone:
                 if step is not None or attempt == READ_ATTEMPTS - 1:
@@ -103,6 +107,20 @@ def restore_model(
         checkpoints.close()
 
 
+def _restore_best(checkpoints: Checkpoints, compute_dtype, mesh, flag) -> tuple:
+    """The model of the best kept evaluated step that can be read; a damaged one is passed
+    over with a warning (a reader moves nothing: the training run sets it aside)."""
+    ranked = checkpoints.best_steps()
+    for step in ranked:
+        try:
+            return _restore_model(checkpoints, step, compute_dtype, mesh, flag)
+        except UserError as exc:  # damaged: its config item, or its arrays
+            if step == ranked[-1] or isinstance(exc, Unreadable | restore.ShapeMismatch):
+                raise
+            logging.warning("%s; using the next best checkpoint", exc)
+    raise AssertionError("unreachable")
+
+
 def _restore_model(
     checkpoints: Checkpoints,
     step: int | str | None,
@@ -114,8 +132,6 @@ def _restore_model(
     steps = checkpoints.steps()
     if not steps:
         raise UserError(f"{flag} {path} has no checkpoints; train there first")
-    if step == BEST:
-        step = checkpoints.best_step()
     if step is not None and step not in steps:
         asked = f"--step={step}" if flag == "--workdir" else f"{flag}={path}:{step}"
         raise UserError(f"{asked}: {path} has checkpoints for steps {steps}")
@@ -227,6 +243,8 @@ def read_images(
     notes. The module docstring's rule decides what is accepted; anything else raises a
     one-line UserError that names the file."""
     name, shape = str(path), tuple(int(side) for side in image_shape)
+    if path.exists() and not path.is_file():  # reading a FIFO or a device could wait for ever
+        raise UserError(f"{name}: not a regular file (a directory, a FIFO or a device)")
     if path.suffix.lower() == ".npy":
         images = evaluate.model_input(_load_npy(path, name), shape, name)
         names = [name] if len(images) == 1 else [f"{name}[{i}]" for i in range(len(images))]

@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from fmnist_flax import parallel
+from fmnist_flax import errors, parallel
 from fmnist_flax.checkpoint import (
     ARRAY_ITEMS,
     DAMAGED_DIR,
@@ -28,6 +28,10 @@ from fmnist_flax.checkpoint import (
 )
 from fmnist_flax.errors import UserError
 from fmnist_flax.tables import path_name
+
+
+class Damaged(UserError):
+    """The one step asked for cannot be read: files missing, truncated or not its own."""
 
 
 class ShapeMismatch(UserError):
@@ -133,18 +137,20 @@ def restore(
     candidates = [step] if step is not None else [s for s in steps[::-1] if s <= (at_most or s)]
     if step is not None and step not in steps:
         raise UserError(f"no checkpoint for step {step} in {directory}; it has {steps}")
+    if at_most is not None and not candidates and steps:  # all newer: it was rotated away
+        raise StepVanished(at_most)
     for candidate in candidates:
         try:
             restored = restore_step(checkpoints, candidate, targets)
         except UserError:
             raise
         except Exception as exc:  # Orbax and tensorstore raise many types for a bad file
-            if not (directory / str(candidate)).is_dir():
+            if not (directory / str(candidate)).is_dir() or checkpoints.rotated(candidate):
                 raise StepVanished(candidate) from None
             check_readable(directory / str(candidate))
-            reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            reason = errors.reason(exc)
             if step is not None:
-                raise UserError(f"checkpoint {step} in {directory} is damaged: {reason}") from None
+                raise Damaged(f"checkpoint {step} in {directory} is damaged: {reason}") from None
             if jax.process_count() > 1:
                 # Each process may read different files (FSDP shards), so the others may be
                 # mid-restore: they cannot agree to skip it. Stop with what to do.

@@ -1,20 +1,32 @@
 """TensorBoard event files of a run: every logged metric, the test metrics, the learning rate,
 examples/sec and the config, under <workdir>/tensorboard (process 0 writes them).
 
-`tensorboard --logdir runs` shows every run under runs/ side by side. tensorboardX writes
-the files (no TensorFlow); the viewer is the `tensorboard` extra.
+`tensorboard --logdir runs` shows every run under runs/ side by side. The events are built
+with tensorboardX's protos and written here, synchronously and unbuffered, one record per
+`write` call: a full disk or a file where the directory should be is an OSError at once, in
+the training thread (no writer thread to die and block it), and every event written before a
+kill is in the file. Each start writes a purge marker, so TensorBoard drops the events a
+killed run logged past the checkpoint this one resumes from: one event per tag and step.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import socket
+import struct
+import time
 from typing import Any
 
 import ml_collections
-from tensorboardX import SummaryWriter
+from tensorboardX import summary
+from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.record_writer import masked_crc32c
 
 from fmnist_flax import optimizer
+from fmnist_flax import workdir as workdir_lib
+from fmnist_flax.errors import warning_line
 
 TENSORBOARD_DIR = "tensorboard"
 TEST_PREFIX = "test_"  # metrics.jsonl names the evaluation's metrics test_loss, test_accuracy
@@ -27,28 +39,70 @@ def tag(name: str) -> str:
     return f"train/{name}"
 
 
+def record(data: bytes) -> bytes:
+    """One TFRecord: length, its masked CRC, the data, its masked CRC (what TensorBoard reads)."""
+    header = struct.pack("<Q", len(data))
+    crcs = struct.pack("<I", masked_crc32c(header)), struct.pack("<I", masked_crc32c(data))
+    return header + crcs[0] + data + crcs[1]
+
+
 class Summaries:
-    """One run's TensorBoard writer; a resumed run drops the events past its checkpoint."""
+    """One run's event file. A write that fails (no space, no inodes, no permission, a file in
+    the directory's place) is said once, in one line, and the run goes on without TensorBoard;
+    metrics.jsonl holds every row anyway."""
 
     def __init__(self, workdir: pathlib.Path, config: ml_collections.ConfigDict, start_step: int):
-        self.writer = SummaryWriter(
-            logdir=str(workdir / TENSORBOARD_DIR),
-            purge_step=start_step + 1 if start_step else None,
-        )
+        self.directory = workdir / TENSORBOARD_DIR
         self.schedule = optimizer.learning_rate(config)
+        self._fd: int | None = None
+        name = f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW
+            self._fd = os.open(self.directory / name, flags, 0o666)
+        except OSError as exc:
+            self._fail(exc)
+        first = start_step + 1  # what this run logs first; TensorBoard drops older events from it
+        self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        self._write(Event(wall_time=time.time(), step=first,
+                          session_log=SessionLog(status=SessionLog.START)))  # fmt: skip
         text = json.dumps(config.to_dict(), indent=2, sort_keys=True)
-        self.writer.add_text("config", f"```\n{text}\n```", start_step)
+        self._summary(summary.text("config", f"```\n{text}\n```"), first)
+
+    def _fail(self, exc: OSError) -> None:
+        """Say once why TensorBoard stops, and stop writing it."""
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd = None
+        warning_line(
+            f"cannot write TensorBoard events in {self.directory} "
+            f"({workdir_lib.disk_problem(self.directory, exc)}); training goes on without them "
+            f"(metrics.jsonl has every row)"
+        )
+
+    def _write(self, event: Event) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.write(self._fd, record(event.SerializeToString()))
+        except OSError as exc:
+            self._fail(exc)
+
+    def _summary(self, value: Any, step: int) -> None:
+        self._write(Event(wall_time=time.time(), step=step, summary=value))
 
     def write(self, row: dict[str, Any], examples_per_sec: float | None = None) -> None:
         """A metrics.jsonl row at its step, with the rate the step's update used."""
         step = row["step"]
         for name, value in row.items():
             if name != "step":
-                self.writer.add_scalar(tag(name), value, step)
+                self._summary(summary.scalar(tag(name), value), step)
         rate = self.schedule(step - 1) if callable(self.schedule) else self.schedule
-        self.writer.add_scalar("train/learning_rate", float(rate), step)
+        self._summary(summary.scalar("train/learning_rate", float(rate)), step)
         if examples_per_sec is not None:
-            self.writer.add_scalar("train/examples_per_sec", examples_per_sec, step)
+            self._summary(summary.scalar("train/examples_per_sec", examples_per_sec), step)
 
     def close(self) -> None:
-        self.writer.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

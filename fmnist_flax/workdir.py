@@ -132,20 +132,37 @@ def write_json(path: pathlib.Path, value: dict[str, Any]) -> None:
         raise UserError(f"cannot write {path} ({disk_problem(path, exc)})") from None
 
 
-def read_json(path: pathlib.Path) -> dict[str, Any]:
-    """A JSON file written by `write_json`, or {} when there is none."""
-    return json.loads(path.read_text()) if path.exists() else {}
+def read_json(path: pathlib.Path) -> dict[str, Any] | None:
+    """A JSON object written by `write_json`, or None when there is none or it cannot be read
+    (a crash or someone else left something else there)."""
+    try:
+        value = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _is_row(row: Any) -> bool:
+    """A metrics row: an object with a whole-number step and numbers for its other fields."""
+    if not isinstance(row, dict) or type(row.get("step")) is not int:
+        return False
+    return all(type(v) in (int, float) for k, v in row.items() if k != "step")
 
 
 def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
-    """The rows of a JSON-lines file; a torn last line (a crash mid-write) is left out."""
+    """The rows of a JSON-lines file; a torn last line (a crash mid-write) or any line that is
+    not a metrics row (bad bytes, other types: not written by this project) is left out."""
+    try:
+        lines = path.read_bytes().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
     rows = []
-    for line in path.read_text().splitlines():
+    for line in lines:
         try:
             row = json.loads(line)
         except ValueError:
-            continue  # only a line cut short by a crash or a full disk can be unreadable
-        if isinstance(row, dict) and "step" in row:
+            continue
+        if _is_row(row):
             rows.append(row)
     return rows
 
@@ -160,6 +177,8 @@ class MetricsLog:
 
     def __init__(self, path: pathlib.Path, keep_until: int = 0):
         self.path = path
+        if path.is_dir() and not path.is_symlink():
+            raise UserError(f"{path} is a directory; move it out of the way and run again")
         kept = []
         if keep_until and path.exists():
             kept = [row for row in read_jsonl(path) if row["step"] <= keep_until]
@@ -185,35 +204,64 @@ class MetricsLog:
 
 
 class Lock:
-    """The training run's claim on its workdir: an flock on <workdir>/.lock, released by the
-    kernel when the process ends however it ends, so a killed run never blocks the next."""
+    """The training run's claim on its workdir: an flock on the workdir directory itself,
+    released by the kernel when the process ends however it ends, so a killed run never blocks
+    the next. Nothing inside the workdir can be removed or replaced to bypass it (`.lock` only
+    tells a second trainer who holds it, and is opened without following a symlink)."""
 
     def __init__(self, workdir: pathlib.Path):
         self.path = workdir / LOCK_FILE
-        try:
-            self._file = self.path.open("a+")
-        except OSError as exc:
-            raise UserError(f"cannot create {self.path} ({disk_problem(self.path, exc)})") from None
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise UserError(f"cannot lock {self.path} ({exc.strerror})") from None
-            self._file.seek(0)
-            holder = self._file.read().strip() or "another process"
-            self._file.close()
-            raise UserError(
-                f"--workdir {workdir} is in use by a training run ({holder}); wait for it to "
-                "finish, stop it, or pass another --workdir"
-            ) from None
-        self._file.seek(0)
-        self._file.truncate()
+        self._fd = self._claim(workdir, os.O_RDONLY | os.O_DIRECTORY)
+        on_file = self._fd is None  # a filesystem without directory locks (NFS): lock `.lock`
+        if on_file:
+            self._fd = self._claim(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW)
+        if self._fd is None:
+            raise UserError(f"cannot lock --workdir {workdir}: its filesystem has no file locks")
         since = time.strftime("%Y-%m-%d %H:%M:%S")
-        self._file.write(f"pid {os.getpid()} on {socket.gethostname()} since {since}\n")
-        self._file.flush()
+        note = f"pid {os.getpid()} on {socket.gethostname()} since {since}\n".encode()
+        try:  # who holds the lock, for the next trainer's message: a new file, never followed
+            if on_file:
+                os.ftruncate(self._fd, 0)
+                os.write(self._fd, note)
+                return
+            self.path.unlink(missing_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as file:
+                file.write(note)
+        except OSError:
+            pass  # the lock holds without it; only the second trainer's message is poorer
+
+    def _claim(self, path: pathlib.Path, flags: int) -> int | None:
+        """An fd of `path` holding an exclusive flock; None if the filesystem cannot lock it."""
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as exc:
+            raise UserError(
+                f"cannot lock {path} ({disk_problem(path, exc)}); pick a --workdir you can write"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                raise UserError(
+                    f"--workdir {self.path.parent} is in use by a training run "
+                    f"({self._holder()}); wait for it to finish, stop it, or pass another --workdir"
+                ) from None
+            return None
+        return fd
+
+    def _holder(self) -> str:
+        """What `.lock` says of the holder (a regular file only), or "another process"."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd) as file:
+                return file.read(200).strip() or "another process"
+        except (OSError, UnicodeDecodeError):
+            return "another process"
 
     def release(self) -> None:
-        self._file.close()  # closing drops the flock
+        os.close(self._fd)  # closing drops the flock
 
 
 def versions() -> dict[str, str]:

@@ -328,6 +328,6 @@ def test_keep_best_keeps_the_best_evaluated_step_beside_the_newest(tmp_path):
     assert save([(2, 0.5), (3, 0.9), (4, None), (5, 0.6)]) == [3, 4, 5]
     assert save([(6, 0.7), (7, 0.65)]) == [3, 6, 7]
     reader = checkpoint.Checkpoints(tmp_path, read_only=True)
-    assert reader.best_step() == 3
+    assert reader.best_steps()[0] == 3
     reader.close()
     assert inference.restore_model(tmp_path, checkpoint.BEST)[1] == 3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import resource
 import signal
@@ -404,7 +405,11 @@ def test_unreadable_files_are_one_line_each(tmp_path):
     valid.write_bytes(valid.read_bytes()[:400])  # cut inside the pixel data
     np.savez(tmp_path / "archive.npz", a=np.zeros((28, 28), np.uint8))
     (tmp_path / "archive.npz").rename(tmp_path / "archive.npy")
+    os.mkfifo(tmp_path / "fifo.png")  # nobody writes to it: reading it would wait for ever
+    (tmp_path / "folder.npy").mkdir()
     for name, start in (
+        ("fifo.png", "not a regular file (a directory, a FIFO or a device)"),
+        ("folder.npy", "not a regular file (a directory, a FIFO or a device)"),
         ("broken.png", "cannot read it as an image ("),
         ("broken.npy", "cannot read it as a .npy array ("),
         ("cut.png", "cannot read it as an image ("),
