@@ -497,7 +497,7 @@ def complete_steps(directory: pathlib.Path) -> list[int]:
 def half_deleted(path: pathlib.Path) -> bool:
     """Whether a step directory without its marker holds nothing but what this project's saves
     write (Orbax deletes a rotated step file by file, the marker among the first)."""
-    if not path.is_dir() or path.is_symlink():
+    if not path.is_dir() or path.is_symlink() or (path / STEP_MARKER).exists():
         return False
     return {p.name for p in path.iterdir()} <= {*STEP_FILES, *ARRAY_ITEMS, *JSON_ITEMS}
 

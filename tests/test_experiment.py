@@ -150,3 +150,41 @@ def test_eval_examples_evaluates_a_prefix_of_the_test_set(quick_config, tmp_path
     summary = experiment.train_and_evaluate(quick_config, tmp_path / "w")
     assert summary["test_examples"] == 1_000 and summary["codelab_test_examples"] == 512
     assert np.array(summary["confusion_matrix"]).sum() == 1_000
+
+
+def tiny_arrays(directory, seed, train=64):
+    """A small colour `arrays` dataset: 8x8x3 images, 4 classes."""
+    directory.mkdir()
+    rng = np.random.default_rng(seed)
+    for name, n in (("train", train), ("test", 16)):
+        images = rng.integers(0, 256, (n, 8, 8, 3), dtype=np.uint8)
+        np.savez(directory / f"{name}.npz", images=images, labels=rng.integers(0, 4, n))
+
+
+def test_a_resume_on_other_data_is_refused_like_a_config_change(quick_config, tmp_path):
+    tiny_arrays(tmp_path / "a", seed=0)
+    tiny_arrays(tmp_path / "b", seed=1)  # the same shapes and classes, other images and labels
+    tiny_arrays(tmp_path / "c", seed=0, train=80)
+    quick_config.update_from_flattened_dict({
+        "dataset.name": "arrays", "data_dir": str(tmp_path / "a"), "batch_size": 16,
+        "steps": 4, "checkpoint_every": 2,
+    })  # fmt: skip
+    experiment.train_and_evaluate(quick_config, tmp_path / "w")
+    quick_config.steps = 8
+    quick_config.data_dir = str(tmp_path / "b")
+    with pytest.raises(UserError, match=r"dataset\.fingerprint '[0-9a-f]+' -> '[0-9a-f]+'") as exc:
+        experiment.train_and_evaluate(quick_config, tmp_path / "w")
+    assert "--accept_config_change" in str(exc.value) and "\n" not in str(exc.value)
+    # Another train set size moves the data position: not even accepted.
+    quick_config.data_dir = str(tmp_path / "c")
+    with pytest.raises(UserError, match=r"dataset\.examples \[64, 16\] -> \[80, 16\]") as exc:
+        experiment.train_and_evaluate(quick_config, tmp_path / "w", accept_config_change=True)
+    assert "--accept_config_change" not in str(exc.value)
+    quick_config.data_dir, quick_config.batch_size = str(tmp_path / "a"), 32
+    with pytest.raises(UserError, match="batch_size 16 -> 32; resume with the saved values") as exc:
+        experiment.train_and_evaluate(quick_config, tmp_path / "w", accept_config_change=True)
+    assert "--accept_config_change" not in str(exc.value)
+    quick_config.batch_size = 16  # the same data, moved: resumes
+    shutil.copytree(tmp_path / "a", tmp_path / "moved")
+    quick_config.data_dir = str(tmp_path / "moved")
+    assert experiment.train_and_evaluate(quick_config, tmp_path / "w")["resumed_from_step"] == 4

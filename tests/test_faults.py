@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from conftest import EVERY_DUE_SAVE, REPO, run_main
 
@@ -313,3 +314,195 @@ def test_a_changed_schedule_length_is_refused_unless_accepted(tmp_path):
     assert accepted.returncode == 0, accepted.stderr
     changes = json.loads((workdir / "summary.json").read_text())["config_changes"]
     assert changes == [{"step": 10, "field": "steps", "saved": 10, "now": 20}]
+
+
+# --- The files around the checkpoints: TensorBoard, the report, the lock, rotation ----------------
+
+
+def warnings_and_errors(stderr: str) -> tuple[list[str], list[str]]:
+    """The `warning:` and `error:` lines of a run; anything else but the no-GPU notice and
+    absl's own warnings fails the test (a traceback, a library's log)."""
+    lines = [line for line in stderr.splitlines() if line.strip() and "No GPU found" not in line]
+    warned = [line for line in lines if line.startswith("warning: ")]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(warned) + len(errors) == len(lines), stderr
+    return warned, errors
+
+
+def board_events(workdir: pathlib.Path) -> dict[str, list[int]]:
+    """Each TensorBoard tag's event steps as TensorBoard's own reader sees them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    reader = EventAccumulator(str(workdir / "tensorboard"))
+    reader.Reload()
+    return {tag: [e.step for e in reader.Scalars(tag)] for tag in reader.Tags()["scalars"]}
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="mounting a tmpfs needs root; the next test covers it")
+def test_a_full_disk_under_tensorboard_is_one_warning_and_signals_still_stop_the_run(tmp_path):
+    """A 4 KB tmpfs as W/tensorboard fills at once: the run says so once and trains on, and a
+    SIGTERM later still stops it with its checkpoint (it used to hang, signals ignored)."""
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    with small_disk(tmp_path / "disk", "size=4k") as disk:
+        (workdir / "tensorboard").symlink_to(disk)
+        process = start(workdir, "--steps=1000000", "--checkpoint_every=50", *QUICK)
+        wait_for(lambda: len(saved_steps(workdir)) >= 2)
+        stopped = finish(process)
+    warned, errors = warnings_and_errors(stopped.stderr)
+    assert stopped.returncode == 128 + signal.SIGTERM and len(errors) == 1
+    assert errors[0].startswith("error: SIGTERM at step ") and len(warned) == 1
+    assert f"cannot write TensorBoard events in {workdir / 'tensorboard'} (No space" in warned[0]
+    assert "training goes on without them" in warned[0]
+
+
+@pytest.mark.parametrize("fault", ["a file", "unwritable"])
+def test_a_tensorboard_directory_that_cannot_be_written_is_one_warning(tmp_path, fault):
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    if fault == "a file":
+        (workdir / "tensorboard").write_text("not a directory")
+        result = run_main(f"--workdir={workdir}", "--steps=10", *QUICK)
+    else:
+        (workdir / "tensorboard").mkdir(mode=0o555)
+        result = run_bound_by_permissions(f"--workdir={workdir}", "--steps=10", *QUICK)
+    warned, errors = warnings_and_errors(result.stderr)
+    assert result.returncode == 0 and not errors and len(warned) == 1
+    assert "cannot write TensorBoard events" in warned[0]
+    assert json.loads((workdir / "summary.json").read_text())["steps"] == 10
+
+
+def test_tensorboard_has_one_event_per_logged_step_after_kills_before_and_after_a_save(tmp_path):
+    """Killed before its first save, then after a save with later events written: each rerun
+    drops the events past the step it starts from, as metrics.jsonl drops its rows."""
+    workdir = tmp_path / "w"
+    flags = ("--checkpoint_every=40", "--log_every=5", "--report=none", EVERY_DUE_SAVE)
+    rows = workdir / "metrics.jsonl"
+    process = start(workdir, "--steps=1000000", "--checkpoint_every=1000000", *flags[1:])
+    wait_for(lambda: rows.exists() and len(rows.read_text().splitlines()) >= 8)
+    process.kill()
+    process.wait()
+    assert saved_steps(workdir) == [] and board_events(workdir)["train/loss"][:2] == [1, 5]
+    process = start(workdir, "--steps=1000000", *flags)
+    wait_for(lambda: saved_steps(workdir) and saved_steps(workdir)[-1] >= 80)
+    wait_for(
+        lambda: json.loads(rows.read_text().splitlines()[-1])["step"] > saved_steps(workdir)[-1]
+    )
+    process.kill()
+    process.wait()
+    done = run_main(f"--workdir={workdir}", "--steps=200", *flags)
+    assert done.returncode == 0, done.stderr
+    logged = [json.loads(line)["step"] for line in rows.read_text().splitlines()]
+    assert logged == sorted(set(logged)) and logged[-1] == 200
+    for tag, steps in board_events(workdir).items():
+        if tag.startswith("train/") and tag != "train/examples_per_sec":
+            assert steps == logged, tag
+
+
+def test_a_kill_while_a_step_is_deleted_leaves_a_workdir_the_same_command_resumes(tmp_path):
+    """Orbax deletes a rotated step file by file: killed in the middle (looped until a kill
+    lands there), the step is left without its marker; the same command removes it, says so
+    and resumes."""
+    flags = ("--steps=1000000", "--checkpoint_every=1", EVERY_DUE_SAVE, "--report=none",
+             "--log_every=50")  # fmt: skip
+    for attempt in range(12):
+        workdir = tmp_path / f"w{attempt}"
+        process = start(workdir, *flags)
+        wait_for(lambda w=workdir: len(saved_steps(w)) >= 3)
+        time.sleep(0.37 * (attempt % 5))
+        process.kill()
+        process.wait()
+        steps = workdir / "checkpoints"
+        halves = [p for p in steps.iterdir() if p.name.isdigit() and checkpoint.half_deleted(p)]
+        if halves:
+            break
+    else:
+        pytest.fail("12 kills never landed while a step was being deleted")
+    resumed = start(workdir, *flags)
+    wait_for(lambda: max(saved_steps(workdir)) > max(int(p.name) for p in halves) + 3)
+    stopped = finish(resumed)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
+    assert f"{halves[0]} was half deleted when its run stopped; removed it" in stopped.stderr, (
+        stopped.stderr
+    )
+    assert "Traceback" not in stopped.stderr and not halves[0].exists()
+
+
+def test_readers_of_a_fast_rotating_run_retry_and_never_print_orbax_tracebacks(tmp_path):
+    """max_to_keep=1 and a save every 20 steps: a step lives a fraction of a second, often
+    less than a reader takes to read it; each reader starts over from the newest."""
+    workdir = tmp_path / "w"
+    trainer = start(workdir, "--steps=100000000", "--checkpoint_every=20", EVERY_DUE_SAVE,
+                    "--config.max_to_keep=1", "--report=none", "--log_every=100")  # fmt: skip
+    wait_for(lambda: saved_steps(workdir))
+    images = tmp_path / "x.npy"
+    np.save(images, np.zeros((2, 28, 28), np.uint8))
+    for mode in ("eval", "predict", "export", "eval", "predict", "export"):
+        read = run_main(f"--mode={mode}", f"--workdir={workdir}", f"--images={images}",
+                        f"--output={tmp_path / mode}")  # fmt: skip
+        assert read.returncode == 0, read.stderr
+        assert not [line for line in read.stderr.splitlines() if "No GPU found" not in line]
+    assert trainer.poll() is None, "the trainer died while it was being read"
+    finish(trainer)
+
+
+def test_a_report_that_cannot_be_written_is_one_warning_and_the_summary_is_written(copy):
+    (copy / "report").write_text("a file where report/ goes")
+    result = run_main(f"--workdir={copy}", "--steps=30", "--checkpoint_every=10",
+                      "--report=basic", "--log_every=5", EVERY_DUE_SAVE)  # fmt: skip
+    warned, errors = warnings_and_errors(result.stderr)
+    assert result.returncode == 0 and not errors and len(warned) == 1
+    assert f"cannot write the report in {copy / 'report'}" in warned[0]
+    summary = json.loads((copy / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["report"] is None
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="mounting a tmpfs needs root")
+def test_a_disk_another_process_fills_mid_save_is_one_line_naming_the_kept_step(tmp_path):
+    with small_disk(tmp_path / "disk", "size=40m") as disk:
+        workdir = disk / "w"
+        process = start(workdir, "--steps=1000000", "--checkpoint_every=2", *QUICK)
+        wait_for(lambda: len(saved_steps(workdir)) >= 3)
+        with (disk / "filler").open("wb") as filler, contextlib.suppress(OSError):
+            while True:  # as fast as it can: the disk fills while a save is being written
+                filler.write(b"\0" * 2**20)
+                filler.flush()
+        stopped = process.communicate(timeout=120)[1]
+        kept = saved_steps(workdir)
+        line = the_error(subprocess.CompletedProcess([], process.returncode, "", stopped), "")
+        assert "No space left on device" in line and f"resume from checkpoint {kept[-1]}" in line
+        (disk / "filler").unlink()
+        resumed = run_main(f"--workdir={workdir}", f"--steps={kept[-1] + 4}", *QUICK)
+        assert resumed.returncode == 0, resumed.stderr
+        assert f"resuming from checkpoint {kept[-1]}" in resumed.stdout
+
+
+def test_a_corrupt_summary_is_written_again_by_the_same_command(copy):
+    (copy / "summary.json").write_text("{ half a summ")
+    result = run_main(f"--workdir={copy}", "--steps=20", "--checkpoint_every=10", *QUICK)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((copy / "summary.json").read_text())["steps"] == 20
+
+
+def test_an_unreadable_checkpoint_directory_is_one_line_for_a_reader(copy):
+    with permissions(copy / "checkpoints", 0o000):
+        result = run_bound_by_permissions("--mode=eval", f"--workdir={copy}")
+    the_error(result, f"{copy / 'checkpoints'} cannot be read (permission denied)")
+
+
+def test_a_damaged_best_step_is_passed_over_for_the_next_best(tmp_path):
+    workdir = tmp_path / "w"
+    result = run_main(f"--workdir={workdir}", "--steps=40", "--config.eval_every=10",
+                      "--checkpoint_every=10", "--config.keep_best=True", *QUICK)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    best = run_main("--mode=eval", f"--workdir={workdir}", "--step=best",
+                    f"--output={tmp_path / 'a.json'}")  # fmt: skip
+    assert best.returncode == 0, best.stderr
+    first = json.loads((tmp_path / "a.json").read_text())["step"]
+    for path in (workdir / "checkpoints" / str(first) / "model" / "d").iterdir():
+        path.write_bytes(path.read_bytes()[:10])
+    again = run_main("--mode=eval", f"--workdir={workdir}", "--step=best",
+                     f"--output={tmp_path / 'b.json'}")  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert f"checkpoint {first} in " in again.stderr and "using the next best" in again.stderr
+    assert json.loads((tmp_path / "b.json").read_text())["step"] != first

@@ -50,3 +50,47 @@ def test_a_workdir_the_filesystem_refuses_is_one_line(tmp_path, name):
         (tmp_path / "null").write_text("")
     with pytest.raises(UserError, match=r"^--workdir .*"):
         workdir.prepare_workdir(tmp_path / name)
+
+
+def test_the_lock_holds_whatever_happens_to_the_lock_file(tmp_path):
+    """The flock is on the workdir directory itself: deleting `.lock`, or putting a symlink
+    in its place, lets no second trainer in, and the symlink's target is never written."""
+    held = workdir.Lock(tmp_path)
+    assert "pid " in (tmp_path / workdir.LOCK_FILE).read_text()
+    (tmp_path / workdir.LOCK_FILE).unlink()
+    with pytest.raises(UserError, match="is in use by a training run"):
+        workdir.Lock(tmp_path)
+    victim = tmp_path.parent / f"{tmp_path.name}-victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / workdir.LOCK_FILE).symlink_to(victim)
+    with pytest.raises(UserError, match=r"is in use by a training run \(another process\)"):
+        workdir.Lock(tmp_path)
+    held.release()
+    again = workdir.Lock(tmp_path)  # released: the next trainer gets it
+    assert not (tmp_path / workdir.LOCK_FILE).is_symlink() and victim.read_text() == "keep me"
+    again.release()
+
+
+def test_metrics_rows_someone_else_wrote_are_left_out_not_a_traceback(tmp_path):
+    path = tmp_path / workdir.METRICS_FILE
+    path.write_bytes(
+        b'{"step": 1, "loss": 2.5}\n\xff\xfe garbage\n{"step": "5", "loss": 1.0}\n'
+        b'{"step": 10, "loss": "low"}\n[1, 2]\n{"step": 20, "loss": 0.5}\n{"step": 2'
+    )
+    assert workdir.read_jsonl(path) == [{"step": 1, "loss": 2.5}, {"step": 20, "loss": 0.5}]
+    workdir.MetricsLog(path, keep_until=20).close()
+    assert [row["step"] for row in workdir.read_jsonl(path)] == [1, 20]
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(UserError, match=r"metrics\.jsonl is a directory; move it out of the way"):
+        workdir.MetricsLog(path, keep_until=20)
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"\xff\xfe", None])
+def test_an_unreadable_summary_reads_as_none(tmp_path, content):
+    path = tmp_path / workdir.SUMMARY_FILE
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    assert workdir.read_json(path) is None
