@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
+from fmnist_flax import errors
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
 
@@ -351,8 +352,7 @@ class Checkpoints:
         if storage is not None:
             reason = workdir_lib.disk_problem(self.directory, storage)
         else:
-            lines = str(exc).strip().splitlines()
-            reason = lines[0][:200] if lines else type(exc).__name__
+            reason = errors.reason(exc)
         return UserError(
             f"could not write checkpoint {step} in {self.directory} ({reason}); "
             + self._resume_hint()

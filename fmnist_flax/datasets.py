@@ -26,6 +26,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from fmnist_flax import errors
 from fmnist_flax.errors import UserError
 
 IMAGES_MAGIC = 2051
@@ -536,7 +537,7 @@ def _read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {key: archive[key] for key in archive.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, AttributeError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        reason = errors.reason(exc)
         raise UserError(f"{path}: cannot read it as an .npz archive ({reason})") from None
     missing = [key for key in ARRAY_KEYS if key not in arrays]
     if missing:

@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from fmnist_flax import input_pipeline, parallel, task
+from fmnist_flax import errors, input_pipeline, parallel, task
 from fmnist_flax.errors import UserError
 from fmnist_flax.input_pipeline import PIXEL_SCALE
 
@@ -137,7 +137,7 @@ def model_input(images: Any, image_shape: tuple[int, int, int], name: str = "ima
     try:
         array = np.asarray(images)
     except (ValueError, TypeError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        reason = errors.reason(exc)
         raise UserError(f"{name}: cannot be made into one array ({reason}); {expected}") from None
     if array.dtype.kind == "V" and jnp.issubdtype(array.dtype, jnp.floating):
         array = array.astype(np.float32)  # bfloat16 and other ml_dtypes floats: exact in f32

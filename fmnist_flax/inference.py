@@ -37,7 +37,7 @@ from flax import nnx
 from PIL import Image
 
 from fmnist_flax import config as config_lib
-from fmnist_flax import datasets, evaluate, parallel, restore, tables
+from fmnist_flax import datasets, errors, evaluate, parallel, restore, tables
 from fmnist_flax import model as model_lib
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.checkpoint import (
@@ -269,7 +269,7 @@ def _load_npy(path: pathlib.Path, name: str) -> np.ndarray:
     try:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
     except Exception as exc:  # NumPy's header parser also raises tokenize.TokenError & co.
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        reason = errors.reason(exc)
         raise UserError(f"{name}: cannot read it as a .npy array ({reason})") from None
     if not isinstance(array, np.ndarray):  # np.load opens a zip as an .npz archive
         array.close()
@@ -307,7 +307,7 @@ def _read_picture(path: pathlib.Path, name: str, notes: list[str], channels: int
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise UserError(f"{name}: refused as a possible decompression bomb ({exc})") from None
     except Exception as exc:  # Pillow raises many types for malformed files; each is the file's
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        reason = errors.reason(exc)
         raise UserError(f"{name}: cannot read it as an image ({reason})") from None
     if mode in SIXTEEN_BIT_MODES:
         pixels = _sixteen_bit(pixels, mode, name, notes)
@@ -352,12 +352,12 @@ def run_predict(
     mesh = parallel.make_mesh()
     model, _, _, info = restore_model(workdir, step, compute_dtype, mesh)
     names = info["class_names"]
-    named, errors = [], []
+    named, failures = [], []
     for path in paths:
         try:
             images, notes = read_images(pathlib.Path(path), info["image_shape"])
         except UserError as exc:
-            errors.append(str(exc))
+            failures.append(str(exc))
             continue
         named += images
         for note in notes:
@@ -386,6 +386,6 @@ def run_predict(
             parallel.say(f"{name}: {names[best]} ({100 * probs[best]:.1f}%)")
     if output and parallel.is_primary():
         workdir_lib.write_json(
-            pathlib.Path(output).expanduser(), {"predictions": predictions, "errors": errors}
+            pathlib.Path(output).expanduser(), {"predictions": predictions, "errors": failures}
         )
-    return predictions, errors
+    return predictions, failures

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from fmnist_flax import errors
 from fmnist_flax.errors import UserError
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -182,7 +183,7 @@ def create_model(
     try:
         return _build(*static, jnp.asarray(seed, jnp.uint32))
     except (TypeError, ValueError) as exc:  # a model without its own check_config
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        message = errors.reason(exc)
         raise UserError(
             f"model {static[0]!r} cannot be built from --config.model: {message}"
         ) from None

@@ -22,6 +22,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fmnist_flax import errors
 from fmnist_flax.errors import UserError, error_line
 
 DATA_AXIS = "data"
@@ -76,7 +77,7 @@ def initialize(
             initialization_timeout=timeout_s + JAX_TIMEOUT_MARGIN_S,
         )
     except (RuntimeError, ValueError) as exc:  # XlaRuntimeError is a RuntimeError
-        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        reason = errors.reason(exc)
         raise UserError(
             f"could not join the multi-process run at {where} within {timeout_s} s ({reason}); "
             "check that process 0 is running, that --coordinator_address is its host:port "

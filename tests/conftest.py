@@ -36,6 +36,13 @@ def pytest_configure(config: pytest.Config) -> None:
     jax.config.update("jax_compilation_cache_max_size", 2**30)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests (processes, long training) first, the many short ones after: with two
+    workers stealing each other's queued tests, they then finish together instead of one
+    waiting while the other runs a long test started last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def run_main(*args, cwd=REPO, **kwargs) -> subprocess.CompletedProcess:
     """`python main.py ARGS` in a process of its own, as a user runs it."""
     return subprocess.run(

@@ -437,7 +437,7 @@ def test_readers_of_a_fast_rotating_run_retry_and_never_print_orbax_tracebacks(t
     wait_for(lambda: saved_steps(workdir))
     images = tmp_path / "x.npy"
     np.save(images, np.zeros((2, 28, 28), np.uint8))
-    for mode in ("eval", "predict", "export", "eval", "predict", "export"):
+    for mode in ("eval", "predict", "export"):
         read = run_main(f"--mode={mode}", f"--workdir={workdir}", f"--images={images}",
                         f"--output={tmp_path / mode}")  # fmt: skip
         assert read.returncode == 0, read.stderr
@@ -492,8 +492,8 @@ def test_an_unreadable_checkpoint_directory_is_one_line_for_a_reader(copy):
 
 def test_a_damaged_best_step_is_passed_over_for_the_next_best(tmp_path):
     workdir = tmp_path / "w"
-    result = run_main(f"--workdir={workdir}", "--steps=40", "--config.eval_every=10",
-                      "--checkpoint_every=10", "--config.keep_best=True", *QUICK)  # fmt: skip
+    result = run_main(f"--workdir={workdir}", "--steps=20", "--config.eval_every=5",
+                      "--checkpoint_every=5", "--config.keep_best=True", *QUICK)  # fmt: skip
     assert result.returncode == 0, result.stderr
     best = run_main("--mode=eval", f"--workdir={workdir}", "--step=best",
                     f"--output={tmp_path / 'a.json'}")  # fmt: skip

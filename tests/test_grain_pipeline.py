@@ -86,7 +86,7 @@ def test_grain_trains_to_the_device_pipelines_band_in_400_steps(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_grain_run_resumes_mid_epoch_bit_exact(tmp_path):
-    flags = (GRAIN, "--steps=600", "--checkpoint_every=10", "--report=none", "--log_every=10",
+    flags = (GRAIN, "--steps=300", "--checkpoint_every=10", "--report=none", "--log_every=10",
              EVERY_DUE_SAVE)  # fmt: skip
     direct = run_main(f"--workdir={tmp_path / 'direct'}", *flags)
     assert direct.returncode == 0, direct.stderr
