@@ -321,3 +321,38 @@ def test_a_registered_loader_is_a_dataset_name(tmp_path, monkeypatch):
     config.dataset.name = "stripe"
     with pytest.raises(UserError, match=r"'stripe' is not one of fashion_mnist, mnist, idx"):
         datasets.get(config)
+
+
+def write_four(directory, train_labels, test_labels, test_images=4):
+    """Four raw IDX files of 4x4 images with the given labels (no classes.txt)."""
+    directory.mkdir()
+    for stem, labels, n in (("train", train_labels, len(train_labels)),
+                            ("t10k", test_labels, test_images)):  # fmt: skip
+        images = np.zeros((n, 4, 4), np.uint8)
+        (directory / f"{stem}-images-idx3-ubyte").write_bytes(idx_bytes(images))
+        (directory / f"{stem}-labels-idx1-ubyte").write_bytes(
+            idx_bytes(np.asarray(labels, np.uint8))
+        )
+
+
+def idx_config(directory):
+    config = config_lib.get_config()
+    config.dataset.name, config.data_dir = "idx", str(directory)
+    return config
+
+
+def test_a_stray_label_without_class_names_is_refused_not_a_new_class(tmp_path):
+    labels = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9] * 2
+    write_four(tmp_path / "stray", [*labels[:-1], 200], [0, 1, 2, 3])
+    with pytest.raises(UserError, match=r"labels run up to 200 but 190 of the classes") as exc:
+        datasets.load(idx_config(tmp_path / "stray"))
+    assert "classes.txt" in one_line(exc)
+    write_four(tmp_path / "fine", labels, [0, 1, 2, 3])
+    assert datasets.load(idx_config(tmp_path / "fine")).num_classes == 10
+
+
+def test_an_idx_test_set_without_images_is_one_line(tmp_path):
+    write_four(tmp_path / "d", [0, 1, 0, 1], [], test_images=0)
+    with pytest.raises(UserError, match="holds no examples; each split needs at least one") as exc:
+        datasets.load(idx_config(tmp_path / "d"))
+    assert "t10k-images-idx3-ubyte" in one_line(exc)

@@ -506,3 +506,13 @@ def test_a_damaged_best_step_is_passed_over_for_the_next_best(tmp_path):
     assert again.returncode == 0, again.stderr
     assert f"checkpoint {first} in " in again.stderr and "using the next best" in again.stderr
     assert json.loads((tmp_path / "b.json").read_text())["step"] != first
+
+
+def test_an_export_that_uses_an_older_step_than_the_newest_says_so(copy, tmp_path):
+    (copy / "checkpoints" / "20" / "config" / "metadata").write_text("[]")
+    result = run_main("--mode=export", f"--workdir={copy}", f"--output={tmp_path / 'm'}")
+    assert result.returncode == 0, result.stderr
+    assert "checkpoint 20 in " in result.stderr and "using checkpoint 10 instead" in result.stderr
+    assert "Traceback" not in result.stderr
+    meta = json.loads((tmp_path / "m.json").read_text())
+    assert meta["source"]["step"] == 10
