@@ -423,6 +423,15 @@ class Checkpoints:
                 scores[step] = progress[BEST_METRIC]
         return scores
 
+    def best_candidate(self) -> int | None:
+        """The step keep_best preserves now (the best score saved), or None."""
+        scores = self._best.scores
+        return max(scores, key=lambda step: (scores[step], step)) if scores else None
+
+    def forget_score(self, step: int) -> None:
+        """A step set aside ranks no more."""
+        self._best.scores.pop(step, None)
+
     def best_steps(self) -> list[int]:
         """The kept steps saved at an evaluation, best test accuracy first, for --step=best
         (a damaged best one is passed over for the next)."""

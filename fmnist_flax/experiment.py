@@ -183,6 +183,8 @@ def set_up(
     expected = train.progress_of(0, device_data.batches_per_epoch, config)
     optimizer_changed = any(c["field"].startswith("optimizer.") for c in changes)
     start_step, resumed = restore.resume(checkpoints, model, optimizer, expected, optimizer_changed)
+    if config.keep_best and jax.process_count() == 1:  # processes could not agree to move it
+        restore.check_best(checkpoints, model, start_step)
     if not start_step and config.init_from:
         optimizer = warm_start(model, config, mesh)
     batches = training_batches(config, dataset, device_data, resumed, start_step)

@@ -112,6 +112,7 @@ def set_aside(checkpoints: Checkpoints, step: int, reason: str) -> None:
         damaged = damaged.with_name(f"{step}.{copy}")
         copy += 1
     shutil.move(directory / str(step), damaged)
+    checkpoints.forget_score(step)
     checkpoints.reload()
     logging.warning(
         "checkpoint %d is damaged (%s); moved it to %s and using an older one",
@@ -201,3 +202,19 @@ def resume(
     if "optimizer" in restored:
         nnx.update(optimizer, restored["optimizer"])
     return restored["step"], saved
+
+
+def check_best(checkpoints: Checkpoints, model: nnx.Module, resumed_step: int) -> None:
+    """With keep_best, the best step outlives every rotation: read it once when a run starts
+    (unless it is the step just resumed from), and set it aside if it is damaged, so it
+    neither blocks --step=best nor stays "best" for ever."""
+    best = checkpoints.best_candidate()
+    if best is None or best == resumed_step:
+        return
+    try:
+        restore_step(checkpoints, best, {"model": nnx.state(model)})
+    except UserError:
+        raise
+    except Exception as exc:  # Orbax and tensorstore raise many types for a bad file
+        check_readable(checkpoints.directory / str(best))
+        set_aside(checkpoints, best, errors.reason(exc))

@@ -491,14 +491,17 @@ def test_an_unreadable_checkpoint_directory_is_one_line_for_a_reader(copy):
 
 
 def test_a_damaged_best_step_is_passed_over_for_the_next_best(tmp_path):
+    """keep_best keeps the best step beside the newest for ever. Damaged (its model's data
+    truncated), --step=best passes over it to the next best, and the next training run sets
+    it aside. The oldest kept step is made the best by its saved score, as if accuracy fell."""
     workdir = tmp_path / "w"
-    result = run_main(f"--workdir={workdir}", "--steps=20", "--config.eval_every=5",
-                      "--checkpoint_every=5", "--config.keep_best=True", *QUICK)  # fmt: skip
+    flags = ("--config.eval_every=5", "--checkpoint_every=5", "--config.keep_best=True",
+             "--config.max_to_keep=2", *QUICK)  # fmt: skip
+    result = run_main(f"--workdir={workdir}", "--steps=20", *flags)
     assert result.returncode == 0, result.stderr
-    best = run_main("--mode=eval", f"--workdir={workdir}", "--step=best",
-                    f"--output={tmp_path / 'a.json'}")  # fmt: skip
-    assert best.returncode == 0, best.stderr
-    first = json.loads((tmp_path / "a.json").read_text())["step"]
+    first = saved_steps(workdir)[0]
+    progress = workdir / "checkpoints" / str(first) / "progress" / "metadata"
+    progress.write_text(json.dumps({**json.loads(progress.read_text()), "test_accuracy": 1.0}))
     for path in (workdir / "checkpoints" / str(first) / "model" / "d").iterdir():
         path.write_bytes(path.read_bytes()[:10])
     again = run_main("--mode=eval", f"--workdir={workdir}", "--step=best",
@@ -506,6 +509,14 @@ def test_a_damaged_best_step_is_passed_over_for_the_next_best(tmp_path):
     assert again.returncode == 0, again.stderr
     assert f"checkpoint {first} in " in again.stderr and "using the next best" in again.stderr
     assert json.loads((tmp_path / "b.json").read_text())["step"] != first
+    resumed = run_main(f"--workdir={workdir}", "--steps=25", *flags)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"checkpoint {first} is damaged" in resumed.stderr
+    assert (workdir / checkpoint.DAMAGED_DIR / str(first)).is_dir() and first not in saved_steps(
+        workdir
+    )
+    last = run_main("--mode=eval", f"--workdir={workdir}", "--step=best")
+    assert last.returncode == 0 and "damaged" not in last.stderr, last.stderr
 
 
 def test_an_export_that_uses_an_older_step_than_the_newest_says_so(copy, tmp_path):
