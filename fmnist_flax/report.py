@@ -87,7 +87,7 @@ def training_curve(
     ax1.tick_params(axis="y", labelcolor=BLUE)
     ax1.grid(True, alpha=0.25)
     ax2 = ax1.twinx()
-    ax2.plot(steps, accuracies, marker="s", color=GREEN, label="train batch accuracy")
+    ax2.plot(steps, accuracies, marker="s", color=GREEN, label="train accuracy")
     if len(test[0]):
         ax2.plot(test[0], test[2], marker="D", linestyle="--", color=GREEN, label="test accuracy")
     ax2.set_ylabel("accuracy", color=GREEN)
