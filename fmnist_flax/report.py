@@ -75,7 +75,7 @@ def training_curve(
     title: str,
     test: tuple[Sequence[int], Sequence[float], Sequence[float]] = ((), (), ()),
 ) -> Figure:
-    """Section 9: train loss and accuracy at the logged steps (each the mean since the one before),
+    """Section 9: train loss and accuracy at the logged steps (row means), and the test set's
     (`test`: steps, losses, accuracies of the evaluations during training) on the same axes."""
     fig = Figure(figsize=(8, 4))
     ax1 = fig.subplots()
