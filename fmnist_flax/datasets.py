@@ -101,7 +101,8 @@ IDENTITY = ("name", "image_shape", "class_names", "examples", "fingerprint")
 def identity_changes(saved: dict, now: dict) -> list[dict]:
     """The fields of the data's identity (`Dataset.info`) that differ from what a checkpoint
     recorded, as `dataset.<field>` changes; a field it did not record is not compared."""
-    saved = {**saved, "image_shape": list(image_shape_of(saved))}
+    if "image_shape" in saved:
+        saved = {**saved, "image_shape": list(as_hwc(saved["image_shape"]))}
     return [
         {"field": f"dataset.{key}", "saved": saved[key], "now": now[key]}
         for key in IDENTITY
@@ -109,9 +110,9 @@ def identity_changes(saved: dict, now: dict) -> list[dict]:
     ]
 
 
-def image_shape_of(info: dict) -> tuple[int, int, int]:
-    """(H, W, C) of a checkpoint's dataset item; those saved before colour were (H, W)."""
-    shape = tuple(int(side) for side in info["image_shape"])
+def as_hwc(shape: Sequence[int]) -> tuple[int, int, int]:
+    """(H, W, C) of an image shape; (H, W), as checkpoints saved before colour, is grayscale."""
+    shape = tuple(int(side) for side in shape)
     return shape if len(shape) == 3 else (*shape, 1)
 
 

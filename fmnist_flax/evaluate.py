@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from fmnist_flax import errors, input_pipeline, parallel, task
+from fmnist_flax import datasets, errors, input_pipeline, parallel, task
 from fmnist_flax.errors import UserError
 from fmnist_flax.input_pipeline import PIXEL_SCALE
 
@@ -194,8 +194,7 @@ def image_shape_of(model: nnx.Module, image_shape: tuple[int, ...] | None) -> tu
             f"predict: cannot tell the image shape {type(model).__name__} takes; pass "
             "image_shape=(H, W, C)"
         )
-    shape = tuple(int(side) for side in shape)
-    return shape if len(shape) == 3 else (*shape, 1)
+    return datasets.as_hwc(shape)
 
 
 def predict(

@@ -147,7 +147,7 @@ def _restore_model(
             f"--compute_dtype={config.compute_dtype!r} is not supported; "
             f"use one of {', '.join(model_lib.COMPUTE_DTYPES)}"
         )
-    shape, classes = datasets.image_shape_of(info), len(info["class_names"])
+    shape, classes = datasets.as_hwc(info["image_shape"]), len(info["class_names"])
     model = model_lib.create_model(config, shape, classes)
     if mesh is not None:
         parallel.place_module(model, mesh, config.param_sharding)

@@ -356,3 +356,14 @@ def test_an_idx_test_set_without_images_is_one_line(tmp_path):
     with pytest.raises(UserError, match="holds no examples; each split needs at least one") as exc:
         datasets.load(idx_config(tmp_path / "d"))
     assert "t10k-images-idx3-ubyte" in one_line(exc)
+
+
+def test_identity_compares_only_what_a_checkpoint_recorded():
+    now = {"name": "idx", "image_shape": [4, 4, 1], "class_names": ["a"], "examples": [8, 2],
+           "fingerprint": "abc"}  # fmt: skip
+    assert datasets.identity_changes({}, now) == []  # a checkpoint without a dataset item
+    older = {"name": "idx", "image_shape": [4, 4], "class_names": ["a"]}  # before colour
+    assert datasets.identity_changes(older, now) == []
+    assert datasets.identity_changes({**older, "fingerprint": "abd"}, now) == [
+        {"field": "dataset.fingerprint", "saved": "abd", "now": "abc"}
+    ]
