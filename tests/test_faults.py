@@ -399,25 +399,38 @@ def test_tensorboard_has_one_event_per_logged_step_after_kills_before_and_after_
             assert steps == logged, tag
 
 
+def half_deleted_steps(workdir: pathlib.Path) -> list[pathlib.Path]:
+    with os.scandir(workdir / "checkpoints") as entries:
+        paths = [pathlib.Path(e.path) for e in entries if e.name.isdigit()]
+    halves = []
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):  # removed while it was being looked at
+            if checkpoint.half_deleted(path):
+                halves.append(path)
+    return halves
+
+
 def test_a_kill_while_a_step_is_deleted_leaves_a_workdir_the_same_command_resumes(tmp_path):
-    """Orbax deletes a rotated step file by file: killed in the middle (looped until a kill
-    lands there), the step is left without its marker; the same command removes it, says so
-    and resumes."""
+    """Orbax deletes a rotated step file by file: the test watches for a step without its
+    marker, freezes the run there (SIGSTOP), and kills it if the step is still half deleted;
+    the same command removes that step, says so and resumes."""
     flags = ("--steps=1000000", "--checkpoint_every=1", EVERY_DUE_SAVE, "--report=none",
              "--log_every=50")  # fmt: skip
-    for attempt in range(12):
-        workdir = tmp_path / f"w{attempt}"
-        process = start(workdir, *flags)
-        wait_for(lambda w=workdir: len(saved_steps(w)) >= 3)
-        time.sleep(0.37 * (attempt % 5))
-        process.kill()
-        process.wait()
-        steps = workdir / "checkpoints"
-        halves = [p for p in steps.iterdir() if p.name.isdigit() and checkpoint.half_deleted(p)]
-        if halves:
-            break
+    workdir = tmp_path / "w"
+    process = start(workdir, *flags)
+    wait_for(lambda: len(saved_steps(workdir)) >= 3)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if half_deleted_steps(workdir):
+            process.send_signal(signal.SIGSTOP)
+            halves = half_deleted_steps(workdir)  # the run is frozen: this is what a kill leaves
+            if halves:
+                break
+            process.send_signal(signal.SIGCONT)
     else:
-        pytest.fail("12 kills never landed while a step was being deleted")
+        pytest.fail("no step was caught half deleted in 120 s of rotations")
+    process.kill()
+    process.wait()
     resumed = start(workdir, *flags)
     wait_for(lambda: max(saved_steps(workdir)) > max(int(p.name) for p in halves) + 3)
     stopped = finish(resumed)
