@@ -75,6 +75,12 @@ _STEP = flags.DEFINE_string(
     "eval/predict/export: checkpoint step, or 'best' (the best test accuracy, kept with "
     "--config.keep_best=True); default the newest.",
 )
+_MEMBER = flags.DEFINE_string(
+    "member",
+    None,
+    "eval/predict/export of an ensemble run: a member number, 'best' (by test accuracy) or "
+    "'ensemble' (the members' mean probabilities, the default).",
+)
 
 # Multi-process runs (jax.distributed): start the same command on every host.
 _COORDINATOR = flags.DEFINE_string(
@@ -257,6 +263,7 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
             compute_dtype=flags.FLAGS.compute_dtype,
             data_dir=flags.FLAGS.data_dir,
             output=_OUTPUT.value,
+            member=inference.parse_member(_MEMBER.value),
         )
     elif mode == "export":
         meta = export.export_model(
@@ -264,6 +271,7 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
             _OUTPUT.value,
             step=step_flag(),
             compute_dtype=flags.FLAGS.compute_dtype,
+            member=inference.parse_member(_MEMBER.value),
         )
         parallel.say(
             f"wrote {_OUTPUT.value} (step {meta['source']['step']}, for "
@@ -276,6 +284,7 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
             step=step_flag(),
             compute_dtype=flags.FLAGS.compute_dtype,
             output=_OUTPUT.value,
+            member=inference.parse_member(_MEMBER.value),
         )
         for line in errors:
             error_line(line)

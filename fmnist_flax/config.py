@@ -9,6 +9,7 @@ fields by `datasets.get`.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import ml_collections
@@ -84,7 +85,22 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer.schedule = "constant"  # constant | warmup_cosine (decays over `steps`)
     config.optimizer.warmup_steps = 0  # warmup_cosine: linear warm-up from 0 to the peak
     config.optimizer.final_fraction = 0.01  # warmup_cosine: the last rate, as a peak fraction
+    config.ensemble = ensemble_config()
     return config
+
+
+def ensemble_config() -> ml_collections.ConfigDict:
+    """Several members of the model trained at once, as one program (`nnx.vmap` over the
+    stacked members and their optimizers); member k is initialised from seed + k."""
+    ensemble = ml_collections.ConfigDict()
+    ensemble.size = 1  # 1: a single model, no member axis
+    # Per-member values, a tuple of `size` (empty: every member uses config.optimizer's).
+    ensemble.learning_rate = ()
+    ensemble.weight_decay = ()
+    # True: every member sees the same batches; False: member k the data order (and
+    # augmentation) of a single run with --seed=seed+k.
+    ensemble.same_data = True
+    return ensemble
 
 
 def _one_of(flag: str, value: object, choices: tuple[str, ...]) -> None:
@@ -122,6 +138,49 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise UserError(f"--config.label_smoothing={config.label_smoothing} must be in [0, 1)")
     if config.augment.max_shift < 0:
         raise UserError(f"--config.augment.max_shift={config.augment.max_shift} must be >= 0")
+    check_ensemble(config)
+
+
+MAX_MEMBERS = 1024
+
+
+def check_ensemble(config: ml_collections.ConfigDict) -> None:
+    """`config.ensemble`: a size, per-member values of that length, a data rule that the input
+    pipeline can follow."""
+    ens, flag = config.ensemble, "--config.ensemble"
+    if isinstance(ens.size, bool) or not isinstance(ens.size, int) or ens.size < 1:
+        raise UserError(f"{flag}.size={ens.size!r} must be a whole number of members >= 1")
+    if ens.size > MAX_MEMBERS or config.seed + ens.size - 1 > MAX_SEED:
+        raise UserError(
+            f"{flag}.size={ens.size} is too large: at most {MAX_MEMBERS} members, and "
+            f"--seed + size - 1 must stay <= {MAX_SEED:,}"
+        )
+    for field, low in (("learning_rate", 0.0), ("weight_decay", 0.0)):
+        values = ens[field]
+        if not isinstance(values, tuple | list) or len(values) not in (0, ens.size):
+            raise UserError(
+                f"{flag}.{field}={values!r} must be a tuple of {ens.size} values, one per member "
+                f"(--config.ensemble.size={ens.size}), or () for config.optimizer's"
+            )
+        for value in values:
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if (
+                not number
+                or not low <= value < math.inf
+                or (field == "learning_rate" and not value)
+            ):
+                bound = "positive" if field == "learning_rate" else ">= 0"
+                raise UserError(f"{flag}.{field}: {value!r} must be a finite number {bound}")
+    if ens.learning_rate and config.optimizer.schedule != "constant":
+        raise UserError(
+            f"{flag}.learning_rate sets per-member rates, which need "
+            "--config.optimizer.schedule=constant (a schedule's peak is config.optimizer's)"
+        )
+    if ens.size > 1 and not ens.same_data and config.input_pipeline == "grain":
+        raise UserError(
+            f"{flag}.same_data=False gives each member its own batches, which only "
+            "--config.input_pipeline=device can gather; use it, or same_data=True"
+        )
 
 
 # Fields a resumed run may change without changing what it computes.
@@ -133,7 +192,12 @@ RESUMABLE_FIELDS = (
 
 
 # Fields that move the data position a checkpoint saves: a resume cannot change them.
-POSITION_FIELDS = ("batch_size", "seed", "optimizer.accumulate", "dataset.examples")
+POSITION_FIELDS = (
+    "batch_size", "seed", "optimizer.accumulate", "dataset.examples", "ensemble.size",
+    "ensemble.same_data",
+)  # fmt: skip
+# Fields that live in the optimizer's state: an accepted change starts the optimizer afresh.
+OPTIMIZER_FIELDS = ("optimizer.", "ensemble.learning_rate", "ensemble.weight_decay")
 
 
 def with_defaults(saved: dict[str, Any]) -> ml_collections.ConfigDict:

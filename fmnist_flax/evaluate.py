@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from fmnist_flax import datasets, errors, input_pipeline, parallel, task
+from fmnist_flax import model as model_lib
 from fmnist_flax.errors import UserError
 from fmnist_flax.input_pipeline import PIXEL_SCALE
 
@@ -33,16 +34,27 @@ def evaluate_batches(
 ) -> tuple[dict[str, jax.Array], jax.Array]:
     """Per batch of (K, B) examples, the masked sum of every metric of `task.per_example` and
     the count of real examples; and every example's predicted class. Images are uint8
-    (K, B, H, W, C), normalised here; padding (mask 0) counts nowhere."""
+    (K, B, H, W, C), normalised here; padding (mask 0) counts nowhere. For an Ensemble the
+    metrics are the ensemble's, and member k's are added as `<metric>/k`."""
+
+    def sums(logits, y, m):
+        values = task.per_example(logits, y, config)
+        return {name: jnp.sum(v * m) for name, v in values.items()}
 
     @nnx.vmap(in_axes=(None, 0, 0, 0))
     def one_batch(model, x, y, m):
-        logits = model(input_pipeline.normalize(x))
-        values = task.per_example(logits, y, config)
-        return {name: jnp.sum(v * m) for name, v in values.items()}, jnp.argmax(logits, axis=-1)
+        x = input_pipeline.normalize(x)
+        if isinstance(model, model_lib.Ensemble):  # the members' logits, computed once
+            each = model.member_logits(x)
+            logits, members = model_lib.combine(each), jax.vmap(sums, (0, None, None))(each, y, m)
+        else:
+            logits, members = model(x), {}
+        return sums(logits, y, m), members, jnp.argmax(logits, axis=-1)
 
-    sums, predictions = one_batch(model, images, labels, mask)
-    return {**sums, COUNT: jnp.sum(mask, axis=1)}, predictions
+    totals, members, predictions = one_batch(model, images, labels, mask)
+    for name, values in members.items():  # (K, members)
+        totals |= {f"{name}/{k}": values[:, k] for k in range(values.shape[1])}
+    return {**totals, COUNT: jnp.sum(mask, axis=1)}, predictions
 
 
 def _calls(num_batches: int, batch_size: int) -> tuple[int, int]:

@@ -36,6 +36,7 @@ from fmnist_flax import (
     train,
 )
 from fmnist_flax import model as model_lib
+from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError, warning_line
 from fmnist_flax.tables import Table
@@ -181,7 +182,7 @@ def set_up(
     changes = check_config_changes(checkpoints, config, dataset, accept_config_change)
     checkpoints.metadata["changes"] = {"changes": changes}
     expected = train.progress_of(0, device_data.batches_per_epoch, config)
-    optimizer_changed = any(c["field"].startswith("optimizer.") for c in changes)
+    optimizer_changed = any(c["field"].startswith(config_lib.OPTIMIZER_FIELDS) for c in changes)
     start_step, resumed = restore.resume(checkpoints, model, optimizer, expected, optimizer_changed)
     if config.keep_best and jax.process_count() == 1:  # processes could not agree to move it
         restore.check_best(checkpoints, model, start_step)
@@ -208,7 +209,9 @@ def training_batches(
     """What feeds training from `start_step` on: the Grain pipeline (its iterator where the
     checkpoint left it) or the device pipeline."""
     if config.input_pipeline != "grain":
-        return input_pipeline.DeviceBatches(device_data, config.seed, config.fused_steps)
+        return input_pipeline.DeviceBatches(
+            device_data, train.member_seeds(config), config.fused_steps
+        )
     source = grain_pipeline.ArraySource(dataset.train_images, dataset.train_labels)
     return grain_pipeline.GrainBatches(
         source, config.batch_size, config.seed, device_data.mesh, resumed.get("data_iterator"),
@@ -400,6 +403,11 @@ def evaluate_model(run: Run) -> dict[str, Any]:
         rows = {f"train, steps {since + 1}-{last['step']}": {**train_row, "examples": examples},
                 **rows}  # fmt: skip
     run.show("Evaluation", tables.evaluation_table(rows))
+    members = ensemble_members(run.config, result["full"], last)
+    if members:
+        best = model_lib.best_member(prefixed("test_", result["full"]))
+        run.summary |= {"members": members, "best_member": best}
+        run.show("Evaluation", tables.members_table(members, best))
     picks = report.sample_indices(len(labels))
     run.figure("Evaluation", "predictions.png", lambda: report.prediction_grid(
         d.test_images[picks], labels[picks], full["predictions"][picks],
@@ -414,6 +422,36 @@ def evaluate_model(run: Run) -> dict[str, Any]:
            if data.train_images is not None else {}),
     }))  # fmt: skip
     return result
+
+
+def prefixed(prefix: str, metrics: dict[str, Any]) -> dict[str, Any]:
+    return {f"{prefix}{k}": v for k, v in metrics.items()}
+
+
+def ensemble_members(
+    config: ml_collections.ConfigDict, full: dict[str, Any], last: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Each ensemble member's seed, learning rate, weight decay, final training row and test
+    metrics (empty for one model)."""
+    size = model_lib.ensemble_size(config)
+    if size == 1:
+        return []
+    column = model_lib.member_column
+    names = [n for n in full if model_lib.MEMBER_SEPARATOR not in n and n != evaluate.COUNT]
+    train = [
+        n for n in last
+        if model_lib.MEMBER_SEPARATOR not in n and n != "step" and not n.startswith("test_")
+    ]  # fmt: skip
+    return [
+        {
+            "member": k,
+            "seed": config.seed + k,
+            **optimizer_lib.member_values(config, k),
+            **{f"final_train_{n}": last[column(n, k)] for n in train if column(n, k) in last},
+            **{f"test_{n}": full[column(n, k)] for n in names},
+        }
+        for k in range(size)
+    ]
 
 
 def write_report(run: Run) -> pathlib.Path | None:
@@ -444,7 +482,7 @@ def write_outputs(run: Run, evaluation: dict[str, Any], wall_seconds: float) -> 
     report_path = write_report(run) if run.reporting else None
     last = run.history[-1] if run.history else {}
     summary = {
-        **{f"test_{k}": v for k, v in full.items()},
+        **prefixed("test_", full),
         **{f"codelab_test_{k}": v for k, v in codelab.items()},
         **{f"final_train_{k}": v for k, v in last.items() if k != "step"},
         "train_examples_per_sec": run.examples_per_sec,

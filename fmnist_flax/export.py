@@ -60,6 +60,7 @@ def export_model(
     *,
     step: int | str | None = None,
     compute_dtype: str | None = None,
+    member: int | str | None = None,
 ) -> dict[str, Any]:
     """Write a workdir's model (parameters only) to `output` as a serialized `jax.export`
     artifact and its metadata to `output` + METADATA_SUFFIX, both atomically; return the
@@ -70,7 +71,7 @@ def export_model(
     meta_path = path.with_name(path.name + METADATA_SUFFIX)
     workdir_lib.check_output_path(str(output))
     workdir_lib.check_output_path(str(meta_path))
-    model, step, config, info = inference.restore_model(workdir, step, compute_dtype)
+    model, step, config, info = inference.restore_model(workdir, step, compute_dtype, member=member)
     image_shape = [int(side) for side in info["image_shape"]]
     exported = export_probabilities(model, tuple(image_shape))
     names = list(info["class_names"])
@@ -94,6 +95,7 @@ def export_model(
         "source": {
             "workdir": str(pathlib.Path(workdir).expanduser().absolute()),
             "step": step,
+            **({"member": info["member"]} if "member" in info else {}),
             "dataset": info["name"],
             "model": config.model.get("name", "mlp"),
         },

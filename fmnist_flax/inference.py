@@ -74,11 +74,13 @@ def restore_model(
     compute_dtype: str | None = None,
     mesh: jax.sharding.Mesh | None = None,
     flag: str = "--workdir",
+    member: int | str | None = None,
 ) -> tuple[nnx.Module, int, ml_collections.ConfigDict, dict[str, Any]]:
     """Rebuild a workdir's model from its saved config and restore only its parameters.
 
     Returns the model, the step it was restored from, the config (with `compute_dtype`
-    applied) and the dataset's info (name, title, class names, image shape). On a `mesh` the
+    applied) and the dataset's info (name, title, class names, image shape). For an ensemble
+    run, `member` picks what the model is (`select_member`). On a `mesh` the
     parameters are read straight into the saved run's layout over it, whatever the device and
     process count of the run that saved them. Every problem is a one-line UserError, raised
     before anything compiles, naming the workdir as `flag`.
@@ -93,8 +95,10 @@ def restore_model(
         for attempt in range(READ_ATTEMPTS):  # a live run may rotate the chosen step away
             try:
                 if step == BEST:
-                    return _restore_best(checkpoints, compute_dtype, mesh, flag)
-                return _restore_model(checkpoints, step, compute_dtype, mesh, flag)
+                    restored = _restore_best(checkpoints, compute_dtype, mesh, flag)
+                else:
+                    restored = _restore_model(checkpoints, step, compute_dtype, mesh, flag)
+                return select_member(restored, member, checkpoints, flag)
             except StepVanished as gone:
                 if step is not None or attempt == READ_ATTEMPTS - 1:
                     raise UserError(
@@ -105,6 +109,42 @@ def restore_model(
                 checkpoints.reload()
     finally:
         checkpoints.close()
+
+
+ENSEMBLE = "ensemble"  # --member: the ensemble itself (its members' mean probabilities)
+
+
+def parse_member(value: str | None) -> int | str | None:
+    """--member: a member number, `best`, `ensemble`, or unset (the ensemble, for an ensemble
+    run)."""
+    if value is None or value in (BEST, ENSEMBLE):
+        return value
+    if not value.isdigit():
+        raise UserError(f"--member={value} must be a member number, 'best' or 'ensemble'")
+    return int(value)
+
+
+def select_member(restored: tuple, member: int | str | None, checkpoints, flag: str) -> tuple:
+    """`restore_model`'s result with its model replaced by what `member` picks of an ensemble:
+    member K, the best member by its test accuracy at that step, or the ensemble (default)."""
+    model, step, config, info = restored
+    where = f"{flag} {checkpoints.directory.parent}"
+    if not isinstance(model, model_lib.Ensemble):
+        if member is None:
+            return restored
+        raise UserError(f"--member={member}: {where} trained one model, not an ensemble")
+    if member in (None, ENSEMBLE):
+        return model, step, config, {**info, "member": ENSEMBLE}
+    if member == BEST:
+        member = model_lib.best_member(checkpoints.saved("progress", step)[1] or {})
+        if member is None:
+            raise UserError(
+                f"--member=best: checkpoint {step} in {where} was not evaluated, so no member "
+                "is known best; pass --member=K, or a --step that was evaluated"
+            )
+    if not 0 <= member < model.size:
+        raise UserError(f"--member={member}: {where} has members 0..{model.size - 1}")
+    return model.member(member), step, config, {**info, "member": member}
 
 
 def _restore_best(checkpoints: Checkpoints, compute_dtype, mesh, flag) -> tuple:
@@ -160,15 +200,19 @@ def _restore_model(
 
 
 def load_model(
-    workdir: str | os.PathLike, step: int | str | None = None, compute_dtype: str | None = None
+    workdir: str | os.PathLike,
+    step: int | str | None = None,
+    compute_dtype: str | None = None,
+    member: int | str | None = None,
 ) -> nnx.Module:
     """The trained model of a workdir (newest checkpoint by default; `step="best"`: the best
     test accuracy kept by `config.keep_best`), ready for `predict`.
 
     Only parameters are read, no optimizer state; `compute_dtype` ('float32' or 'bfloat16')
-    overrides the dtype it was trained in. `class_names(workdir)` names its outputs.
+    overrides the dtype it was trained in. `class_names(workdir)` names its outputs. Of an
+    ensemble run: member K (an int), "best" (by test accuracy) or "ensemble" (the default).
     """
-    return restore_model(workdir, step, compute_dtype)[0]
+    return restore_model(workdir, step, compute_dtype, member=member)[0]
 
 
 def class_names(workdir: str | os.PathLike, step: int | None = None) -> tuple[str, ...]:
@@ -188,6 +232,7 @@ def run_eval(
     compute_dtype: str | None = None,
     data_dir: str | None = None,
     output: str | None = None,
+    member: int | str | None = None,
 ) -> dict[str, Any]:
     """Restore parameters only and evaluate every metric of the task (task.py) on the whole
     test set of the dataset the model was trained on, on every device; the results also go to
@@ -195,7 +240,7 @@ def run_eval(
     batch is the training batch rounded up to a multiple of the device count."""
     workdir_lib.check_output_path(output)
     mesh = parallel.make_mesh()
-    model, step, config, info = restore_model(workdir, step, compute_dtype, mesh)
+    model, step, config, info = restore_model(workdir, step, compute_dtype, mesh, member=member)
     dataset = datasets.load(config, data_dir)
     if list(dataset.image_shape) != list(info["image_shape"]):
         raise UserError(
@@ -212,6 +257,7 @@ def run_eval(
     metrics = {k: v for k, v in result.items() if k not in ("predictions", "batch_sums")}
     report = {
         "step": step,
+        **({"member": info["member"]} if "member" in info else {}),
         "compute_dtype": config.compute_dtype,
         **{f"test_{name}": value for name, value in metrics.items()},
         "dataset": info["name"],
@@ -341,6 +387,7 @@ def run_predict(
     step: int | str | None = None,
     compute_dtype: str | None = None,
     output: str | None = None,
+    member: int | str | None = None,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Classify each image; unreadable ones get one line each and the rest are still classified.
 
@@ -350,7 +397,7 @@ def run_predict(
         raise UserError("--mode=predict needs --images=a.png,b.npy,...")
     workdir_lib.check_output_path(output)
     mesh = parallel.make_mesh()
-    model, _, _, info = restore_model(workdir, step, compute_dtype, mesh)
+    model, _, _, info = restore_model(workdir, step, compute_dtype, mesh, member=member)
     names = info["class_names"]
     named, failures = [], []
     for path in paths:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -192,16 +192,18 @@ class DeviceBatches:
     the mesh, the batches gathered inside the compiled chunk (`count` steps per call when
     fused)."""
 
-    def __init__(self, data: DeviceData, seed: int, fused: bool):
-        self.data, self.seed, self.fused = data, seed, fused
+    def __init__(self, data: DeviceData, seeds: Sequence[int], fused: bool):
+        self.data, self.seeds, self.fused = data, list(seeds), fused
         self._epoch, self._order = None, None
 
     def chunks(self, step: int, stop: int) -> Iterator[tuple[Any, ...]]:
         """(images, labels, order, first batch index, count, first step) per call for steps
-        step+1..stop, which never cross an epoch's end."""
+        step+1..stop, which never cross an epoch's end. With several `seeds` (an ensemble's
+        members, each on its own data) the order has one row per seed."""
         epoch, index = divmod(step, self.data.batches_per_epoch)
         if epoch != self._epoch:
-            order = epoch_order(self.seed, epoch, self.data.train_examples)
+            orders = [epoch_order(s, epoch, self.data.train_examples) for s in self.seeds]
+            order = jnp.stack(orders) if len(orders) > 1 else orders[0]
             self._epoch, self._order = epoch, parallel.place(order, self.data.mesh)
         per_call = stop - step if self.fused else 1
         for first in range(step, stop, per_call):

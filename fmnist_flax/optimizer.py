@@ -33,13 +33,22 @@ def _l2(build: Callable[..., optax.GradientTransformation]) -> Callable[..., Any
 
     def with_decay(learning_rate, weight_decay=0.0, **fields):
         tx = build(learning_rate, **fields)
-        return optax.chain(optax.add_decayed_weights(weight_decay), tx) if weight_decay else tx
+        if _is_zero(weight_decay):
+            return tx
+        return optax.chain(optax.add_decayed_weights(weight_decay), tx)
 
     return with_decay
 
 
 def _adafactor(learning_rate, weight_decay=0.0, **fields):
-    return optax.adafactor(learning_rate, weight_decay_rate=weight_decay or None, **fields)
+    decay = None if _is_zero(weight_decay) else weight_decay
+    return optax.adafactor(learning_rate, weight_decay_rate=decay, **fields)
+
+
+def _is_zero(value: Any) -> bool:
+    """A Python 0, not an array: an ensemble's injected values are arrays, whatever they hold,
+    so the transformation they build has one structure for every member."""
+    return isinstance(value, int | float) and not value
 
 
 # config.optimizer.name -> (a builder taking the rate, weight_decay and the own fields, the own
@@ -72,15 +81,40 @@ def own_fields(opt: ml_collections.ConfigDict) -> dict[str, Any]:
     return {f: opt[f] for f in OWN_FIELDS if opt.get(f) not in (None, False)}
 
 
-def create(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def member_values(config: ml_collections.ConfigDict, member: int) -> dict[str, float]:
+    """Ensemble member `member`'s learning rate and weight decay: its own where
+    `config.ensemble` lists them, config.optimizer's otherwise."""
+    ens, opt = config.ensemble, config.optimizer
+    return {
+        field: float(ens[field][member] if ens[field] else opt[field])
+        for field in ("learning_rate", "weight_decay")
+    }
+
+
+def create(
+    config: ml_collections.ConfigDict, member: int | None = None
+) -> optax.GradientTransformation:
     """The optimizer `config.optimizer` names, on the config's schedule, clipped when asked.
 
     The default (adamw, no clipping) is `optax.adamw(rate, weight_decay=...)` itself, the
-    codelab's optimizer to the bit.
+    codelab's optimizer to the bit. For ensemble member `member`, its learning rate and
+    weight decay are arrays in the optimizer's state (`optax.inject_hyperparams`): stacked,
+    the members' values form one array each, and one compiled step serves any sweep.
     """
     opt = config.optimizer
     build, _ = OPTIMIZERS[opt.name]
-    tx = build(learning_rate(config), weight_decay=opt.weight_decay, **own_fields(opt))
+    own = own_fields(opt)
+    if member is None:
+        tx = build(learning_rate(config), weight_decay=opt.weight_decay, **own)
+    else:  # only these two injected: the others stay Python floats, bit-exact with one run
+        values = member_values(config, member)
+        if opt.schedule != "constant":  # one schedule for every member (its peak is shared)
+            values["learning_rate"] = learning_rate(config)
+
+        def member_tx(learning_rate, weight_decay):
+            return build(learning_rate, weight_decay=weight_decay, **own)
+
+        tx = optax.inject_hyperparams(member_tx)(**values)
     if opt.clip_norm:
         tx = optax.chain(optax.clip_by_global_norm(opt.clip_norm), tx)
     return tx

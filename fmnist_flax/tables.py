@@ -11,7 +11,7 @@ import jax
 from flax import nnx
 
 from fmnist_flax.datasets import Dataset
-from fmnist_flax.model import count_params
+from fmnist_flax.model import MEMBER_SEPARATOR, count_params, member_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,9 +138,34 @@ def metric_cell(name: str, value: float, percent_places: int = 1) -> str:
 
 def metric_names(row: dict[str, float]) -> list[str]:
     """The metrics of a logged row: the loss first, the other training metrics by name, then
-    the test set's (test_*)."""
-    names = (n for n in row if n != "step")
+    the test set's (test_*); an ensemble's per-member columns (`name/k`) are left to
+    `members_table`."""
+    names = (n for n in row if n != "step" and MEMBER_SEPARATOR not in n)
     return sorted(names, key=lambda n: (n.startswith("test_"), n != "loss", n))
+
+
+def spread_cell(row: dict[str, Any], name: str) -> str:
+    """A row's `name`, with the members' range after it for an ensemble."""
+    cell, values = metric_cell(name, row[name]), member_values(row, name)
+    if not values:
+        return cell
+    return f"{cell} ({metric_cell(name, min(values))}-{metric_cell(name, max(values))})"
+
+
+def members_table(members: Sequence[dict[str, Any]], best: int) -> Table:
+    """Each ensemble member's hyperparameters and results, the best (by test accuracy)
+    marked."""
+    names = [n for n in members[0] if n not in ("member", "seed")]
+    rows = [
+        (
+            f"{m['member']}{' (best)' if m['member'] == best else ''}", m["seed"],
+            *(metric_cell(n, m[n], 2) if n.startswith(("test_", "final_")) else f"{m[n]:g}"
+              for n in names),
+        )
+        for m in members
+    ]  # fmt: skip
+    headers = ("Member", "Seed", *(n.replace("_", " ").capitalize() for n in names))
+    return Table.of(f"Ensemble members ({len(members)})", headers, rows)
 
 
 def training_log_table(history: Sequence[dict[str, float]], examples_per_sec: float) -> Table:
@@ -192,7 +217,7 @@ class ProgressBar:
 
     def update(self, row: dict[str, float]) -> None:
         done = int(self.WIDTH * row["step"] / self.total)
-        values = "  ".join(f"{n} {metric_cell(n, row[n])}" for n in metric_names(row))
+        values = "  ".join(f"{n} {spread_cell(row, n)}" for n in metric_names(row))
         line = (
             f"[{'#' * done}{'.' * (self.WIDTH - done)}] {row['step']:>{len(str(self.total))}}"
             f"/{self.total}  {values}"

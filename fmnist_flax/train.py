@@ -27,7 +27,7 @@ from fmnist_flax import checkpoint as checkpoint_lib
 from fmnist_flax import input_pipeline, parallel, task
 from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax.errors import UserError
-from fmnist_flax.model import create_model
+from fmnist_flax.model import Ensemble, create_model, member_column, stack
 
 Metrics = dict[str, jax.Array]
 Config = ml_collections.FrozenConfigDict  # hashable: what the compiled steps are built for
@@ -35,7 +35,13 @@ AUGMENT_STREAM = 2  # fold_in index of the augmentation key (params 0, dropout 1
 
 
 def create_optimizer(model: nnx.Module, config: ml_collections.ConfigDict) -> nnx.Optimizer:
-    """The config's Optax optimizer (AdamW by default, the codelab's) over the parameters."""
+    """The config's Optax optimizer (AdamW by default, the codelab's) over the parameters; for
+    an Ensemble, each member's own (its learning rate and weight decay), stacked."""
+    if isinstance(model, Ensemble):
+        return stack([
+            nnx.Optimizer(model.member(k), optimizer_lib.create(config, k), wrt=nnx.Param)
+            for k in range(model.size)
+        ])  # fmt: skip
     return nnx.Optimizer(model, optimizer_lib.create(config), wrt=nnx.Param)
 
 
@@ -119,6 +125,22 @@ def _zero_norm(grads: nnx.State) -> jax.Array:
     return jnp.zeros((), jnp.float32)
 
 
+def ensemble_step(
+    model: Ensemble,
+    optimizer: nnx.Optimizer,
+    x: jax.Array,
+    y: jax.Array,
+    config: Config,
+    log: bool | jax.Array = True,
+) -> Metrics:
+    """`train_step` for every member at once: one `nnx.vmap` over the stacked members and
+    their optimizers. x, y are every member's batch, or one per member (a leading member
+    axis) when `config.ensemble.same_data` is False. Each metric has one value per member."""
+    data_axis = None if config.ensemble.same_data else 0
+    step = functools.partial(train_step, config=config, log=log)
+    return nnx.vmap(step, in_axes=(0, 0, data_axis, data_axis))(model.members, optimizer, x, y)
+
+
 # The same step, compiled once for fixed shapes. Tree mode (graph=False) treats the model and
 # optimizer as plain pytrees: no shared references here, and it skips the graph traversal
 # that costs graph mode ~15% per call (the Flax performance guide's advice). Their buffers are
@@ -199,26 +221,35 @@ def make_train_chunk(
     """
     batch_size, accumulate = config.batch_size, config.optimizer.accumulate
     max_shift, flip, fused = config.augment.max_shift, config.augment.flip, config.fused_steps
+    step_fn = ensemble_step if config.ensemble.size > 1 else train_step
 
     @functools.partial(jax.jit, donate_argnums=0)
     def train_chunk(state, sums, images, labels, order, start, count, first_step=0, aug_key=None):
         def body(i, carry):
             state, sums, _ = carry
             model, opt = nnx.merge(graphdef, state)
-            if order is None:  # a batch fed from the host (Grain): the step's own images
-                x = input_pipeline.normalize(images).reshape(*labels.shape, *image_shape)
-                y = labels
-            else:
-                x, y = input_pipeline.batch_at(
-                    images, labels, order, start + i, batch_size, image_shape, mesh, accumulate
-                )
-            if max_shift or flip:
-                key = jax.random.fold_in(aug_key, first_step + i)
-                x = input_pipeline.augment(x, key, max_shift, flip)
+
+            def batch(order, aug_key):
+                if order is None:  # a batch fed from the host (Grain): the step's own images
+                    x = input_pipeline.normalize(images).reshape(*labels.shape, *image_shape)
+                    y = labels
+                else:
+                    x, y = input_pipeline.batch_at(
+                        images, labels, order, start + i, batch_size, image_shape, mesh,
+                        accumulate,
+                    )  # fmt: skip
+                if max_shift or flip:
+                    key = jax.random.fold_in(aug_key, first_step + i)
+                    x = input_pipeline.augment(x, key, max_shift, flip)
+                return x, y
+
+            # One order per member (rows) when members see their own data.
+            per_member = order is not None and order.ndim == 2
+            x, y = jax.vmap(batch)(order, aug_key) if per_member else batch(order, aug_key)
             # Only the last step's metrics leave the chunk, so only it computes the gradient
             # norm (1.29x faster at batch 32).
             log = i == count - 1 if fused else True
-            metrics = train_step(model, opt, x, y, config, log)
+            metrics = step_fn(model, opt, x, y, config, log)
             sums = {name: total + metrics[name] for name, total in sums.items()}
             return nnx.state((model, opt)), sums, metrics
 
@@ -232,13 +263,18 @@ def make_train_chunk(
 
 
 def zero_sums(model: nnx.Module, config: Config, image_shape: tuple[int, int, int]) -> Metrics:
-    """A zero for each metric `loss_fn` returns: where a logged row's sums start."""
+    """A zero for each metric `loss_fn` returns (one per member for an Ensemble): where a
+    logged row's sums start."""
     x = jax.ShapeDtypeStruct((config.batch_size, *image_shape), jnp.float32)
     y = jax.ShapeDtypeStruct((config.batch_size,), jnp.int32)
-    graphdef, state = nnx.split(model)
-    shapes = jax.eval_shape(
-        lambda s, x, y: loss_fn(nnx.merge(graphdef, s), x, y, config)[1], state, x, y
-    )
+    members = isinstance(model, Ensemble)
+    graphdef, state = nnx.split(model.members if members else model)
+
+    def metrics(s, x, y):
+        return loss_fn(nnx.merge(graphdef, s), x, y, config)[1]
+
+    each = jax.vmap(metrics, in_axes=(0, None, None)) if members else metrics
+    shapes = jax.eval_shape(each, state, x, y)
     return {name: np.zeros(s.shape, s.dtype) for name, s in shapes.items()}
 
 
@@ -251,7 +287,7 @@ class RunningRow:
         self.zeros, self.start, self.sums = zeros, start, zeros
         if saved:  # from a checkpoint's progress item: float32 sums, exact through JSON
             self.start = saved["start"]
-            self.sums = {k: np.float32(saved["sums"].get(k, 0.0)) for k in zeros}
+            self.sums = {k: np.asarray(saved["sums"].get(k, 0.0), np.float32) for k in zeros}
 
     def take(self, step: int, metrics: Metrics) -> tuple[int, Metrics, int, jax.Array]:
         """The parts of the row logged at `step`; the next row starts here."""
@@ -262,7 +298,8 @@ class RunningRow:
     def state(self) -> dict[str, Any]:
         """What a checkpoint's progress item keeps of it."""
         sums = parallel.to_host(self.sums)
-        return {"row": {"start": self.start, "sums": {k: float(v) for k, v in sums.items()}}}
+        sums = {k: np.asarray(v).tolist() for k, v in sums.items()}  # a list per member
+        return {"row": {"start": self.start, "sums": sums}}
 
 
 def is_log_step(step: int, config: ml_collections.ConfigDict) -> bool:
@@ -291,10 +328,21 @@ def next_stop(step: int, config: ml_collections.ConfigDict, batches_per_epoch: i
 
 
 def augment_key(config: ml_collections.ConfigDict) -> jax.Array | None:
-    """The augmentation stream's key, or None without augmentation (two compiles saved)."""
-    if config.augment.max_shift or config.augment.flip:
-        return jax.random.fold_in(jax.random.key(config.seed), AUGMENT_STREAM)
-    return None
+    """The augmentation stream's key, or None without augmentation (two compiles saved); one
+    per member, from seed + k, when the members see their own data."""
+    if not (config.augment.max_shift or config.augment.flip):
+        return None
+    keys = [jax.random.fold_in(jax.random.key(s), AUGMENT_STREAM) for s in member_seeds(config)]
+    return jnp.stack(keys) if len(keys) > 1 else keys[0]
+
+
+def member_seeds(config: ml_collections.ConfigDict) -> list[int]:
+    """The seeds of the data each member sees: [seed], or seed + k for member k when the
+    members see their own data (`config.ensemble.same_data` False)."""
+    ens = config.ensemble
+    if ens.size > 1 and not ens.same_data:
+        return [config.seed + k for k in range(ens.size)]
+    return [config.seed]
 
 
 class Guard:
@@ -315,8 +363,10 @@ class Guard:
         """The row logged at `step` on the host, JSON-ready: every metric's mean over the
         `count` steps since the row before (their `sums`), and the last step's `grad_norm`."""
         values = parallel.to_host({"sums": sums, "grad_norm": grad_norm})
-        means = {k: float(v) / count for k, v in values["sums"].items()}
-        row = {"step": step, **means, "grad_norm": float(values["grad_norm"])}
+        means = {k: np.asarray(v, np.float64) / count for k, v in values["sums"].items()}
+        row = {"step": step}
+        for name, value in {**means, "grad_norm": values["grad_norm"]}.items():
+            row |= member_columns(name, value)
         if not np.isfinite(row["loss"]):
             self.stop(f"the loss became {row['loss']}", step)
         self.last_finite = step
@@ -334,6 +384,16 @@ class Guard:
         if not all_finite(nnx.state(pair[0], nnx.Param)):
             self.stop("the parameters became non-finite", step)
         self.checkpoints.save(step, *pair, progress)
+
+
+def member_columns(name: str, value: Any) -> dict[str, float]:
+    """A metric as metrics.jsonl columns: `name` alone for one model; for an ensemble's
+    members (one value each) their mean as `name` and member k's as `name/k`."""
+    value = np.asarray(value, np.float64)
+    if value.ndim == 0:
+        return {name: float(value)}
+    members = {member_column(name, k): float(v) for k, v in enumerate(value)}
+    return {name: float(value.mean()), **members}
 
 
 def interrupted(
@@ -377,7 +437,7 @@ def fit(
     graphdef, state = nnx.split(pair)
     train_chunk, row = _compiled(graphdef, model, d, config, start_step, resumed)
     aug_key, guard = augment_key(config), Guard(checkpoints, start_step)
-    batches = batches or input_pipeline.DeviceBatches(d, config.seed, config.fused_steps)
+    batches = batches or input_pipeline.DeviceBatches(d, member_seeds(config), config.fused_steps)
     guard.warm_up(model, optimizer)
     clock, step, evaluating, deferred = None, start_step, 0.0, None
     with contextlib.ExitStack() as stack:

@@ -14,6 +14,7 @@ import pytest
 from conftest import load_config
 
 from fmnist_flax import optimizer
+from fmnist_flax.config import get_config
 from fmnist_flax.errors import UserError
 
 
@@ -108,3 +109,26 @@ def test_every_optimizer_mistake_is_one_line(changes, message):
     with pytest.raises(UserError, match=re.escape(message)) as exc:
         optimizer.check_config(opt, 400)
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion"])
+def test_an_ensemble_members_injected_rate_and_decay_update_as_plain_optax_does(name):
+    """Member k's learning rate and weight decay are arrays in its optimizer state (one
+    compiled step serves a sweep), and its updates equal the plain optimizer's to the bit."""
+    config = get_config()
+    config.optimizer.name = name
+    config.ensemble.size, config.ensemble.learning_rate = 2, (1e-3, 2e-2)
+    config.ensemble.weight_decay = (0.0, 0.05)
+    plain = get_config()
+    plain.optimizer.name, plain.optimizer.learning_rate, plain.optimizer.weight_decay = (
+        name, 2e-2, 0.05,
+    )  # fmt: skip
+    params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)}
+    grads = {"w": jnp.linspace(-0.3, 0.5, 12).reshape(3, 4)}
+    member, reference = optimizer.create(config, 1), optimizer.create(plain)
+    state, expected_state = member.init(params), reference.init(params)
+    assert float(state.hyperparams["learning_rate"]) == pytest.approx(2e-2)
+    for _ in range(3):
+        got, state = jax.jit(member.update)(grads, state, params)
+        want, expected_state = jax.jit(reference.update)(grads, expected_state, params)
+        np.testing.assert_array_equal(got["w"], want["w"])

@@ -1,0 +1,187 @@
+"""Ensembles and sweeps: N members in one program (config.ensemble), each member exactly the
+single run it stands for, their outputs, exact resume, and picking a member to use."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from conftest import load_config, run_main
+from flax import nnx
+
+from fmnist_flax import config as config_lib
+from fmnist_flax import evaluate, experiment, export, inference, load_model, tables
+from fmnist_flax import model as model_lib
+from fmnist_flax.errors import UserError
+
+RATES = (3e-3, 3e-3, 1e-2)  # a sweep of a kind: member 2 has its own learning rate
+
+
+def ensemble_config(**fields):
+    config = load_config("default")
+    config.steps, config.log_every, config.report = 100, 10, "none"
+    config.checkpoint_every, config.checkpoint_min_interval_secs = 45, 0.0
+    config.augment.flip = True  # each member draws its own augmentation too
+    config.ensemble.size, config.ensemble.same_data = 3, False
+    config.ensemble.learning_rate = RATES
+    for name, value in fields.items():
+        config[name] = value
+    return config
+
+
+def rows_of(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def ensemble(tmp_path_factory):
+    """Three members on their own data, member 2 at its own rate: 100 steps, saves at 45, 90
+    and 100. Shared read-only."""
+    workdir = tmp_path_factory.mktemp("ensemble") / "w"
+    return workdir, experiment.train_and_evaluate(ensemble_config(), workdir)
+
+
+def test_member_k_is_the_single_run_with_seed_plus_k(ensemble, tmp_path):
+    """Member 1 of the vmapped program against a run of its own (seed 1): the same data
+    order, augmentation, initialisation and rate. The vmapped matmuls round differently from
+    one model's (XLA batches them), so the losses agree to 1e-5, not to the bit; at member
+    2's rate (1e-2) the difference grows to 5e-5 by step 100 (docs/performance.md)."""
+    workdir, summary = ensemble
+    single = ensemble_config(seed=1)
+    single.ensemble.size, single.ensemble.learning_rate = 1, ()
+    alone = experiment.train_and_evaluate(single, tmp_path / "alone")
+    members, solo = rows_of(workdir), rows_of(tmp_path / "alone")
+    assert [r["step"] for r in members] == [r["step"] for r in solo]
+    np.testing.assert_allclose([r["loss/1"] for r in members], [r["loss"] for r in solo], rtol=1e-5)
+    assert abs(summary["members"][1]["test_accuracy"] - alone["test_accuracy"]) <= 0.002
+    assert not isinstance(load_model(tmp_path / "alone"), model_lib.Ensemble)  # size 1: a model
+
+
+def test_the_summary_names_every_member_its_values_and_the_best(ensemble):
+    workdir, summary = ensemble
+    members = summary["members"]
+    assert [m["member"] for m in members] == [0, 1, 2]
+    assert [m["learning_rate"] for m in members] == list(RATES)
+    assert [m["seed"] for m in members] == [0, 1, 2]
+    accuracies = [m["test_accuracy"] for m in members]
+    assert summary["best_member"] == int(np.argmax(accuracies))
+    assert all(summary[f"test_accuracy/{k}"] == a for k, a in enumerate(accuracies))
+    # The ensemble (the members' mean probabilities) is better than its average member here.
+    assert summary["test_accuracy"] > np.mean(accuracies)
+    last = rows_of(workdir)[-1]
+    assert last["loss"] == pytest.approx(np.mean([last[f"loss/{k}"] for k in range(3)]))
+
+
+def test_a_kill_after_a_non_logged_save_resumes_the_ensemble_exactly(ensemble, tmp_path):
+    """Step 45 is not a logged step: the members' running rows travel in its checkpoint."""
+    workdir, _ = ensemble
+    killed = tmp_path / "killed"
+    shutil.copytree(workdir, killed)
+    for step in ("90", "100"):
+        shutil.rmtree(killed / "checkpoints" / step)
+    (killed / "summary.json").unlink()
+    resumed = experiment.train_and_evaluate(ensemble_config(), killed)
+    assert resumed["resumed_from_step"] == 45
+    assert rows_of(killed) == rows_of(workdir)
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(load_model(workdir))),
+        jax.tree.leaves(nnx.state(load_model(killed))),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_member_picks_one_member_the_best_or_the_ensemble(ensemble, real_dataset):
+    workdir, summary = ensemble
+    images = real_dataset.test_images[:64]
+    whole = load_model(workdir)
+    assert isinstance(whole, model_lib.Ensemble) and whole.size == 3
+    each = [evaluate.predict(load_model(workdir, member=k), images) for k in range(3)]
+    np.testing.assert_allclose(evaluate.predict(whole, images), np.mean(each, axis=0), atol=1e-6)
+    np.testing.assert_array_equal(
+        evaluate.predict(load_model(workdir, member="best"), images), each[summary["best_member"]]
+    )
+    assert evaluate.predict(load_model(workdir, member="ensemble"), images).shape == (64, 10)
+
+
+def test_the_exported_ensemble_runs_with_jax_alone(ensemble, real_dataset, jax_only, tmp_path):
+    workdir, _ = ensemble
+    artifact = tmp_path / "ensemble.jaxexport"
+    meta = export.export_model(workdir, artifact, member="ensemble")
+    assert meta["source"]["member"] == "ensemble"
+    images = real_dataset.test_images[:5]
+    expected = evaluate.predict(load_model(workdir), images)
+    np.testing.assert_allclose(jax_only(artifact, images), expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_member_flags_from_the_command_line(ensemble, tmp_path):
+    """--member on eval: the best member's accuracy is the summary's; a bad one is one line."""
+    workdir, summary = ensemble
+    output = tmp_path / "best.json"
+    result = run_main("--mode=eval", f"--workdir={workdir}", "--member=best", f"--output={output}")
+    assert result.returncode == 0, result.stderr
+    evaluated = json.loads(output.read_text())
+    assert evaluated["member"] == summary["best_member"]
+    assert evaluated["test_accuracy"] == max(m["test_accuracy"] for m in summary["members"])
+    bad = run_main("--mode=predict", f"--workdir={workdir}", "--member=7", "--images=x.npy")
+    assert bad.returncode != 0
+    assert bad.stderr.strip().splitlines()[-1] == (
+        f"error: --member=7: --workdir {workdir} has members 0..2"
+    )
+
+
+def test_member_of_a_single_run_or_a_bad_value_is_one_line(ensemble, tmp_path):
+    workdir, _ = ensemble
+    with pytest.raises(UserError, match=r"must be a member number, 'best' or 'ensemble'"):
+        inference.parse_member("first")
+    with pytest.raises(UserError, match=r"--member=3: --workdir .* has members 0\.\.2"):
+        load_model(workdir, member=3)
+    with pytest.raises(UserError, match=r"--member=best: checkpoint 45 in .* was not evaluated"):
+        load_model(workdir, step=45, member="best")
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"size": 0}, "--config.ensemble.size=0 must be a whole number of members >= 1"),
+        ({"size": 2, "learning_rate": (1e-3,)}, "must be a tuple of 2 values, one per member"),
+        ({"size": 2, "weight_decay": (0.1, -1.0)}, "weight_decay: -1.0 must be a finite number"),
+        ({"size": 2, "learning_rate": (1e-3, 0.0)}, "learning_rate: 0.0 must be a finite number"),
+    ],
+)
+def test_bad_ensemble_values_are_one_line(fields, expected):
+    config = load_config("default")
+    for name, value in fields.items():
+        config.ensemble[name] = value
+    with pytest.raises(UserError, match=expected.replace(".", r"\.").replace("(", r"\(")):
+        config_lib.validate(config)
+
+
+def test_ensemble_values_that_clash_with_other_fields_are_one_line():
+    config = load_config("default")
+    config.ensemble.size, config.ensemble.learning_rate = 2, (1e-3, 1e-2)
+    config.optimizer.schedule = "warmup_cosine"
+    with pytest.raises(UserError, match=r"per-member rates, which need --config\.optimizer\.sch"):
+        config_lib.validate(config)
+    config = load_config("default")
+    config.ensemble.size, config.ensemble.same_data = 2, False
+    config.input_pipeline = "grain"
+    with pytest.raises(UserError, match="same_data=False gives each member its own batches"):
+        config_lib.validate(config)
+
+
+def test_the_progress_line_shows_the_members_spread_and_the_table_marks_the_best():
+    row = {"step": 5, "loss": 0.5, "loss/0": 0.4, "loss/1": 0.6, "accuracy": 0.8}
+    assert tables.metric_names(row) == ["loss", "accuracy"]
+    assert tables.spread_cell(row, "loss") == "0.5000 (0.4000-0.6000)"
+    assert tables.spread_cell(row, "accuracy") == "80.0%"
+    members = [
+        {"member": k, "seed": k, "learning_rate": rate, "test_accuracy": acc}
+        for k, (rate, acc) in enumerate([(1e-3, 0.8), (3e-3, 0.85)])
+    ]
+    text = tables.members_table(members, best=1).format()
+    assert "1 (best)" in text and "85.00%" in text and "0.003" in text
