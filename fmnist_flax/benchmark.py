@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import pathlib
@@ -130,7 +131,10 @@ def fused_runner(
         scratch.name, metadata={"config": config.to_dict()}, min_interval_secs=save_floor
     )
     chunk, sums = chunk_for(config, device_data, graphdef, model)
-    order = input_pipeline.epoch_order(COMPARISON_SEED, 0, len(device_data.train_labels))
+    seeds = train.member_seeds(config)  # one order per member when each has its own data
+    orders = [input_pipeline.epoch_order(COMPARISON_SEED + s - config.seed, 0,
+                                         len(device_data.train_labels)) for s in seeds]  # fmt: skip
+    order = jnp.stack(orders) if len(orders) > 1 else orders[0]
     per_epoch = device_data.batches_per_epoch
     carry = [state, 0]
 
@@ -183,8 +187,25 @@ def chunk_for(config, device_data, graphdef, model) -> tuple[Callable[..., Any],
     return chunk, train.zero_sums(model, frozen, device_data.image_shape)
 
 
-def _runners(config, device_data, fixed, dataset) -> dict[str, Callable[[], Runner]]:
-    """Each training path's runner factory, all from the same start; the codelab's first."""
+def ensemble_config(config: ml_collections.ConfigDict, members: int, same_data: bool):
+    """`config` as an ensemble of `members` on shared batches or each on its own."""
+    ensemble = ml_collections.ConfigDict(config.to_dict())
+    ensemble.ensemble.size, ensemble.ensemble.same_data = members, same_data
+    return ensemble
+
+
+def _runners(
+    config, device_data, fixed, dataset, members: int = 0
+) -> dict[str, Callable[[], Runner]]:
+    """Each training path's runner factory, all from the same start; the codelab's first. With
+    `members`, ensembles of that many on shared batches and on their own."""
+    ensembles = {
+        f"ensemble of {members}, {data}": functools.partial(
+            fused_runner, ensemble_config(config, members, data == "shared data"), device_data
+        )
+        for data in ("shared data", "own data")
+        if members > 1
+    }
     return {
         "codelab loop (reference)": lambda: codelab_runner(config, fixed),
         "nnx.jit step": lambda: per_step_runner(train.jit_train_step, config, device_data, fixed),
@@ -194,6 +215,7 @@ def _runners(config, device_data, fixed, dataset) -> dict[str, Callable[[], Runn
         ),
         "fused + saves, no floor": lambda: fused_runner(config, device_data, 0.0),
         "grain pipeline": lambda: grain_runner(config, device_data, dataset),
+        **ensembles,
         "Python dispatch": lambda: per_step_runner(train.train_step, config, device_data, fixed),
     }
 
@@ -230,9 +252,12 @@ def run_suite(
     dtypes: Sequence[str],
     steps: int | None,
     repeats: int,
+    members: int = 0,
 ) -> dict[str, Any]:
     """Every path at every batch size and dtype, in one process on one device, ratios to the
-    codelab loop."""
+    codelab loop and to the fused path. An ensemble's rate counts every member's examples
+    (members x batch x steps / time): against one fused member, the speed-up over training
+    its members one after another."""
     mesh = parallel.make_mesh(jax.devices()[:1])
     device = jax.devices()[0]
     peak = matmul_peak_gflops()
@@ -247,15 +272,19 @@ def run_suite(
         for dtype in dtypes:
             run_config = ml_collections.ConfigDict(config.to_dict())
             run_config.batch_size, run_config.compute_dtype = batch_size, dtype
-            reference_rate = None
-            for name, make in _runners(run_config, device_data, fixed, dataset).items():
+            reference_rate = fused_rate = None
+            runners = _runners(run_config, device_data, fixed, dataset, members)
+            for name, make in runners.items():
                 timed = n_steps if name != "Python dispatch" else min(n_steps, BENCH_EAGER_STEPS)
                 result = _measure(make(), timed, repeats)
-                rate = timed * batch_size / result["seconds"]
+                size = members if name.startswith("ensemble") else 1
+                rate = size * timed * batch_size / result["seconds"]
                 reference_rate = reference_rate or rate
+                fused_rate = rate if name == "fused (default)" else fused_rate
                 rows.append({
                     "path": name, "batch_size": batch_size, "dtype": dtype, **result,
                     "examples_per_sec": rate, "ratio_to_codelab": rate / reference_rate,
+                    "ratio_to_fused": rate / fused_rate if fused_rate else None,
                     "gflops": rate * flops / 1e9, "share_of_matmul_peak": rate * flops / 1e9 / peak,
                     **_peak_memory_mb(),
                 })  # fmt: skip
@@ -285,11 +314,12 @@ def run_suite(
 def benchmark_table(rows: Sequence[dict[str, Any]], peak: float) -> str:
     return Table.of(
         f"Training step throughput (median of repeats; matmul peak {peak:,.0f} GFLOP/s)",
-        ("Path", "Batch", "Dtype", "Examples/s", "vs codelab", "GFLOP/s", "% of peak",
-         "First call s", "Peak RSS MB"),
+        ("Path", "Batch", "Dtype", "Examples/s", "vs codelab", "vs fused", "GFLOP/s",
+         "% of peak", "First call s", "Peak RSS MB"),
         [
             (r["path"], r["batch_size"], r["dtype"], f"{r['examples_per_sec']:,.0f}",
-             f"{r['ratio_to_codelab']:.2f}x", f"{r['gflops']:.1f}",
+             f"{r['ratio_to_codelab']:.2f}x",
+             f"{r['ratio_to_fused']:.2f}x" if r["ratio_to_fused"] else "", f"{r['gflops']:.1f}",
              f"{100 * r['share_of_matmul_peak']:.0f}%", f"{r['first_call_s']:.2f}",
              f"{r['process_peak_rss_mb']:,.0f}")
             for r in rows
@@ -391,6 +421,7 @@ def run_benchmark(
     repeats: int,
     whole_run_steps: int,
     output: str | None,
+    members: int = 8,
 ) -> dict[str, Any]:
     """`--mode=benchmark`: the step suite, then the whole-run comparison; prints and saves."""
     config_lib.validate(config)
@@ -413,8 +444,9 @@ def run_benchmark(
         )
     dataset = datasets.load(config)
     result = run_suite(
-        config, dataset, batch_sizes=batch_sizes, dtypes=dtypes, steps=steps, repeats=repeats
-    )
+        config, dataset, batch_sizes=batch_sizes, dtypes=dtypes, steps=steps, repeats=repeats,
+        members=members,
+    )  # fmt: skip
     if whole_run_steps:
         mesh = parallel.make_mesh(jax.devices()[:1])
         device_data = input_pipeline.to_device(dataset, config.batch_size, mesh)

@@ -53,6 +53,11 @@ if BENCHMARK:  # its flags exist while the module does
     )
     flags.DEFINE_integer("bench_repeats", 3, "benchmark: repeats (median kept).")
     flags.DEFINE_integer(
+        "bench_members",
+        8,
+        "benchmark: members of the ensemble rows (shared and own data); <2 skips.",
+    )
+    flags.DEFINE_integer(
         "bench_whole_run_steps", 400, "benchmark: steps of the whole-run comparison; 0 skips it."
     )
 _IMAGES = flags.DEFINE_list(
@@ -308,6 +313,7 @@ def run_benchmark(config: ml_collections.ConfigDict) -> None:
         steps=FLAGS.bench_steps,
         repeats=FLAGS.bench_repeats,
         whole_run_steps=FLAGS.bench_whole_run_steps,
+        members=FLAGS.bench_members,
         output=_OUTPUT.value,
     )
 

@@ -15,12 +15,13 @@ from fmnist_flax.errors import UserError
 
 PATHS = {
     "codelab loop (reference)", "nnx.jit step", "fused (default)", "fused + saves (default)",
-    "fused + saves, no floor", "grain pipeline",
-    "Python dispatch",
+    "fused + saves, no floor", "grain pipeline", "ensemble of 2, shared data",
+    "ensemble of 2, own data", "Python dispatch",
 }  # fmt: skip
 ROW_FIELDS = {
     "path", "batch_size", "dtype", "steps", "seconds", "first_call_s", "examples_per_sec",
-    "ratio_to_codelab", "gflops", "share_of_matmul_peak", "device_peak_mb", "process_peak_rss_mb",
+    "ratio_to_codelab", "ratio_to_fused", "gflops", "share_of_matmul_peak", "device_peak_mb",
+    "process_peak_rss_mb",
 }  # fmt: skip
 
 
@@ -40,6 +41,7 @@ def test_tiny_benchmark_writes_every_field(tmp_path, capsys):
         repeats=1,
         whole_run_steps=3,
         output=str(output),
+        members=2,
     )
     result = json.loads(output.read_text())
     assert result["matmul_peak_gflops"] > 0
@@ -51,9 +53,13 @@ def test_tiny_benchmark_writes_every_field(tmp_path, capsys):
     for row in rows:
         assert set(row) == ROW_FIELDS
         assert row["examples_per_sec"] > 0 and row["seconds"] > 0
+    rate = {r["path"]: r["examples_per_sec"] for r in rows}
     for row in rows:
         if row["path"] == "codelab loop (reference)":
             assert row["ratio_to_codelab"] == 1.0
+        if row["path"].startswith("ensemble"):  # member-examples/s against one fused member
+            assert row["ratio_to_fused"] == row["examples_per_sec"] / rate["fused (default)"]
+            assert row["examples_per_sec"] == 2 * 2 * 16 / row["seconds"]  # members x steps x B
     # The profile maps the trace's events to the compiled module's ops: each kind shows up.
     [profile] = result["profiles"]
     assert (profile["batch_size"], profile["dtype"]) == (16, "bfloat16")
