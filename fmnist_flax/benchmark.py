@@ -44,6 +44,7 @@ COMPARISON_SEED = 10  # fresh models, never a trained one
 BENCH_EXAMPLES = 2**17  # examples per timed run; steps = this / batch size
 BENCH_EAGER_STEPS = 10  # Python dispatch is ~100x slower; fewer steps tell the same story
 MATMUL_SIZE = 2048
+FUSED = "fused (default)"  # the path main.py trains on: the ratios' second reference
 
 
 def flops_per_example(sizes: Sequence[int]) -> float:
@@ -209,7 +210,7 @@ def _runners(
     return {
         "codelab loop (reference)": lambda: codelab_runner(config, fixed),
         "nnx.jit step": lambda: per_step_runner(train.jit_train_step, config, device_data, fixed),
-        "fused (default)": lambda: fused_runner(config, device_data),
+        FUSED: lambda: fused_runner(config, device_data),
         "fused + saves (default)": lambda: fused_runner(
             config, device_data, config.checkpoint_min_interval_secs
         ),
@@ -218,6 +219,38 @@ def _runners(
         **ensembles,
         "Python dispatch": lambda: per_step_runner(train.train_step, config, device_data, fixed),
     }
+
+
+def _time_paths(
+    runners: dict[str, Callable[[], Runner]],
+    config: ml_collections.ConfigDict,
+    steps: int,
+    repeats: int,
+    members: int,
+    flops: float,
+    peak: float,
+) -> list[dict[str, Any]]:
+    """Each runner timed in turn at the config's batch and dtype: rows with its rate (every
+    member's examples for an ensemble), its ratios to the first (the codelab's) and to the
+    fused path, its GFLOP/s (`flops` per example) and their share of the matmul `peak`."""
+    rows, batch_size, dtype = [], config.batch_size, config.compute_dtype
+    for name, make in runners.items():
+        timed = steps if name != "Python dispatch" else min(steps, BENCH_EAGER_STEPS)
+        result = _measure(make(), timed, repeats)
+        size = members if name.startswith("ensemble") else 1
+        rate = size * timed * batch_size / result["seconds"]
+        fused = next((r["examples_per_sec"] for r in rows if r["path"] == FUSED), None)
+        fused = rate if name == FUSED else fused
+        rows.append({
+            "path": name, "batch_size": batch_size, "dtype": dtype, **result,
+            "examples_per_sec": rate,
+            "ratio_to_codelab": rate / (rows[0]["examples_per_sec"] if rows else rate),
+            "ratio_to_fused": rate / fused if fused else None,
+            "gflops": rate * flops / 1e9, "share_of_matmul_peak": rate * flops / 1e9 / peak,
+            **_peak_memory_mb(),
+        })  # fmt: skip
+        print(f"  {name:<26} B={batch_size:<5} {dtype:<9} {rate:>12,.0f} examples/s", flush=True)
+    return rows
 
 
 def _measure(run: Callable[[int], Any], steps: int, repeats: int) -> dict[str, float]:
@@ -272,31 +305,17 @@ def run_suite(
         for dtype in dtypes:
             run_config = ml_collections.ConfigDict(config.to_dict())
             run_config.batch_size, run_config.compute_dtype = batch_size, dtype
-            reference_rate = fused_rate = None
-            runners = _runners(run_config, device_data, fixed, dataset, members)
-            for name, make in runners.items():
-                timed = n_steps if name != "Python dispatch" else min(n_steps, BENCH_EAGER_STEPS)
-                result = _measure(make(), timed, repeats)
-                size = members if name.startswith("ensemble") else 1
-                rate = size * timed * batch_size / result["seconds"]
-                reference_rate = reference_rate or rate
-                fused_rate = rate if name == "fused (default)" else fused_rate
-                rows.append({
-                    "path": name, "batch_size": batch_size, "dtype": dtype, **result,
-                    "examples_per_sec": rate, "ratio_to_codelab": rate / reference_rate,
-                    "ratio_to_fused": rate / fused_rate if fused_rate else None,
-                    "gflops": rate * flops / 1e9, "share_of_matmul_peak": rate * flops / 1e9 / peak,
-                    **_peak_memory_mb(),
-                })  # fmt: skip
-                print(f"  {name:<26} B={batch_size:<5} {dtype:<9} {rate:>12,.0f} examples/s",
-                      flush=True)  # fmt: skip
-                if name == "fused (default)":
-                    profiles.append({
-                        "batch_size": batch_size, "dtype": dtype,
-                        "wall_us_per_step": 1e6 * result["seconds"] / timed,
-                        "op_us_per_step": profiling.profile_fused(
-                            fresh_state(run_config, device_data), device_data, run_config),
-                    })  # fmt: skip
+            rows += _time_paths(
+                _runners(run_config, device_data, fixed, dataset, members), run_config,
+                n_steps, repeats, members, flops, peak,
+            )  # fmt: skip
+            fused = next(r for r in rows[::-1] if r["path"] == FUSED)
+            profiles.append({
+                "batch_size": batch_size, "dtype": dtype,
+                "wall_us_per_step": 1e6 * fused["seconds"] / fused["steps"],
+                "op_us_per_step": profiling.profile_fused(
+                    fresh_state(run_config, device_data), device_data, run_config),
+            })  # fmt: skip
         del device_data, fixed
     print(benchmark_table(rows, peak))
     print(profiling.profile_table(profiles))

@@ -339,7 +339,8 @@ def fit(run: Run) -> None:
         def on_log(row: dict[str, float]) -> None:
             now = time.perf_counter()
             seconds = now - last["time"] - (run.eval_seconds - last["eval"])
-            rate = (row["step"] - last["step"]) * run.device_data.examples_per_step / seconds
+            per_step = train.member_examples_per_step(run.device_data, run.config)
+            rate = (row["step"] - last["step"]) * per_step / seconds
             first = last["step"] == run.start_step  # its interval includes the compilation
             last.update(step=row["step"], time=now, eval=run.eval_seconds)
             if primary:

@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -169,7 +170,7 @@ def follow(section: str, root: pathlib.Path, **values: str) -> list[subprocess.C
         action, anchor, body = step["action"], step["anchor"], step["body"]
         if action in ("run", "delete"):
             for line in body.strip().splitlines():
-                words = line.format(**values).split()
+                words = shlex.split(line.format(**values))  # as a shell reads the line
                 if action == "delete":
                     assert words[0] == "rm", line
                     for name in words[1:]:
@@ -261,6 +262,34 @@ def test_the_metric_model_config_and_idx_recipes(project):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_the_ensemble_recipe(project, jax_only):
+    """A 4-rate sweep names its best member, which eval and export pick; a seed ensemble
+    predicts as one model."""
+    root, values = project
+    np.save(root / "x.npy", np.zeros((2, 28, 28), np.uint8))
+    sweep_run, _, _, _, predict_run = follow(
+        recipe("Train an ensemble or a sweep"), root, IMAGES=str(root / "x.npy"), **values
+    )
+    sweep = summary_of(root / "runs/sweep")
+    members = sweep["members"]
+    assert [m["learning_rate"] for m in members] == [3e-4, 1e-3, 3e-3, 1e-2]
+    accuracies = [m["test_accuracy"] for m in members]
+    assert sweep["best_member"] == accuracies.index(max(accuracies))
+    assert "Ensemble members (4)" in sweep_run.stdout and "(best)" in sweep_run.stdout
+    assert "loss/3" in rows_of(root / "runs/sweep")[-1]
+    best = json.loads((root / "runs/sweep-best.json").read_text())
+    assert best["member"] == sweep["best_member"] and best["test_accuracy"] == max(accuracies)
+    images = np.random.default_rng(0).integers(0, 256, (3, 28, 28, 1), dtype=np.uint8)
+    got = jax_only(root / "runs/sweep-best.jaxexport", images)
+    expected = predict(load_model(root / "runs/sweep", member="best"), images)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    seeds = summary_of(root / "runs/seeds")
+    assert seeds["config"]["ensemble"]["same_data"] is False
+    assert [m["seed"] for m in seeds["members"]] == [0, 1, 2]
+    assert len(re.findall(r"x\.npy\[\d\]: ", predict_run.stdout)) == 2
+
+
 def test_the_loss_term_optimizer_and_fine_tuning_recipes(project):
     root, values = project
     assert len(follow(recipe("Add a loss term"), root, **values)) == 1
