@@ -6,16 +6,17 @@
 # 1. installs the carried wheels (.whl/) whose packages the image lacks, into $SITE (no network);
 # 2. finds the carried Fashion-MNIST files ($DATA_DIR);
 # 3. `main.py --mode=benchmark` at batch 512 and 4096, float32 and bfloat16: the codelab loop,
-#    the plain nnx.jit step, the fused path and every other path it times, plus its whole-run
-#    comparison (400 steps, as subprocesses);
+#    the plain nnx.jit step, the fused path and every other path it times (8-member ensembles
+#    too: on a GPU, where one member is launch-bound, 8 should cost about one's time, >= 6x in
+#    member-examples/s), plus its whole-run comparison (400 steps, as subprocesses);
 # 4. `main.py --steps=400 --report=basic`: test accuracy and training examples/s;
 # 5. kernels per step and microseconds per kernel of the fused path, from a jax.profiler trace;
 # 6. prints one markdown table ($OUT/table.md) with all of it.
 #
 # Environment: OUT (default ./gpu-bench-out), PYTHON (python3), DATA_DIR (first of
 # ./.data/fashion-mnist, /usr/share/datasets/fashion-mnist), SMALL=1 (a quick check on a CPU:
-# batches 32,64, few steps), BATCH_SIZES, DTYPES, BENCH_STEPS, BENCH_REPEATS, WHOLE_RUN_STEPS,
-# RUN_STEPS, KERNEL_STEPS, BUDGET_S (seconds for all phases, default 460), SITE (/tmp/site),
+# batches 32,64, few steps, 2 members), BATCH_SIZES, DTYPES, MEMBERS, BENCH_STEPS,
+# BENCH_REPEATS, WHOLE_RUN_STEPS, RUN_STEPS, KERNEL_STEPS, BUDGET_S (seconds for all phases, default 460), SITE (/tmp/site),
 # INSTALL_ALL=1 (install every carried wheel, present or not), ALLOW_CPU=1 (run the full
 # sizes without a GPU). A phase that fails or runs out of time leaves "not measured" cells and
 # a non-zero exit status, after the table.
@@ -33,9 +34,10 @@ SITE=${SITE:-/tmp/site}
 SMALL=${SMALL:-0}
 if [[ $SMALL = 1 ]]; then
   : "${BATCH_SIZES:=32,64}" "${BENCH_STEPS:=5}" "${BENCH_REPEATS:=3}" "${WHOLE_RUN_STEPS:=0}"
+  : "${MEMBERS:=2}"
   : "${RUN_STEPS:=20}" "${KERNEL_STEPS:=10}"
 else
-  : "${BATCH_SIZES:=512,4096}" "${BENCH_STEPS:=400}" "${BENCH_REPEATS:=5}"
+  : "${BATCH_SIZES:=512,4096}" "${BENCH_STEPS:=400}" "${BENCH_REPEATS:=5}" "${MEMBERS:=8}"
   : "${WHOLE_RUN_STEPS:=400}" "${RUN_STEPS:=400}" "${KERNEL_STEPS:=100}"
 fi
 DTYPES=${DTYPES:-float32,bfloat16}
@@ -133,6 +135,7 @@ rm -f "$OUT/bench.json"
 phase benchmark 330 "$OUT/bench.log" "$PY" main.py --mode=benchmark --data_dir="$DATA_DIR" \
   --bench_batch_sizes="$BATCH_SIZES" --bench_dtypes="$DTYPES" --bench_steps="$BENCH_STEPS" \
   --bench_repeats="$BENCH_REPEATS" --bench_whole_run_steps="$WHOLE_RUN_STEPS" \
+  --bench_members="$MEMBERS" \
   --output="$OUT/bench.json"
 
 # --- 4. one training run, as a user starts it ----------------------------------------------
@@ -237,17 +240,20 @@ elif (out / "bench.log").exists():  # cut short: the rates it printed as it went
     for m in re.finditer(r"^  (.+?) +B=(\d+) +(\w+) +([\d,]+) examples/s$", text, re.M):
         rates.setdefault((int(m[2]), m[3]), {})[m[1]] = float(m[4].replace(",", ""))
 paths = list(dict.fromkeys([CODELAB, JIT, FUSED, *(p for r in rates.values() for p in r)]))
+ENSEMBLE = next((p for p in paths if p.startswith("ensemble") and "shared" in p), "ensemble")
 header = ["run", "batch", "dtype", *(f"{p} ex/s" for p in paths), "fused vs codelab",
-          "nnx.jit vs codelab", "fused kernels/step", "us/kernel", "test accuracy"]  # fmt: skip
+          "nnx.jit vs codelab", f"{ENSEMBLE} vs fused", "fused kernels/step", "us/kernel",
+          "test accuracy"]  # fmt: skip
 rows = []
 for (batch, dtype), r in rates.items():
     k = kernels.get((batch, dtype))
     rows.append(["benchmark", batch, dtype, *(num(r.get(p)) for p in paths),
                  f"**{ratio(r.get(FUSED), r.get(CODELAB))}**", ratio(r.get(JIT), r.get(CODELAB)),
+                 ratio(r.get(ENSEMBLE), r.get(FUSED)),
                  f"{k['kernels_per_step']:.1f}" if k else NM,
                  f"{k['us_per_kernel']:.1f}" if k else NM, ""])  # fmt: skip
 if not rates:
-    rows.append(["benchmark", "", "", *[NM] * len(paths), NM, NM, NM, NM, ""])
+    rows.append(["benchmark", "", "", *[NM] * len(paths), NM, NM, NM, NM, NM, ""])
 run = [""] * len(header)
 run[0] = f"main.py --steps={run_steps} --report=basic"
 run[header.index(f"{FUSED} ex/s")], run[-1] = NM, NM

@@ -27,6 +27,7 @@ def test_small_mode_prints_the_table(tmp_path):
     table = (tmp_path / "out" / "table.md").read_text()
     assert table in result.stdout
     assert "| run | batch | dtype | codelab loop (reference) ex/s |" in table
+    assert "| ensemble of 2, shared data vs fused |" in table
     for dtype in ("float32", "bfloat16"):
         row = re.search(rf"^\| benchmark \| 64 \| {dtype} \|.*$", table, re.M)
         assert row and re.search(r"\*\*\d+\.\d\dx\*\*", row[0]), table  # fused vs codelab
