@@ -409,6 +409,11 @@ def evaluate_model(run: Run) -> dict[str, Any]:
         best = model_lib.best_member(prefixed("test_", result["full"]))
         run.summary |= {"members": members, "best_member": best}
         run.show("Evaluation", tables.members_table(members, best))
+        summaries.write_members(run.workdir, members, run.config.steps)
+        losses = [model_lib.member_values(h, "loss") for h in run.history]
+        run.figure("Evaluation", "members.png", lambda: report.members_figure(
+            [h["step"] for h in run.history], list(zip(*losses, strict=True)), members,
+            d.title))  # fmt: skip
     picks = report.sample_indices(len(labels))
     run.figure("Evaluation", "predictions.png", lambda: report.prediction_grid(
         d.test_images[picks], labels[picks], full["predictions"][picks],

@@ -100,6 +100,35 @@ def training_curve(
     return fig
 
 
+def members_figure(
+    steps: Sequence[int],
+    losses: Sequence[Sequence[float]],
+    members: Sequence[dict[str, Any]],
+    title: str,
+) -> Figure:
+    """An ensemble: every member's train loss curve (`losses[k]` at `steps`, row means), and
+    each member's test accuracy against its learning rate (a sweep's result; log scale)."""
+    fig = Figure(figsize=(10, 4))
+    curves, sweep = fig.subplots(1, 2)
+    for member, loss in zip(members, losses, strict=True):
+        curves.plot(steps, loss, linewidth=1, label=f"member {member['member']}")
+    curves.set(xlabel="step", ylabel="train loss", yscale="log", title="each member's loss")
+    curves.legend(fontsize=7, ncol=2)
+    rates = [m["learning_rate"] for m in members]
+    accuracies = [m["test_accuracy"] for m in members]
+    sweep.scatter(rates, accuracies, color=GREEN)
+    for member, rate, accuracy in zip(members, rates, accuracies, strict=True):
+        sweep.annotate(str(member["member"]), (rate, accuracy), fontsize=7,
+                       xytext=(3, 3), textcoords="offset points")  # fmt: skip
+    sweep.set(xlabel="learning rate", ylabel="test accuracy", xscale="log",
+              title="test accuracy by learning rate")  # fmt: skip
+    for ax in (curves, sweep):
+        ax.grid(True, alpha=0.25)
+    fig.suptitle(f"{title}: {len(members)} ensemble members")
+    fig.tight_layout()
+    return fig
+
+
 def sample_indices(num_examples: int) -> np.ndarray:
     """The codelab's 25 random test images (seed 7); all of them in a smaller test set."""
     rng = np.random.default_rng(PREDICTION_SEED)

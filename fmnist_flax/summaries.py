@@ -106,3 +106,42 @@ class Summaries:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+HPARAMS_EVENTS = "events.out.tfevents.hparams"  # one per member run, rewritten whole
+
+
+def write_members(
+    workdir: pathlib.Path, members: list[dict[str, Any]], step: int, prefix: str = "member_"
+) -> None:
+    """An ensemble's members as TensorBoard runs of their own (tensorboard/member_k): each an
+    HParams session with its seed, learning rate and weight decay and its final metrics as
+    `hparam/<metric>`, so the HParams dashboard compares a sweep. Each file is replaced whole
+    (a resumed run writes it again); a write that fails is one warning line."""
+    directory = workdir / TENSORBOARD_DIR
+    for member in members:
+        values = {k: v for k, v in member.items() if k not in ("member", "seed")}
+        hparams = {"member": member["member"], "seed": member["seed"]}
+        hparams |= {k: v for k, v in values.items() if not k.startswith(("test_", "final_"))}
+        metrics = {f"hparam/{k}": v for k, v in values.items() if k not in hparams}
+        events = [
+            *summary.hparams(hparams, metrics),
+            *(summary.scalar(k, v) for k, v in metrics.items()),
+        ]
+        data = record(
+            Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString()
+        )
+        for value in events:
+            data += record(
+                Event(wall_time=time.time(), step=step, summary=value).SerializeToString()
+            )
+        path = directory / f"{prefix}{member['member']}" / HPARAMS_EVENTS
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            workdir_lib.write_atomically(path, data)
+        except OSError as exc:
+            warning_line(
+                f"cannot write the members' TensorBoard HParams in {directory} "
+                f"({workdir_lib.disk_problem(directory, exc)}); summary.json has them"
+            )
+            return

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from fmnist_flax import datasets
+from fmnist_flax import datasets, load_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -62,6 +62,18 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
 
 
 EVERY_DUE_SAVE = "--config.checkpoint_min_interval_secs=0"  # no time floor: tests count steps
+
+
+def assert_same_models(one: pathlib.Path, other: pathlib.Path) -> None:
+    """The newest models of two workdirs are equal to the bit, array for array."""
+    from flax import nnx
+
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(load_model(one))),
+        jax.tree.leaves(nnx.state(load_model(other))),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
 
 
 def load_config(name: str):

@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import shutil
 
-import jax
 import numpy as np
 import pytest
-from conftest import load_config, run_main
-from flax import nnx
+from conftest import assert_same_models, load_config, run_main
 
 from fmnist_flax import config as config_lib
-from fmnist_flax import evaluate, experiment, export, inference, load_model, tables
+from fmnist_flax import evaluate, experiment, export, inference, load_model, report, tables
 from fmnist_flax import model as model_lib
 from fmnist_flax.errors import UserError
 
@@ -75,6 +73,25 @@ def test_the_summary_names_every_member_its_values_and_the_best(ensemble):
     assert last["loss"] == pytest.approx(np.mean([last[f"loss/{k}"] for k in range(3)]))
 
 
+def test_each_member_is_a_tensorboard_hparams_session(ensemble):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    workdir, summary = ensemble
+    for member in summary["members"]:
+        reader = EventAccumulator(str(workdir / "tensorboard" / f"member_{member['member']}"))
+        reader.Reload()
+        [accuracy] = reader.Scalars("hparam/test_accuracy")
+        assert accuracy.value == pytest.approx(member["test_accuracy"]) and accuracy.step == 100
+        content = reader.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+        start = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+        assert start.hparams["learning_rate"].number_value == pytest.approx(RATES[member["member"]])
+        assert start.hparams["seed"].number_value == member["seed"]
+    assert (
+        "train/loss/2" in EventAccumulator(str(workdir / "tensorboard")).Reload().Tags()["scalars"]
+    )
+
+
 def test_a_kill_after_a_non_logged_save_resumes_the_ensemble_exactly(ensemble, tmp_path):
     """Step 45 is not a logged step: the members' running rows travel in its checkpoint."""
     workdir, _ = ensemble
@@ -86,12 +103,7 @@ def test_a_kill_after_a_non_logged_save_resumes_the_ensemble_exactly(ensemble, t
     resumed = experiment.train_and_evaluate(ensemble_config(), killed)
     assert resumed["resumed_from_step"] == 45
     assert rows_of(killed) == rows_of(workdir)
-    for a, b in zip(
-        jax.tree.leaves(nnx.state(load_model(workdir))),
-        jax.tree.leaves(nnx.state(load_model(killed))),
-        strict=True,
-    ):
-        np.testing.assert_array_equal(a, b)
+    assert_same_models(workdir, killed)
 
 
 def test_member_picks_one_member_the_best_or_the_ensemble(ensemble, real_dataset):
@@ -185,3 +197,14 @@ def test_the_progress_line_shows_the_members_spread_and_the_table_marks_the_best
     ]
     text = tables.members_table(members, best=1).format()
     assert "1 (best)" in text and "85.00%" in text and "0.003" in text
+
+
+def test_the_members_figure_draws_each_members_curve_and_the_sweep():
+    members = [{"member": 0, "learning_rate": 1e-3, "test_accuracy": 0.8},
+               {"member": 1, "learning_rate": 3e-3, "test_accuracy": 0.85}]  # fmt: skip
+    figure = report.members_figure([1, 10], [[2.0, 1.0], [2.1, 0.9]], members, "Fashion-MNIST")
+    curves, sweep = figure.axes
+    assert [line.get_label() for line in curves.lines] == ["member 0", "member 1"]
+    np.testing.assert_array_equal(curves.lines[1].get_ydata(), [2.1, 0.9])
+    assert sweep.get_xscale() == "log"
+    np.testing.assert_allclose(sweep.collections[0].get_offsets(), [[1e-3, 0.8], [3e-3, 0.85]])

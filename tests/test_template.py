@@ -15,11 +15,9 @@ import subprocess
 import sys
 import sysconfig
 
-import jax
 import numpy as np
 import pytest
-from conftest import EVERY_DUE_SAVE, REPO, idx_bytes, load_config
-from flax import nnx
+from conftest import EVERY_DUE_SAVE, REPO, assert_same_models, idx_bytes, load_config
 from PIL import Image
 
 from fmnist_flax import input_pipeline, load_model, parallel, predict, train
@@ -262,7 +260,6 @@ def test_the_metric_model_config_and_idx_recipes(project):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_the_ensemble_recipe(project, jax_only):
     """A 4-rate sweep names its best member, which eval and export pick; a seed ensemble
     predicts as one model."""
@@ -290,6 +287,7 @@ def test_the_ensemble_recipe(project, jax_only):
     assert len(re.findall(r"x\.npy\[\d\]: ", predict_run.stdout)) == 2
 
 
+@pytest.mark.slow
 def test_the_loss_term_optimizer_and_fine_tuning_recipes(project):
     root, values = project
     assert len(follow(recipe("Add a loss term"), root, **values)) == 1
@@ -343,12 +341,7 @@ def test_the_colour_recipe_trains_resumes_evaluates_predicts_and_exports(project
     (killed / "summary.json").unlink()
     assert "resuming from checkpoint 40" in run(root, *args, f"--workdir={killed}").stdout
     assert rows_of(killed) == rows_of(direct)
-    for a, b in zip(
-        jax.tree.leaves(nnx.state(load_model(direct))),
-        jax.tree.leaves(nnx.state(load_model(killed))),
-        strict=True,
-    ):
-        np.testing.assert_array_equal(a, b)
+    assert_same_models(direct, killed)
 
 
 @pytest.mark.slow
