@@ -123,7 +123,10 @@ flags.DEFINE_string("data_dir", None, "Directory holding the dataset's files.")
 flags.DEFINE_integer("checkpoint_every", None, "Save a checkpoint every this many steps.")
 flags.DEFINE_string("report", None, "full | basic (skip the timing comparisons) | none.")
 flags.DEFINE_string(
-    "init_from", None, "Start from another run's model: WORKDIR or WORKDIR:STEP (fine-tuning)."
+    "init_from",
+    None,
+    "Start from another run's model: WORKDIR or WORKDIR:STEP (fine-tuning); an ensemble's "
+    "member with @K or @best (WORKDIR:STEP@K).",
 )
 
 

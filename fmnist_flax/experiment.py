@@ -225,8 +225,16 @@ def warm_start(
     """Load the model of `config.init_from` (WORKDIR or WORKDIR:STEP) into `model`: its
     parameters and BatchNorm statistics, shapes checked in one line; returns a fresh
     optimizer for it."""
-    workdir, step = parse_init_from(config.init_from)
-    source = inference.restore_model(workdir, step, flag="--init_from")[0]
+    workdir, step, member = parse_init_from(config.init_from)
+    source = inference.restore_model(workdir, step, flag="--init_from", member=member)[0]
+    ensembles = isinstance(source, model_lib.Ensemble), isinstance(model, model_lib.Ensemble)
+    if ensembles == (True, False):
+        raise UserError(
+            f"--init_from={config.init_from}: {workdir} is an ensemble of {source.size}; start "
+            f"from one member: --init_from={config.init_from}@K (or @best)"
+        )
+    if ensembles == (False, True):  # every member starts from the one model
+        source = model_lib.Ensemble(model_lib.stack([source] * model.size), model.size)
     learned = nnx.Any(nnx.Param, nnx.BatchStat)
     wanted, loaded = nnx.state(model, learned), nnx.state(source, learned)
     restore.check_shapes(
@@ -240,12 +248,17 @@ def warm_start(
     return optimizer
 
 
-def parse_init_from(value: str) -> tuple[str, int | str | None]:
-    """'runs/a' -> ('runs/a', None); 'runs/a:200' -> ('runs/a', 200); 'runs/a:best'."""
+def parse_init_from(value: str) -> tuple[str, int | str | None, int | str | None]:
+    """'runs/a' -> ('runs/a', None, None); 'runs/a:200' -> ('runs/a', 200, None);
+    'runs/a:best'; an ensemble's member after '@': 'runs/a@3', 'runs/a:200@best'."""
+    value, at, member = value.rpartition("@") if "@" in value else (value, "", "")
+    if not at or not (member.isdigit() or member in (checkpoint_lib.BEST, inference.ENSEMBLE)):
+        value, member = value + at + member, None
     workdir, _, step = value.rpartition(":")
+    member = inference.parse_member(member)
     if workdir and (step.isdigit() or step == checkpoint_lib.BEST):
-        return workdir, int(step) if step.isdigit() else step
-    return value, None
+        return workdir, int(step) if step.isdigit() else step, member
+    return value, None, member
 
 
 def check_config_changes(

@@ -6,12 +6,23 @@ from __future__ import annotations
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 from conftest import assert_same_models, load_config, run_main
+from flax import nnx
 
 from fmnist_flax import config as config_lib
-from fmnist_flax import evaluate, experiment, export, inference, load_model, report, tables
+from fmnist_flax import (
+    evaluate,
+    experiment,
+    export,
+    inference,
+    load_model,
+    parallel,
+    report,
+    tables,
+)
 from fmnist_flax import model as model_lib
 from fmnist_flax.errors import UserError
 
@@ -208,3 +219,27 @@ def test_the_members_figure_draws_each_members_curve_and_the_sweep():
     np.testing.assert_array_equal(curves.lines[1].get_ydata(), [2.1, 0.9])
     assert sweep.get_xscale() == "log"
     np.testing.assert_allclose(sweep.collections[0].get_offsets(), [[1e-3, 0.8], [3e-3, 0.85]])
+
+
+def test_init_from_takes_one_member_or_starts_every_member_from_one_model(ensemble):
+    workdir, summary = ensemble
+    mesh = parallel.make_mesh()
+    config = load_config("default")
+    config.init_from = f"{workdir}:100@best"
+    model = model_lib.create_model(config, (28, 28, 1), 10)
+    experiment.warm_start(model, config, mesh)
+    best = load_model(workdir, member=summary["best_member"])
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(best)), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    config.init_from = str(workdir)
+    with pytest.raises(UserError, match=r"is an ensemble of 3; start from one member: --init_"):
+        experiment.warm_start(model, config, mesh)
+    config.init_from, config.ensemble.size = f"{workdir}@1", 2
+    members = model_lib.create_model(config, (28, 28, 1), 10)
+    experiment.warm_start(members, config, mesh)
+    one = jax.tree.leaves(nnx.state(load_model(workdir, member=1), nnx.Param))
+    for k in range(2):
+        for a, b in zip(jax.tree.leaves(nnx.state(members.member(k), nnx.Param)), one, strict=True):
+            np.testing.assert_array_equal(a, b)
