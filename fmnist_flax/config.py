@@ -55,9 +55,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.max_to_keep = 3  # newest checkpoints kept in <workdir>/checkpoints
     config.fused_steps = True  # several steps per compiled call (False: one step per call)
     config.label_smoothing = 0.0  # optax.smooth_labels on the one-hot targets when > 0
-    # Start from another run's model (WORKDIR or WORKDIR:STEP, STEP a number or `best`; an
-    # ensemble's member K with WORKDIR@K or @best): its parameters, a fresh optimizer (every
-    # member of an ensemble from one model). Used only when the run starts, not on a resume.
+    # Start from another run's model (WORKDIR[:STEP][@MEMBER], STEP a number or `best`): its
+    # parameters, a fresh optimizer. Used only when the run starts, not when it resumes.
     config.init_from = ""
     config.augment = ml_collections.ConfigDict()
     config.augment.max_shift = 0  # random shifts of up to this many pixels, on the device
