@@ -100,6 +100,9 @@ def ensemble_config() -> ml_collections.ConfigDict:
     # True: every member sees the same batches; False: member k the data order (and
     # augmentation) of a single run with --seed=seed+k.
     ensemble.same_data = True
+    # Split the members over this many devices (a `member` mesh axis; the devices of each
+    # part split every batch over `data`). It must divide `size` and the device count.
+    ensemble.shards = 1
     return ensemble
 
 
@@ -150,6 +153,16 @@ def check_ensemble(config: ml_collections.ConfigDict) -> None:
     ens, flag = config.ensemble, "--config.ensemble"
     if isinstance(ens.size, bool) or not isinstance(ens.size, int) or ens.size < 1:
         raise UserError(f"{flag}.size={ens.size!r} must be a whole number of members >= 1")
+    if (
+        isinstance(ens.shards, bool)
+        or not isinstance(ens.shards, int)
+        or ens.shards < 1
+        or (ens.size % ens.shards)
+    ):
+        raise UserError(
+            f"{flag}.shards={ens.shards!r} must be a whole number >= 1 that divides "
+            f"{flag}.size={ens.size} (the members are split over that many devices)"
+        )
     if ens.size > MAX_MEMBERS or config.seed + ens.size - 1 > MAX_SEED:
         raise UserError(
             f"{flag}.size={ens.size} is too large: at most {MAX_MEMBERS} members, and "
@@ -187,7 +200,7 @@ def check_ensemble(config: ml_collections.ConfigDict) -> None:
 RESUMABLE_FIELDS = (
     "steps", "log_every", "checkpoint_every", "checkpoint_min_interval_secs", "eval_every",
     "keep_best", "max_to_keep", "report", "data_dir", "fused_steps", "param_sharding",
-    "eval_examples", "init_from",
+    "eval_examples", "init_from", "ensemble.shards",
 )  # fmt: skip
 
 

@@ -162,7 +162,7 @@ def set_up(
         cleanup.callback(workdir_lib.Lock(workdir).release)
     dataset = datasets.load(config)
     model_lib.check_config(config.model, dataset.image_shape)
-    mesh = parallel.make_mesh()
+    mesh = parallel.make_mesh(member_shards=config.ensemble.shards)
     on_host = config.input_pipeline == "grain"
     device_data = input_pipeline.to_device(
         dataset, config.batch_size, mesh, not on_host, config.optimizer.accumulate

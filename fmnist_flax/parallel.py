@@ -26,6 +26,7 @@ from fmnist_flax import errors
 from fmnist_flax.errors import UserError, error_line
 
 DATA_AXIS = "data"
+MEMBER_AXIS = "member"  # an ensemble's members split over devices (config.ensemble.shards)
 PARAM_SHARDINGS = ("replicated", "fsdp")
 CONNECT_RETRY_S = 0.5
 # JAX's own deadline fires this much after ours; its failure is a C++ abort with a stack dump.
@@ -172,15 +173,27 @@ def data_size(mesh: Mesh) -> int:
     return mesh.shape[DATA_AXIS]
 
 
-def make_mesh(devices: list[jax.Device] | None = None) -> Mesh:
-    """A 1-D mesh over `devices` (default: every device of every process), axis `data`."""
+def make_mesh(devices: list[jax.Device] | None = None, member_shards: int = 1) -> Mesh:
+    """A 1-D mesh over `devices` (default: every device of every process), axis `data`; with
+    `member_shards` > 1, a 2-D mesh (`member`, `data`): an ensemble's members split that many
+    ways, each part's batches over its `data` devices."""
     devices = jax.devices() if devices is None else devices
-    return jax.make_mesh(
-        (len(devices),),
-        (DATA_AXIS,),
-        axis_types=(jax.sharding.AxisType.Auto,),
-        devices=devices,
-    )
+    if member_shards == 1:
+        shape, names = (len(devices),), (DATA_AXIS,)
+    elif len(devices) % member_shards:
+        raise UserError(
+            f"--config.ensemble.shards={member_shards} does not divide the {len(devices)} "
+            "devices; use a divisor of both the device count and --config.ensemble.size"
+        )
+    else:
+        shape, names = (member_shards, len(devices) // member_shards), (MEMBER_AXIS, DATA_AXIS)
+    types = (jax.sharding.AxisType.Auto,) * len(shape)
+    return jax.make_mesh(shape, names, axis_types=types, devices=devices)
+
+
+def member_shards(mesh: Mesh) -> int:
+    """How many ways an ensemble's members are split: the `member` axis (1 without one)."""
+    return dict(mesh.shape).get(MEMBER_AXIS, 1)
 
 
 def check_batch(batch_size: int, n: int) -> None:
@@ -212,18 +225,26 @@ def fsdp_spec(shape: tuple[int, ...], num_devices: int) -> P:
     return P(*[None] * axis, DATA_AXIS)
 
 
-def state_shardings(tree: Any, mesh: Mesh, param_sharding: str = "replicated") -> Any:
-    """The NamedSharding of each leaf of a model/optimizer state."""
-    if param_sharding == "fsdp":
-        n = data_size(mesh)
-        return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, n)), tree)
-    return jax.tree.map(lambda _: replicated(mesh), tree)
+def state_shardings(
+    tree: Any, mesh: Mesh, param_sharding: str = "replicated", stacked: bool = False
+) -> Any:
+    """The NamedSharding of each leaf of a model/optimizer state. `stacked` leaves (an
+    ensemble's, on a mesh with a `member` axis) have their leading axis split along it, the
+    rest as `param_sharding` says."""
+    members = stacked and member_shards(mesh) > 1
+
+    def spec(shape: tuple[int, ...]) -> P:
+        inner = shape[1:] if members else shape
+        rest = fsdp_spec(inner, data_size(mesh)) if param_sharding == "fsdp" else P()
+        return P(MEMBER_AXIS, *rest) if members else rest
+
+    return jax.tree.map(lambda x: NamedSharding(mesh, spec(tuple(x.shape))), tree)
 
 
-def place(tree: Any, mesh: Mesh, param_sharding: str = "replicated") -> Any:
+def place(tree: Any, mesh: Mesh, param_sharding: str = "replicated", stacked: bool = False) -> Any:
     """Lay a state out on the mesh: one compiled copy, so each process passes only its own
     (identical) values and gets back arrays that span every process's devices."""
-    shardings = state_shardings(tree, mesh, param_sharding)
+    shardings = state_shardings(tree, mesh, param_sharding, stacked)
     return jax.jit(_identity, out_shardings=shardings)(tree)
 
 
@@ -233,8 +254,9 @@ def _identity(tree: Any) -> Any:
 
 
 def place_module(modules: Any, mesh: Mesh, param_sharding: str = "replicated") -> None:
-    """`place` the state of NNX objects (a module, or a tuple of model and optimizer) in place."""
-    nnx.update(modules, place(nnx.state(modules), mesh, param_sharding))
+    """`place` the state of NNX objects (a module, or a tuple of model and optimizer) in place;
+    on a `member` axis they are an ensemble's, split by member."""
+    nnx.update(modules, place(nnx.state(modules), mesh, param_sharding, stacked=True))
 
 
 def shard_host_array(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -293,6 +315,9 @@ def describe(mesh: Mesh, batch_size: int, param_sharding: str) -> str:
     if processes > 1:
         where += f" in {processes} processes ({len(jax.local_devices())} in this one)"
     params = "sharded along it (FSDP)" if param_sharding == "fsdp" else "replicated"
+    if member_shards(mesh) > 1:
+        within = "sharded along `data`" if param_sharding == "fsdp" else "replicated"
+        params = f"split by member along `member` ({within} within)"
     return (
         f"mesh {dict(mesh.shape)} over {where}; batch {batch_size:,} split "
         f"{batch_size // data_size(mesh):,} per device; parameters and optimizer state {params}"
