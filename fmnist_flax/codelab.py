@@ -20,6 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from fmnist_flax import config as config_lib
 from fmnist_flax import input_pipeline, parallel, report, tables, train
 from fmnist_flax.experiment import Extension, Run
 from fmnist_flax.tables import Table
@@ -181,8 +182,10 @@ def fresh_state(
     num_classes: int,
     compute_dtype: str | None = None,
 ) -> tuple[nnx.Module, nnx.Optimizer]:
-    """A new model and optimizer from COMPARISON_SEED (never the trained one)."""
+    """A new model and optimizer from COMPARISON_SEED (never the trained one): one model, as
+    the codelab's comparisons time it, also for an ensemble run."""
     config = ml_collections.ConfigDict(config.to_dict())
+    config.ensemble = config_lib.ensemble_config()
     if compute_dtype:
         config.compute_dtype = compute_dtype
     return train.create_train_state(

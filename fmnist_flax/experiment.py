@@ -243,7 +243,8 @@ def warm_start(
     )  # fmt: skip
     nnx.update(model, loaded)
     optimizer = train.create_optimizer(model, config)
-    parallel.place_module((model, optimizer), mesh, config.param_sharding)
+    stacked = isinstance(model, model_lib.Ensemble)
+    parallel.place_module((model, optimizer), mesh, config.param_sharding, stacked)
     parallel.say(f"initialised from {workdir} (step {step or 'newest'}): its parameters")
     return optimizer
 

@@ -190,7 +190,8 @@ def _restore_model(
     shape, classes = datasets.as_hwc(info["image_shape"]), len(info["class_names"])
     model = model_lib.create_model(config, shape, classes)
     if mesh is not None:
-        parallel.place_module(model, mesh, config.param_sharding)
+        stacked = isinstance(model, model_lib.Ensemble)
+        parallel.place_module(model, mesh, config.param_sharding, stacked)
     restored = restore.restore(checkpoints, {"model": nnx.state(model)}, step, at_most=chosen)
     if restored is None:
         raise UserError(f"{flag} {path}: every checkpoint is damaged")

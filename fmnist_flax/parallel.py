@@ -253,10 +253,12 @@ def _identity(tree: Any) -> Any:
     return tree
 
 
-def place_module(modules: Any, mesh: Mesh, param_sharding: str = "replicated") -> None:
+def place_module(
+    modules: Any, mesh: Mesh, param_sharding: str = "replicated", stacked: bool = False
+) -> None:
     """`place` the state of NNX objects (a module, or a tuple of model and optimizer) in place;
-    on a `member` axis they are an ensemble's, split by member."""
-    nnx.update(modules, place(nnx.state(modules), mesh, param_sharding, stacked=True))
+    `stacked`: an ensemble's, split by member on a `member` axis."""
+    nnx.update(modules, place(nnx.state(modules), mesh, param_sharding, stacked))
 
 
 def shard_host_array(array: np.ndarray, sharding: NamedSharding) -> jax.Array:

@@ -55,7 +55,8 @@ def create_train_state(
     """A fresh model and its optimizer, laid out on the mesh as `config.param_sharding` says."""
     model = create_model(config, image_shape, num_classes, seed)
     optimizer = create_optimizer(model, config)
-    parallel.place_module((model, optimizer), mesh, config.param_sharding)
+    stacked = isinstance(model, Ensemble)
+    parallel.place_module((model, optimizer), mesh, config.param_sharding, stacked)
     return model, optimizer
 
 

@@ -279,3 +279,18 @@ def test_members_split_over_devices_train_like_one_device(ensemble, tmp_path):
         json.loads((tmp_path / "split" / "summary.json").read_text())["best_member"]
         == (summary["best_member"])
     )
+
+
+@pytest.mark.slow
+def test_an_ensemble_run_writes_the_full_report(tmp_path):
+    """The default report: the codelab's timing comparisons time one model (never the
+    ensemble's stacked state), and the members' figure joins the report."""
+    from fmnist_flax import cli
+
+    config = ensemble_config(steps=10, report="full")
+    config.ensemble.size, config.ensemble.learning_rate = 2, (1e-3, 3e-3)
+    summary = experiment.train_and_evaluate(config, tmp_path / "w", cli.extensions())
+    names = {p.name for p in (tmp_path / "w" / "report").iterdir()}
+    assert {"members.png", "dispatch_vs_jit.png", "precision.png"} <= names
+    assert [row["mode"] for row in summary["dispatch_vs_jit"]] == ["Python dispatch", "jitted step"]
+    assert "Ensemble members (2)" in (tmp_path / "w" / "report" / "report.html").read_text()
