@@ -457,6 +457,11 @@ def run_benchmark(
     if jax.process_count() > 1:
         raise UserError("--mode=benchmark times one device; run it as a single process")
     workdir_lib.check_output_path(output)
+    if config.ensemble.size > 1:
+        raise UserError(
+            "--mode=benchmark times one model and builds its own ensembles (--bench_members); "
+            "drop --config.ensemble"
+        )
     if config.dataset.name != "fashion_mnist":
         raise UserError(
             "--mode=benchmark times the codelab on Fashion-MNIST; drop --config.dataset"

@@ -103,3 +103,13 @@ def test_benchmark_refuses_a_non_mlp_config():
             load_config("cnn"), batch_sizes=[16], dtypes=["float32"], steps=1, repeats=1,
             whole_run_steps=0, output=None,
         )  # fmt: skip
+
+
+def test_benchmark_refuses_an_ensemble_config():
+    config = load_config("default")
+    config.ensemble.size = 2
+    with pytest.raises(UserError, match=r"builds its own ensembles \(--bench_members\); drop"):
+        benchmark.run_benchmark(
+            config, batch_sizes=[16], dtypes=["float32"], steps=1, repeats=1,
+            whole_run_steps=0, output=None,
+        )  # fmt: skip
