@@ -170,9 +170,9 @@ def members_table(members: Sequence[dict[str, Any]], best: int) -> Table:
 
 def training_log_table(history: Sequence[dict[str, float]], examples_per_sec: float) -> Table:
     """Section 9: every metric pulled to the host at logging points, one column each (the
-    test set's only at the steps it was evaluated)."""
+    test set's only at the steps it was evaluated; an ensemble's with its members' range)."""
     names = metric_names({n: 0.0 for h in history for n in h})
-    rows = [(h["step"], *(metric_cell(n, h[n]) if n in h else "" for n in names)) for h in history]
+    rows = [(h["step"], *(spread_cell(h, n) if n in h else "" for n in names)) for h in history]
     return Table.of(
         f"Training metrics, {examples_per_sec:,.0f} examples/sec",
         ("Step", *(n.replace("_", " ").capitalize() for n in names)),

@@ -216,6 +216,8 @@ def test_the_progress_line_shows_the_members_spread_and_the_table_marks_the_best
     ]
     text = tables.members_table(members, best=1).format()
     assert "1 (best)" in text and "85.00%" in text and "0.003" in text
+    log = tables.training_log_table([row, {"step": 1, "loss": 2.0}], 1.0).format()
+    assert "0.5000 (0.4000-0.6000)" in log and "2.0000" in log and "Loss/0" not in log
 
 
 def test_the_members_figure_draws_each_members_curve_and_the_sweep():
