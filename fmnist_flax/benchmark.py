@@ -132,10 +132,8 @@ def fused_runner(
         scratch.name, metadata={"config": config.to_dict()}, min_interval_secs=save_floor
     )
     chunk, sums = chunk_for(config, device_data, graphdef, model)
-    seeds = train.member_seeds(config)  # one order per member when each has its own data
-    orders = [input_pipeline.epoch_order(COMPARISON_SEED + s - config.seed, 0,
-                                         len(device_data.train_labels)) for s in seeds]  # fmt: skip
-    order = jnp.stack(orders) if len(orders) > 1 else orders[0]
+    seeds = [COMPARISON_SEED + k for k in range(len(train.member_seeds(config)))]
+    order = input_pipeline.epoch_orders(seeds, 0, len(device_data.train_labels))
     per_epoch = device_data.batches_per_epoch
     carry = [state, 0]
 
@@ -233,13 +231,12 @@ def _time_paths(
     """Each runner timed in turn at the config's batch and dtype: rows with its rate (every
     member's examples for an ensemble), its ratios to the first (the codelab's) and to the
     fused path, its GFLOP/s (`flops` per example) and their share of the matmul `peak`."""
-    rows, batch_size, dtype = [], config.batch_size, config.compute_dtype
+    rows, batch_size, dtype, fused = [], config.batch_size, config.compute_dtype, None
     for name, make in runners.items():
         timed = steps if name != "Python dispatch" else min(steps, BENCH_EAGER_STEPS)
         result = _measure(make(), timed, repeats)
         size = members if name.startswith("ensemble") else 1
         rate = size * timed * batch_size / result["seconds"]
-        fused = next((r["examples_per_sec"] for r in rows if r["path"] == FUSED), None)
         fused = rate if name == FUSED else fused
         rows.append({
             "path": name, "batch_size": batch_size, "dtype": dtype, **result,

@@ -53,7 +53,7 @@ def evaluate_batches(
 
     totals, members, predictions = one_batch(model, images, labels, mask)
     for name, values in members.items():  # (K, members)
-        totals |= {f"{name}/{k}": values[:, k] for k in range(values.shape[1])}
+        totals |= {model_lib.member_column(name, k): values[:, k] for k in range(values.shape[1])}
     return {**totals, COUNT: jnp.sum(mask, axis=1)}, predictions
 
 

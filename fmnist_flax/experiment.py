@@ -243,8 +243,7 @@ def warm_start(
     )  # fmt: skip
     nnx.update(model, loaded)
     optimizer = train.create_optimizer(model, config)
-    stacked = isinstance(model, model_lib.Ensemble)
-    parallel.place_module((model, optimizer), mesh, config.param_sharding, stacked)
+    train.place_state(model, optimizer, mesh, config.param_sharding)
     parallel.say(f"initialised from {workdir} (step {step or 'newest'}): its parameters")
     return optimizer
 
@@ -453,7 +452,7 @@ def ensemble_members(
 ) -> list[dict[str, Any]]:
     """Each ensemble member's seed, learning rate, weight decay, final training row and test
     metrics (empty for one model)."""
-    size = model_lib.ensemble_size(config)
+    size = config.ensemble.size
     if size == 1:
         return []
     column = model_lib.member_column

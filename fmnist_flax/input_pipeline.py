@@ -162,6 +162,13 @@ def epoch_order(seed: int, epoch: int, num_examples: int) -> jax.Array:
     return jnp.asarray(order)
 
 
+def epoch_orders(seeds: Sequence[int], epoch: int, num_examples: int) -> jax.Array:
+    """`epoch_order` for one seed, or stacked, one row per seed (an ensemble's members, each on
+    its own data)."""
+    orders = [epoch_order(seed, epoch, num_examples) for seed in seeds]
+    return jnp.stack(orders) if len(orders) > 1 else orders[0]
+
+
 def batch_at(
     images: jax.Array,
     labels: jax.Array,
@@ -202,8 +209,7 @@ class DeviceBatches:
         members, each on its own data) the order has one row per seed."""
         epoch, index = divmod(step, self.data.batches_per_epoch)
         if epoch != self._epoch:
-            orders = [epoch_order(s, epoch, self.data.train_examples) for s in self.seeds]
-            order = jnp.stack(orders) if len(orders) > 1 else orders[0]
+            order = epoch_orders(self.seeds, epoch, self.data.train_examples)
             self._epoch, self._order = epoch, parallel.place(order, self.data.mesh)
         per_call = stop - step if self.fused else 1
         for first in range(step, stop, per_call):

@@ -180,7 +180,7 @@ def create_model(
     check_config(config.model, image_shape)
     seed = config.seed if seed is None else seed
     static = static_args(config, image_shape, num_classes)
-    size = ensemble_size(config)
+    size = config.ensemble.size
     try:
         if size == 1:
             return _build(*static, jnp.asarray(seed, jnp.uint32))
@@ -191,11 +191,6 @@ def create_model(
         raise UserError(
             f"model {static[0]!r} cannot be built from --config.model: {message}"
         ) from None
-
-
-def ensemble_size(config: ml_collections.ConfigDict) -> int:
-    """How many members `config` trains (1: a single model; configs saved before ensembles)."""
-    return config.ensemble.size if "ensemble" in config else 1
 
 
 def stack(objects: Sequence[Any]) -> Any:

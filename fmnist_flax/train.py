@@ -55,9 +55,17 @@ def create_train_state(
     """A fresh model and its optimizer, laid out on the mesh as `config.param_sharding` says."""
     model = create_model(config, image_shape, num_classes, seed)
     optimizer = create_optimizer(model, config)
-    stacked = isinstance(model, Ensemble)
-    parallel.place_module((model, optimizer), mesh, config.param_sharding, stacked)
+    place_state(model, optimizer, mesh, config.param_sharding)
     return model, optimizer
+
+
+def place_state(
+    model: nnx.Module, optimizer: nnx.Optimizer, mesh: jax.sharding.Mesh, param_sharding: str
+) -> None:
+    """Lay a model and its optimizer out on the mesh; an Ensemble's by member on a `member`
+    axis."""
+    stacked = isinstance(model, Ensemble)
+    parallel.place_module((model, optimizer), mesh, param_sharding, stacked)
 
 
 def loss_fn(
