@@ -373,6 +373,10 @@ class Checkpoints:
     def close(self) -> None:
         if self._thread is not None:  # a save still starting (its failure already reported)
             self._thread.join()
+        # Orbax's close does not wait for the clean-up of temporary directories it starts when
+        # the manager is made (only a save does): a run that stops at once (`| head -1`, a
+        # refused config) would exit with that thread running, which then prints a traceback.
+        getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
         try:
             self._manager.close()  # waits for the save in flight, raising its failure again
         except Exception as exc:  # Orbax and tensorstore raise many types for a failed write
