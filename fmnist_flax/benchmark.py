@@ -28,6 +28,7 @@ from fmnist_flax import (
     input_pipeline,
     parallel,
     profiling,
+    records,
     reference,
     train,
 )
@@ -45,6 +46,8 @@ BENCH_EXAMPLES = 2**17  # examples per timed run; steps = this / batch size
 BENCH_EAGER_STEPS = 10  # Python dispatch is ~100x slower; fewer steps tell the same story
 MATMUL_SIZE = 2048
 FUSED = "fused (default)"  # the path main.py trains on: the ratios' second reference
+GRAIN_RECORDS = "grain, record files"
+GRAIN_ALONE = "grain pipeline alone"  # reading and placing batches, no training
 
 
 def flops_per_example(sizes: Sequence[int]) -> float:
@@ -163,10 +166,8 @@ def grain_runner(config, device_data: input_pipeline.DeviceData, dataset) -> Run
     model, optimizer = fresh_state(config, device_data)
     graphdef, state = nnx.split((model, optimizer))
     chunk, sums = chunk_for(config, device_data, graphdef, model)
-    source = grain_pipeline.ArraySource(dataset.train_images, dataset.train_labels)
-    batches = grain_pipeline.GrainBatches(
-        source, device_data.batch_size, COMPARISON_SEED, device_data.mesh
-    )
+    source = grain_pipeline.train_source(dataset)
+    batches = grain_pipeline.from_config(config, source, device_data.mesh)
     carry = [state, 0]
 
     def run(steps):
@@ -175,6 +176,22 @@ def grain_runner(config, device_data: input_pipeline.DeviceData, dataset) -> Run
             state, _, metrics = chunk(state, sums, images, labels, order, index, count)
         carry[:] = state, i + steps
         return state, metrics
+
+    return run
+
+
+def grain_alone_runner(config, device_data: input_pipeline.DeviceData, dataset) -> Runner:
+    """The Grain pipeline with no training: blocks read, stacked and placed on the device at
+    the rate it can feed them, with its default workers."""
+    batches = grain_pipeline.from_config(
+        config, grain_pipeline.train_source(dataset), device_data.mesh
+    )
+    done = [0]
+
+    def run(steps):
+        placed = [(x, y) for x, y, *_ in batches.chunks(done[0], done[0] + steps)]
+        done[0] += steps
+        return placed[-1]
 
     return run
 
@@ -194,10 +211,15 @@ def ensemble_config(config: ml_collections.ConfigDict, members: int, same_data: 
 
 
 def _runners(
-    config, device_data, fixed, dataset, members: int = 0
+    config, device_data, fixed, dataset, members: int = 0, record_set=None
 ) -> dict[str, Callable[[], Runner]]:
     """Each training path's runner factory, all from the same start; the codelab's first. With
-    `members`, ensembles of that many on shared batches and on their own."""
+    `members`, ensembles of that many on shared batches and on their own; with a `record_set`
+    (the dataset as record files), Grain training from it and its pipeline alone."""
+    from_records = {
+        GRAIN_RECORDS: lambda: grain_runner(config, device_data, record_set),
+        GRAIN_ALONE: lambda: grain_alone_runner(config, device_data, record_set),
+    }
     ensembles = {
         f"ensemble of {members}, {data}": functools.partial(
             fused_runner, ensemble_config(config, members, data == "shared data"), device_data
@@ -214,6 +236,7 @@ def _runners(
         ),
         "fused + saves, no floor": lambda: fused_runner(config, device_data, 0.0),
         "grain pipeline": lambda: grain_runner(config, device_data, dataset),
+        **(from_records if record_set is not None else {}),
         **ensembles,
         "Python dispatch": lambda: per_step_runner(train.train_step, config, device_data, fixed),
     }
@@ -243,11 +266,17 @@ def _time_paths(
             "examples_per_sec": rate,
             "ratio_to_codelab": rate / (rows[0]["examples_per_sec"] if rows else rate),
             "ratio_to_fused": rate / fused if fused else None,
-            "gflops": rate * flops / 1e9, "share_of_matmul_peak": rate * flops / 1e9 / peak,
+            **_compute(rate * flops / 1e9 if name != GRAIN_ALONE else None, peak),
             **_peak_memory_mb(),
         })  # fmt: skip
         print(f"  {name:<26} B={batch_size:<5} {dtype:<9} {rate:>12,.0f} examples/s", flush=True)
     return rows
+
+
+def _compute(gflops: float | None, peak: float) -> dict[str, float | None]:
+    """GFLOP/s and their share of the matmul peak; None for a row that trains nothing."""
+    share = gflops / peak if gflops is not None else None
+    return {"gflops": gflops, "share_of_matmul_peak": share}
 
 
 def _measure(run: Callable[[int], Any], steps: int, repeats: int) -> dict[str, float]:
@@ -283,11 +312,12 @@ def run_suite(
     steps: int | None,
     repeats: int,
     members: int = 0,
+    record_set: datasets.Dataset | None = None,
 ) -> dict[str, Any]:
     """Every path at every batch size and dtype, in one process on one device, ratios to the
     codelab loop and to the fused path. An ensemble's rate counts every member's examples
     (members x batch x steps / time): against one fused member, the speed-up over training
-    its members one after another."""
+    its members one after another. `record_set`: `dataset` as record files (Grain rows)."""
     mesh = parallel.make_mesh(jax.devices()[:1])
     device = jax.devices()[0]
     peak = matmul_peak_gflops()
@@ -303,7 +333,7 @@ def run_suite(
             run_config = ml_collections.ConfigDict(config.to_dict())
             run_config.batch_size, run_config.compute_dtype = batch_size, dtype
             rows += _time_paths(
-                _runners(run_config, device_data, fixed, dataset, members), run_config,
+                _runners(run_config, device_data, fixed, dataset, members, record_set), run_config,
                 n_steps, repeats, members, flops, peak,
             )  # fmt: skip
             fused = next(r for r in rows[::-1] if r["path"] == FUSED)
@@ -335,8 +365,10 @@ def benchmark_table(rows: Sequence[dict[str, Any]], peak: float) -> str:
         [
             (r["path"], r["batch_size"], r["dtype"], f"{r['examples_per_sec']:,.0f}",
              f"{r['ratio_to_codelab']:.2f}x",
-             f"{r['ratio_to_fused']:.2f}x" if r["ratio_to_fused"] else "", f"{r['gflops']:.1f}",
-             f"{100 * r['share_of_matmul_peak']:.0f}%", f"{r['first_call_s']:.2f}",
+             f"{r['ratio_to_fused']:.2f}x" if r["ratio_to_fused"] else "",
+             f"{r['gflops']:.1f}" if r["gflops"] is not None else "",
+             f"{100 * r['share_of_matmul_peak']:.0f}%" if r["gflops"] is not None else "",
+             f"{r['first_call_s']:.2f}",
              f"{r['process_peak_rss_mb']:,.0f}")
             for r in rows
         ],
@@ -464,10 +496,13 @@ def run_benchmark(
             "--mode=benchmark times the codelab on Fashion-MNIST; drop --config.dataset"
         )
     dataset = datasets.load(config)
-    result = run_suite(
-        config, dataset, batch_sizes=batch_sizes, dtypes=dtypes, steps=steps, repeats=repeats,
-        members=members,
-    )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="bench-records-") as tmp:
+        records.write(dataset, pathlib.Path(tmp) / "records")
+        result = run_suite(
+            config, dataset, batch_sizes=batch_sizes, dtypes=dtypes, steps=steps,
+            repeats=repeats, members=members,
+            record_set=datasets.load_records(pathlib.Path(tmp) / "records"),
+        )  # fmt: skip
     if whole_run_steps:
         mesh = parallel.make_mesh(jax.devices()[:1])
         device_data = input_pipeline.to_device(dataset, config.batch_size, mesh)

@@ -17,7 +17,16 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from fmnist_flax import checkpoint, datasets, experiment, export, fast_exit, inference, parallel
+from fmnist_flax import (
+    checkpoint,
+    datasets,
+    experiment,
+    export,
+    fast_exit,
+    inference,
+    parallel,
+    records,
+)
 from fmnist_flax import config as config_lib
 from fmnist_flax.errors import UserError, error_line
 
@@ -40,9 +49,10 @@ _COMPILATION_CACHE = flags.DEFINE_string(
 _MODE = flags.DEFINE_enum(
     "mode",
     "train",
-    ["train", "eval", "predict", "export", *(["benchmark"] if BENCHMARK else [])],
+    ["train", "eval", "predict", "export", "prepare", *(["benchmark"] if BENCHMARK else [])],
     "train (resumes from --workdir's checkpoints), eval (the full test set), "
-    "predict (classify --images), export (the model as a jax.export artifact, --output)"
+    "predict (classify --images), export (the model as a jax.export artifact, --output), "
+    "prepare (write the dataset as record files in --output=DIR)"
     + (" or benchmark (time every training path)." if BENCHMARK else "."),
 )
 if BENCHMARK:  # its flags exist while the module does
@@ -66,8 +76,10 @@ _IMAGES = flags.DEFINE_list(
 _OUTPUT = flags.DEFINE_string(
     "output",
     None,
-    "eval/predict/benchmark: also write the results to this JSON file; export: the artifact.",
+    "eval/predict/benchmark: also write the results to this JSON file; export: the artifact; "
+    "prepare: the new directory of record files.",
 )
+_SHARDS = flags.DEFINE_integer("shards", 4, "prepare: record files per split.")
 _ACCEPT_CONFIG_CHANGE = flags.DEFINE_bool(
     "accept_config_change",
     False,
@@ -262,6 +274,8 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
         )
     elif mode == "benchmark":
         run_benchmark(config)
+    elif mode == "prepare":
+        prepare(config)
     elif not _WORKDIR.value:
         raise UserError(f"--mode={mode} needs --workdir=DIR of a training run")
     elif mode == "eval":
@@ -298,6 +312,22 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
             error_line(line)
         if errors:
             sys.exit(1)
+
+
+def prepare(config: ml_collections.ConfigDict) -> None:
+    """--mode=prepare: the config's dataset as record files in --output (records.py)."""
+    if not _OUTPUT.value:
+        raise UserError("--mode=prepare needs --output=DIR, a new directory for the record files")
+    if config.dataset.name == "records":
+        raise UserError("--mode=prepare reads a dataset to write; it already is record files")
+    dataset = datasets.load(config)
+    info = records.write(dataset, _OUTPUT.value, _SHARDS.value)
+    counts = ", ".join(f"{s['examples']:,} {name}" for name, s in info["splits"].items())
+    parallel.say(
+        f"wrote {dataset.title} ({counts} examples) as record files in {_OUTPUT.value}; train "
+        f"on them with --config.dataset.name=records --data_dir={_OUTPUT.value} "
+        "--config.input_pipeline=grain"
+    )
 
 
 def run_benchmark(config: ml_collections.ConfigDict) -> None:

@@ -38,8 +38,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.data_dir = ""  # "": the dataset's cache, system directory, then download
     config.batch_size = 512  # train and evaluation batches; every step has this shape
     # device: the train set on every device, batches gathered in the step (fastest when it
-    # fits); grain: batches read on the host by Grain, each process reading only its share
-    config.input_pipeline = "device"
+    # fits); grain: read on the host by Grain (config.grain), each process reading its share
+    config.input_pipeline, config.grain = "device", grain_config()
     config.steps = 400  # optimizer updates; every epoch visits the train set in a fresh order
     config.log_every = 25  # metrics reach the host only at these steps (and the first and last)
     config.compute_dtype = "float32"  # float32 | bfloat16; params always stay float32
@@ -87,6 +87,15 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer.final_fraction = 0.01  # warmup_cosine: the last rate, as a peak fraction
     config.ensemble = ensemble_config()
     return config
+
+
+def grain_config() -> ml_collections.ConfigDict:
+    """How the Grain pipeline reads (input_pipeline=grain); none of it changes the batches."""
+    grain = ml_collections.ConfigDict()
+    grain.workers = 0  # host threads reading batches (0: one per core, at most 8)
+    grain.steps_per_call = 16  # host batches stacked into one block, one compiled call
+    grain.prefetch = 2  # such blocks read ahead of the step that needs them
+    return grain
 
 
 def ensemble_config() -> ml_collections.ConfigDict:
@@ -139,6 +148,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     optimizer.check_config(config.optimizer, config.steps)
     if not 0 <= config.label_smoothing < 1:
         raise UserError(f"--config.label_smoothing={config.label_smoothing} must be in [0, 1)")
+    for name in ("workers", "steps_per_call", "prefetch"):
+        if not (0 if name == "workers" else 1) <= config.grain[name] <= MAX_COUNT:
+            raise UserError(f"--config.grain.{name}={config.grain[name]} must be a whole "
+                            f"number >= {0 if name == 'workers' else 1}")  # fmt: skip
     if config.augment.max_shift < 0:
         raise UserError(f"--config.augment.max_shift={config.augment.max_shift} must be >= 0")
     check_ensemble(config)
@@ -200,7 +213,8 @@ def check_ensemble(config: ml_collections.ConfigDict) -> None:
 RESUMABLE_FIELDS = (
     "steps", "log_every", "checkpoint_every", "checkpoint_min_interval_secs", "eval_every",
     "keep_best", "max_to_keep", "report", "data_dir", "fused_steps", "param_sharding",
-    "eval_examples", "init_from", "ensemble.shards",
+    "eval_examples", "init_from", "ensemble.shards", "grain.workers", "grain.steps_per_call",
+    "grain.prefetch",
 )  # fmt: skip
 
 

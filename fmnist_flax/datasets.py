@@ -567,3 +567,27 @@ def load_arrays(data_dir: pathlib.Path) -> Dataset:
         origin=".npz files",
         pixel_range=train.get("pixel_range"),
     )
+
+
+@register("records", needs="record files written by --mode=prepare --output=DIR")
+def load_records(data_dir: pathlib.Path) -> Dataset:
+    """ArrayRecord shards that `--mode=prepare` wrote (fmnist_flax/records.py): images stay
+    in the files and are read a batch at a time; labels are read whole (4 bytes each)."""
+    from fmnist_flax import records
+
+    info, images, labels = records.read_splits(data_dir)
+    for split in records.SPLITS:
+        check_labels(labels[split], f"{data_dir / records.LABELS_FILE}[{split}]",
+                     len(info["class_names"]))  # fmt: skip
+    return Dataset(
+        name="records",
+        title=info["title"],
+        class_names=tuple(info["class_names"]),
+        train_images=images["train"],
+        train_labels=labels["train"],
+        test_images=images["test"],
+        test_labels=labels["test"],
+        sources=tuple(str(data_dir / f"{split}-*.array_record") for split in records.SPLITS),
+        origin=f"record files (prepared from {info['source']['dataset']})",
+        checked=bool(info["source"]["checked"]),
+    )

@@ -212,11 +212,10 @@ def training_batches(
         return input_pipeline.DeviceBatches(
             device_data, train.member_seeds(config), config.fused_steps
         )
-    source = grain_pipeline.ArraySource(dataset.train_images, dataset.train_labels)
-    return grain_pipeline.GrainBatches(
-        source, config.batch_size, config.seed, device_data.mesh, resumed.get("data_iterator"),
-        start_step, config.optimizer.accumulate,
-    )  # fmt: skip
+    source = grain_pipeline.train_source(dataset)
+    return grain_pipeline.from_config(
+        config, source, device_data.mesh, resumed.get("data_iterator"), start_step
+    )
 
 
 def warm_start(

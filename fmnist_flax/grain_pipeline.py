@@ -3,14 +3,17 @@
 A random-access source over the train set, a seeded shuffle that changes every epoch, whole
 global batches, and each process reading only its share of every global batch (rows
 [p * B/P, (p+1) * B/P)), assembled into one global array with
-`jax.make_array_from_process_local_data`. The train set need not fit on a device: replace
-`ArraySource` with a source that reads records from files and nothing else changes. The
-iterator's state travels in the Orbax checkpoint, so a killed run resumes mid-epoch exactly.
-Augmentation stays on the device, in the compiled step, as in the device pipeline.
+`jax.make_array_from_process_local_data`. The source is the in-memory `ArraySource` or, for
+data that does not fit, `records.RecordSource` (record files read a batch at a time). Several
+steps' batches travel as one block and train in one compiled call. The iterator's position
+travels in the Orbax checkpoint, so a killed run resumes mid-epoch exactly. Augmentation stays
+on the device, in the compiled step, as in the device pipeline.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,8 +24,8 @@ from jax.sharding import Mesh
 
 from fmnist_flax import parallel
 
-READ_THREADS = 2  # host threads reading batches ahead of the step
-PREFETCH = 8  # batches read ahead
+UNBOUNDED_STEPS = 2**62  # the batches never run out: epochs repeat
+MAX_WORKERS = 8  # read threads by default: one per core up to this
 
 
 class ArraySource:
@@ -40,56 +43,121 @@ class ArraySource:
 
 
 def process_batches(
-    source: ArraySource, batch_size: int, seed: int, accumulate: int = 1
+    source: Any,
+    batch_size: int,
+    seed: int,
+    accumulate: int = 1,
+    steps_per_block: int = 1,
+    first_block: int = 0,
 ) -> grain.MapDataset:
-    """This process's share of every global batch, in training order: element k is the share
-    of step k + 1's `accumulate` batches, (accumulate, share, ...) when accumulating. Shuffled
-    per epoch from `seed`; an epoch's remainder is dropped."""
+    """This process's share of every global batch, in training order, `steps_per_block` steps
+    a block: element j holds steps j*K+1..(j+1)*K (K = steps_per_block), (K, share, ...) or
+    (K, accumulate, share, ...); the dataset starts at block `first_block`. Each epoch is a
+    fresh permutation from (seed, epoch), cut into whole batches (the remainder is dropped);
+    a block's records are read in one bulk read, never one by one."""
     share = batch_size // jax.process_count()
     first = jax.process_index() * share
+    examples = batch_size * accumulate
+    per_epoch = len(source) // examples
+    if per_epoch < 1:
+        raise ValueError(f"{len(source)} records cannot fill one batch of {examples}")
 
-    def read(picks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        mine = picks.reshape(accumulate, batch_size)[:, first : first + share]
-        return source[mine[0] if accumulate == 1 else mine]
+    @functools.lru_cache(maxsize=2)  # the epoch being read, and the next one
+    def permutation(epoch: int) -> np.ndarray:
+        return np.random.default_rng([seed, epoch]).permutation(len(source))
 
-    return (
-        grain.MapDataset.range(len(source))
-        .shuffle(seed=seed)
-        .batch(batch_size * accumulate, drop_remainder=True)
-        .repeat(None)
-        .map(read)
-    )
+    def picks(step: int) -> np.ndarray:
+        epoch, index = divmod(step, per_epoch)
+        return permutation(epoch)[index * examples : (index + 1) * examples]
+
+    def read(block: int) -> tuple[np.ndarray, np.ndarray]:
+        steps = range(block * steps_per_block, (block + 1) * steps_per_block)
+        mine = np.stack([picks(step) for step in steps])
+        mine = mine.reshape(steps_per_block, accumulate, batch_size)[..., first : first + share]
+        return source[mine[:, 0] if accumulate == 1 else mine]
+
+    return grain.MapDataset.range(first_block, UNBOUNDED_STEPS).map(read)
 
 
 class GrainBatches:
-    """The Grain pipeline's training calls: one step per call, its batch read on the host."""
+    """The Grain pipeline's training calls: `steps_per_call` host batches stacked into one
+    block (by Grain, on its `workers` read threads, `prefetch` blocks ahead), each block placed
+    on the devices one block before the step that needs it, and fed to the fused chunk, which
+    runs up to `steps_per_call` steps of it per call (one with `fused=False`)."""
 
     def __init__(
         self,
-        source: ArraySource,
+        source: Any,
         batch_size: int,
         seed: int,
         mesh: Mesh,
         state: dict | None = None,
         step: int = 0,
         accumulate: int = 1,
+        *,
+        workers: int = 0,
+        steps_per_call: int = 1,
+        prefetch: int = 2,
+        fused: bool = True,
     ):
-        """`state`: the iterator's saved position; without one, the batch after `step` (a
-        checkpoint the device pipeline wrote)."""
-        options = grain.ReadOptions(num_threads=READ_THREADS, prefetch_buffer_size=PREFETCH)
-        batches = process_batches(source, batch_size, seed, accumulate)
-        self.iterator = iter(batches.to_iter_dataset(options))
-        self.iterator.set_state(state or {"next_index": step})
-        self.sharding = parallel.batch_sharding(mesh, axis=int(accumulate > 1))
+        """`state`: the iterator's saved position ({"next_index": steps done}); without one,
+        the batch after `step` (a checkpoint the device pipeline wrote)."""
+        self.per_block, self.fused = steps_per_call, fused
+        self.next = (state or {"next_index": step})["next_index"]
+        block = self.next // steps_per_call  # read from the block that holds the next step
+        blocks = process_batches(source, batch_size, seed, accumulate, steps_per_call, block)
+        threads = read_threads(workers)
+        options = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch)
+        self.iterator = iter(blocks.to_iter_dataset(options))
+        self.sharding = parallel.batch_sharding(mesh, axis=1 + int(accumulate > 1))
+        self._blocks: list[tuple[int, jax.Array, jax.Array]] = []  # (first step, x, y)
+        self._read_from = block * steps_per_call
+
+    def _place_next(self) -> None:
+        images, labels = next(self.iterator)
+        x = jax.make_array_from_process_local_data(self.sharding, images)
+        y = jax.make_array_from_process_local_data(self.sharding, labels)
+        self._blocks.append((self._read_from, x, y))
+        self._read_from += self.per_block
 
     def chunks(self, step: int, stop: int) -> Iterator[tuple[Any, ...]]:
-        """(images, labels, None, 0, 1, step) per step: the batch itself, no order to pick by."""
-        for first in range(step, stop):
-            images, labels = next(self.iterator)
-            x = jax.make_array_from_process_local_data(self.sharding, images)
-            y = jax.make_array_from_process_local_data(self.sharding, labels)
-            yield x, y, None, 0, 1, first
+        """(images, labels, None, offset in the block, count, first step) per call for steps
+        step+1..stop, each within one block."""
+        while step < stop:
+            while len(self._blocks) < 2:  # this block and the next, already on the devices
+                self._place_next()
+            first, x, y = self._blocks[0]
+            if step >= first + self.per_block:
+                self._blocks.pop(0)
+                continue
+            count = min(stop - step, first + self.per_block - step) if self.fused else 1
+            yield x, y, None, step - first, count, step
+            step += count
+            self.next = step
 
     def state(self) -> dict[str, Any]:
-        """The iterator's position, saved in the checkpoint's progress item."""
-        return {"data_iterator": self.iterator.get_state()}
+        """The iterator's position (steps done), saved in the checkpoint's progress item."""
+        return {"data_iterator": {"next_index": self.next}}
+
+
+def read_threads(workers: int) -> int:
+    """`config.grain.workers`, 0 meaning one per core of this host, at most MAX_WORKERS."""
+    return workers or min(os.cpu_count() or 1, MAX_WORKERS)
+
+
+def train_source(dataset: Any) -> Any:
+    """The Grain source of a dataset's train split: its record files when it has them
+    (`records.RecordImages`), else its arrays."""
+    images = dataset.train_images
+    return getattr(images, "source", None) or ArraySource(images, dataset.train_labels)
+
+
+def from_config(
+    config: Any, source: Any, mesh: Mesh, state: dict | None = None, step: int = 0
+) -> GrainBatches:
+    """The run's `GrainBatches`, as `config` (batch size, seed, accumulate, config.grain) says."""
+    return GrainBatches(
+        source, config.batch_size, config.seed, mesh, state, step, config.optimizer.accumulate,
+        workers=config.grain.workers, steps_per_call=config.grain.steps_per_call,
+        prefetch=config.grain.prefetch, fused=config.fused_steps,
+    )  # fmt: skip

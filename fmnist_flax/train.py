@@ -223,13 +223,13 @@ def make_train_chunk(
     With `config.fused_steps=False` each call runs one step (the host loops): XLA's CPU backend
     runs convolutions inside a loop body about 10x slower than at top level, so the CNN uses it.
 
-    Batches are picked from the epoch's order, normalised (and augmented, when asked) on the
-    device inside the loop; the state buffers are donated (updated in place). `sums` (every
-    metric summed since the last logged row) goes in and comes out with this call's steps
-    added, and so do the last step's metrics. `count` is a traced loop bound, so chunks of any
-    length share one compilation. Augmentation draws from `fold_in(aug_key, step)`, so a
-    resumed run repeats it. On a `mesh`, each batch is split along its `data` axis and XLA
-    adds the collectives.
+    Batches are picked from the epoch's order (no order: steps start.. of a host-fed block),
+    normalised (and augmented, when asked) on the device inside the loop; the state buffers
+    are donated (updated in place). `sums` (every metric summed since the last logged row)
+    goes in and comes out with this call's steps added, and so do the last step's metrics.
+    `count` is a traced loop bound, so chunks of any length share one compilation.
+    Augmentation draws from `fold_in(aug_key, step)`, so a resumed run repeats it. On a
+    `mesh`, each batch is split along its `data` axis and XLA adds the collectives.
     """
     batch_size, accumulate = config.batch_size, config.optimizer.accumulate
     max_shift, flip, fused = config.augment.max_shift, config.augment.flip, config.fused_steps
@@ -242,9 +242,9 @@ def make_train_chunk(
             model, opt = nnx.merge(graphdef, state)
 
             def batch(order, aug_key):
-                if order is None:  # a batch fed from the host (Grain): the step's own images
-                    x = input_pipeline.normalize(images).reshape(*labels.shape, *image_shape)
-                    y = labels
+                if order is None:  # step i of a block of batches fed from the host (Grain)
+                    x, y = images[start + i], labels[start + i]
+                    x = input_pipeline.normalize(x).reshape(*y.shape, *image_shape)
                 else:
                     x, y = input_pipeline.batch_at(
                         images, labels, order, start + i, batch_size, image_shape, mesh,

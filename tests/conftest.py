@@ -187,3 +187,13 @@ def quick_config():
     config.report = "none"  # the report has its own tests
     config.checkpoint_min_interval_secs = 0.0  # saves at every checkpoint_every step
     return config
+
+
+@pytest.fixture(scope="session")
+def fmnist_records(real_dataset, tmp_path_factory) -> pathlib.Path:
+    """The real Fashion-MNIST written once as record files (--mode=prepare's writer)."""
+    from fmnist_flax import records
+
+    path = tmp_path_factory.mktemp("records") / "fashion_mnist"
+    records.write(real_dataset, path)
+    return path

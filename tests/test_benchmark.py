@@ -15,7 +15,8 @@ from fmnist_flax.errors import UserError
 
 PATHS = {
     "codelab loop (reference)", "nnx.jit step", "fused (default)", "fused + saves (default)",
-    "fused + saves, no floor", "grain pipeline", "ensemble of 2, shared data",
+    "fused + saves, no floor", "grain pipeline", "grain, record files", "grain pipeline alone",
+    "ensemble of 2, shared data",
     "ensemble of 2, own data", "Python dispatch",
 }  # fmt: skip
 ROW_FIELDS = {

@@ -24,18 +24,35 @@ def numbered(n: int) -> grain_pipeline.ArraySource:
     return grain_pipeline.ArraySource(images, np.arange(n))
 
 
+def labels_of(batches, steps) -> list[list[int]]:
+    """Each step's labels, from one-step blocks."""
+    return [batches[k][1][0].tolist() for k in steps]
+
+
 def test_each_epoch_is_a_fresh_permutation_cut_into_whole_batches():
     batches = grain_pipeline.process_batches(numbered(10), batch_size=3, seed=0)
-    epochs = [[batches[e * 3 + i][1].tolist() for i in range(3)] for e in range(3)]
+    epochs = [labels_of(batches, range(e * 3, e * 3 + 3)) for e in range(3)]
     for epoch in epochs:
         seen = [label for batch in epoch for label in batch]
         assert len(seen) == len(set(seen)) == 9  # 3 whole batches, the 10th record dropped
-        assert batches[0][0].shape == (3, 4)
+        assert batches[0][0].shape == (1, 3, 4)  # a block of one step
     assert epochs[0] != epochs[1] != epochs[2]
     again = grain_pipeline.process_batches(numbered(10), batch_size=3, seed=0)
-    assert [again[i][1].tolist() for i in range(3)] == epochs[0]  # seeded
+    assert labels_of(again, range(3)) == epochs[0]  # seeded
     other = grain_pipeline.process_batches(numbered(10), batch_size=3, seed=1)
-    assert [other[i][1].tolist() for i in range(3)] != epochs[0]
+    assert labels_of(other, range(3)) != epochs[0]
+
+
+def test_a_block_holds_the_batches_its_steps_read_one_by_one():
+    one = grain_pipeline.process_batches(numbered(20), batch_size=3, seed=0)
+    blocks = grain_pipeline.process_batches(numbered(20), 3, 0, steps_per_block=4, first_block=2)
+    assert len(blocks) == len(one) - 2  # starting at block 2: steps 9..12 first
+    for j in range(3):  # crossing epochs (6 steps each)
+        images, labels = blocks[j]
+        assert images.shape == (4, 3, 4) and labels.shape == (4, 3)
+        for k in range(4):
+            np.testing.assert_array_equal(labels[k], one[(j + 2) * 4 + k][1][0])
+            np.testing.assert_array_equal(images[k], one[(j + 2) * 4 + k][0][0])
 
 
 def test_accumulated_steps_read_their_micro_batches_as_one_batch_would():
@@ -45,30 +62,39 @@ def test_accumulated_steps_read_their_micro_batches_as_one_batch_would():
     micro = grain_pipeline.process_batches(numbered(30), batch_size=3, seed=0, accumulate=4)
     for step in range(4):  # two epochs of 2 steps
         images, labels = micro[step]
-        assert images.shape == (4, 3, 4) and labels.shape == (4, 3)
-        np.testing.assert_array_equal(labels.reshape(-1), whole[step][1])
+        assert images.shape == (1, 4, 3, 4) and labels.shape == (1, 4, 3)
+        np.testing.assert_array_equal(labels.reshape(-1), whole[step][1][0])
     colour = grain_pipeline.ArraySource(np.zeros((30, 2, 2, 3), np.uint8), np.arange(30))
     fed = grain_pipeline.GrainBatches(colour, 3, 0, parallel.make_mesh(), None, 0, 4)
     [(x, y, *_)] = list(fed.chunks(0, 1))
-    assert x.shape == (4, 3, 12) and y.shape == (4, 3)
+    assert x.shape == (1, 4, 3, 12) and y.shape == (1, 4, 3)
 
 
 def test_a_restored_iterator_state_continues_with_the_same_batches():
+    """Mid-block too: blocks of 4 steps, stopped after step 11 (inside the third block)."""
     images = np.arange(256, dtype=np.uint8).reshape(64, 2, 2)
     source, mesh = grain_pipeline.ArraySource(images, np.arange(64)), parallel.make_mesh()
 
     def feed(state):
-        return grain_pipeline.GrainBatches(source, 8, 0, mesh, state)
+        return grain_pipeline.GrainBatches(source, 8, 0, mesh, state, steps_per_call=4)
+
+    def steps(chunks) -> list[np.ndarray]:  # each step's batch, in order
+        return [np.asarray(x)[i] for x, _, _, at, count, _ in chunks for i in range(at, at + count)]
 
     first = feed({"next_index": 0})
-    list(first.chunks(0, 11))  # into the second epoch (8 batches each)
+    assert len(steps(first.chunks(0, 11))) == 11  # into the second epoch (8 batches each)
     state = first.state()["data_iterator"]
     assert state == {"next_index": 11}
-    expected = [np.asarray(x) for x, *_ in first.chunks(11, 14)]
-    resumed = [np.asarray(x) for x, *_ in feed(state).chunks(11, 14)]
+    expected = steps(first.chunks(11, 14))
+    resumed = steps(feed(state).chunks(11, 14))
+    assert len(expected) == 3
     for a, b in zip(expected, resumed, strict=True):
         np.testing.assert_array_equal(a, b)
         assert a.dtype == np.uint8 and a.shape == (8, 4)
+
+
+def on_records(directory) -> tuple[str, str]:
+    return "--config.dataset.name=records", f"--data_dir={directory}"
 
 
 def rows(workdir) -> list[dict]:
@@ -85,9 +111,10 @@ def test_grain_trains_to_the_device_pipelines_band_in_400_steps(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_grain_run_resumes_mid_epoch_bit_exact(tmp_path):
+def test_a_killed_grain_run_resumes_mid_epoch_bit_exact(tmp_path, fmnist_records):
+    """From record files, blocks of 16 steps: the kill lands inside a block."""
     flags = (GRAIN, "--steps=300", "--checkpoint_every=10", "--report=none", "--log_every=10",
-             EVERY_DUE_SAVE)  # fmt: skip
+             EVERY_DUE_SAVE, *on_records(fmnist_records))  # fmt: skip
     direct = run_main(f"--workdir={tmp_path / 'direct'}", *flags)
     assert direct.returncode == 0, direct.stderr
     killed = tmp_path / "killed"
@@ -108,8 +135,12 @@ def test_a_killed_grain_run_resumes_mid_epoch_bit_exact(tmp_path):
 
 
 @pytest.mark.slow
-def test_grain_on_eight_devices_and_in_two_processes_trains_like_one_device(tmp_path):
-    flags = (GRAIN, "--steps=30", "--log_every=10", "--batch_size=256", "--report=none")
+def test_grain_on_eight_devices_and_in_two_processes_trains_like_one_device(
+    tmp_path, fmnist_records
+):
+    """From record files: each process reads only its rows of every batch."""
+    flags = (GRAIN, "--steps=30", "--log_every=10", "--batch_size=256", "--report=none",
+             *on_records(fmnist_records))  # fmt: skip
     for name, devices in (("one", 1), ("eight", 8)):
         result = main_py(f"--workdir={tmp_path / name}", *flags, devices=devices)
         assert result.returncode == 0, result.stderr[-3000:]
