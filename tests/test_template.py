@@ -376,7 +376,10 @@ def test_deleting_the_demonstrations_leaves_a_working_trainer_and_a_passing_fast
     assert str(work / "checkpoints") in run(root, *QUICK, "--steps=30", f"--workdir={work}").stdout
     # --mode=benchmark is no longer offered: not in --help, one line if asked for.
     shown = run(root, "--help").stdout
-    assert re.search(r"--mode: <train\|eval\|predict\|export>:", shown) and "--bench_" not in shown
+    assert (
+        re.search(r"--mode: <train\|eval\|predict\|export\|prepare>:", shown)
+        and "--bench_" not in shown
+    )
     refused = run(root, "--mode=benchmark", check=False)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().startswith("error: ") and len(refused.stderr.splitlines()) == 1
