@@ -155,3 +155,33 @@ def test_grain_on_eight_devices_and_in_two_processes_trains_like_one_device(
         np.testing.assert_allclose(
             [r["loss"] for r in got], [r["loss"] for r in expected], rtol=LOSS_RTOL
         )
+
+
+@pytest.mark.slow
+def test_two_processes_killed_at_once_resume_from_records_exactly(tmp_path, fmnist_records):
+    """Both processes SIGKILLed mid-run, then the same two commands: the rows and parameters
+    of an uninterrupted two-process run."""
+    flags = (GRAIN, *on_records(fmnist_records), "--steps=200", "--log_every=10",
+             "--batch_size=256", "--checkpoint_every=10", EVERY_DUE_SAVE)  # fmt: skip
+
+    def finish(processes) -> str:
+        outputs = [p.communicate(timeout=180) for p in processes]
+        assert [p.returncode for p in processes] == [0, 0], outputs[0][1][-3000:]
+        return outputs[0][0]
+
+    finish(start_two_processes(tmp_path / "direct", *flags))
+    killed = tmp_path / "killed"
+    processes = start_two_processes(killed, *flags)
+    wait_for(lambda: saved_steps(killed) and saved_steps(killed)[-1] >= 30)
+    assert all(p.poll() is None for p in processes), "the run ended before it could be killed"
+    for p in processes:
+        p.send_signal(signal.SIGKILL)
+    for p in processes:
+        p.wait()
+    kept = saved_steps(killed)[-1]
+    assert kept < 200
+    assert f"resuming from checkpoint {kept}" in finish(start_two_processes(killed, *flags))
+    assert rows(killed) == rows(tmp_path / "direct")
+    one, two = (jax.tree.leaves(load_model(w)) for w in (tmp_path / "direct", killed))
+    for a, b in zip(one, two, strict=True):
+        np.testing.assert_array_equal(a, b)
