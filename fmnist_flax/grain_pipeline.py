@@ -80,10 +80,10 @@ def process_batches(
 
 
 class GrainBatches:
-    """The Grain pipeline's training calls: `steps_per_call` host batches stacked into one
-    block (by Grain, on its `workers` read threads, `prefetch` blocks ahead), each block placed
-    on the devices one block before the step that needs it, and fed to the fused chunk, which
-    runs up to `steps_per_call` steps of it per call (one with `fused=False`)."""
+    """The Grain pipeline's training calls: blocks of `steps_per_call` steps' batches, each
+    read in one bulk read (by Grain, on its `workers` read threads, `prefetch` blocks ahead)
+    and placed on the devices one block before the step that needs it; the fused chunk runs
+    up to a block's steps per call (one with `fused=False`)."""
 
     def __init__(
         self,
@@ -140,6 +140,12 @@ class GrainBatches:
         return {"data_iterator": {"next_index": self.next}}
 
 
+def steps_per_block(config: Any) -> int:
+    """Whole steps in `config.grain.block_examples` examples (at least one)."""
+    per_step = config.batch_size * config.optimizer.accumulate
+    return max(1, config.grain.block_examples // per_step)
+
+
 def read_threads(workers: int) -> int:
     """`config.grain.workers`, 0 meaning one per core of this host, at most MAX_WORKERS."""
     return workers or min(os.cpu_count() or 1, MAX_WORKERS)
@@ -158,6 +164,6 @@ def from_config(
     """The run's `GrainBatches`, as `config` (batch size, seed, accumulate, config.grain) says."""
     return GrainBatches(
         source, config.batch_size, config.seed, mesh, state, step, config.optimizer.accumulate,
-        workers=config.grain.workers, steps_per_call=config.grain.steps_per_call,
+        workers=config.grain.workers, steps_per_call=steps_per_block(config),
         prefetch=config.grain.prefetch, fused=config.fused_steps,
     )  # fmt: skip

@@ -112,7 +112,7 @@ def test_grain_trains_to_the_device_pipelines_band_in_400_steps(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_grain_run_resumes_mid_epoch_bit_exact(tmp_path, fmnist_records):
-    """From record files, blocks of 16 steps: the kill lands inside a block."""
+    """From record files, blocks of 32 steps: the kill lands inside a block."""
     flags = (GRAIN, "--steps=300", "--checkpoint_every=10", "--report=none", "--log_every=10",
              EVERY_DUE_SAVE, *on_records(fmnist_records))  # fmt: skip
     direct = run_main(f"--workdir={tmp_path / 'direct'}", *flags)
