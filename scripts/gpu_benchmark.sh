@@ -8,7 +8,9 @@
 # 3. `main.py --mode=benchmark` at batch 512 and 4096, float32 and bfloat16: the codelab loop,
 #    the plain nnx.jit step, the fused path and every other path it times (8-member ensembles
 #    too: on a GPU, where one member is launch-bound, 8 should cost about one's time, >= 6x in
-#    member-examples/s), plus its whole-run comparison (400 steps, as subprocesses);
+#    member-examples/s; Grain from record files, and its pipeline alone, which should feed
+#    well over what the fused path consumes on a host whose cores the GPU leaves free), plus
+#    its whole-run comparison (400 steps, as subprocesses);
 # 4. `main.py --steps=400 --report=basic`: test accuracy and training examples/s;
 # 5. kernels per step and microseconds per kernel of the fused path, from a jax.profiler trace;
 # 6. prints one markdown table ($OUT/table.md) with all of it.
