@@ -51,8 +51,9 @@ def _sha256(path: pathlib.Path) -> str:
 def write(dataset: Any, output: str | os.PathLike, shards: int = 4) -> dict[str, Any]:
     """Write `dataset` (a datasets.Dataset) as record files in `output`, which must not exist
     or be empty; returns its info. Written into a sibling temporary directory and renamed at
-    the end, so a stopped prepare never leaves a half-written record set behind."""
-    from array_record.python.array_record_module import ArrayRecordWriter
+    the end, so a stopped or failed prepare never leaves a half-written record set behind
+    (a killed one's temporary directory goes at the next prepare of the same output)."""
+    from fmnist_flax import workdir as workdir_lib
 
     out = pathlib.Path(output).expanduser().absolute()
     if shards < 1:
@@ -61,47 +62,72 @@ def write(dataset: Any, output: str | os.PathLike, shards: int = 4) -> dict[str,
         raise UserError(f"--output {output} already exists and is not empty; name a new directory")
     if not out.parent.is_dir():
         raise UserError(f"--output {output}: its directory {out.parent} does not exist")
+    _remove_abandoned(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
-        splits, labels = {}, {}
-        for split in SPLITS:
-            images = getattr(dataset, f"{split}_images")
-            labels[split] = np.asarray(getattr(dataset, f"{split}_labels"), np.int32)
-            names, counts = shard_names(split, shards), []
-            parts = np.array_split(np.arange(len(images)), shards)
-            for name, rows in zip(names, parts, strict=True):
-                writer = ArrayRecordWriter(str(tmp / name), WRITER_OPTIONS)
-                for i in rows:
-                    writer.write(labels[split][i].astype("<i4").tobytes() + images[i].tobytes())
-                writer.close()
-                counts.append(len(rows))
-            splits[split] = {"examples": len(images), "shards": names, "counts": counts}
-        np.savez(tmp / LABELS_FILE, **labels)
-        info = {
-            "format": FORMAT,
-            "record": RECORD_LAYOUT,
-            "name": dataset.name,
-            "title": dataset.title,
-            "class_names": list(dataset.class_names),
-            "image_shape": list(dataset.image_shape),
-            "splits": splits,
-            "source": {
-                "dataset": dataset.name, "files": list(dataset.sources), "checked": dataset.checked
-            },
-            "files": {
-                p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-                for p in sorted(tmp.iterdir())
-            },
-        }  # fmt: skip
-        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        tmp.rename(out)
-    except BaseException:
+        tmp.mkdir()
+        info = _write_files(dataset, tmp, shards)
+        try:
+            tmp.rename(out)  # over an empty directory too; not over a filled one
+        except OSError:
+            raise UserError(f"--output {output} was filled by another process meanwhile; "
+                            "nothing of this prepare was kept") from None  # fmt: skip
+    except (OSError, RuntimeError, ValueError) as exc:  # the writer's errors are RuntimeErrors
+        raise UserError(f"--mode=prepare could not write {output} "
+                        f"({workdir_lib.disk_problem(out.parent, exc)}); nothing was "
+                        "kept") from None  # fmt: skip
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return info
+
+
+def _remove_abandoned(out: pathlib.Path) -> None:
+    """Temporary directories of prepares of `out` whose process is gone (killed)."""
+    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = tmp.name.rpartition("-")[2]
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except (ValueError, PermissionError):  # not ours to judge: another user's process
+            continue
+
+
+def _write_files(dataset: Any, tmp: pathlib.Path, shards: int) -> dict[str, Any]:
+    """Every file of the record set in `tmp`; returns its info."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    splits, labels = {}, {}
+    for split in SPLITS:
+        images = getattr(dataset, f"{split}_images")
+        labels[split] = np.asarray(getattr(dataset, f"{split}_labels"), np.int32)
+        names, counts = shard_names(split, shards), []
+        parts = np.array_split(np.arange(len(images)), shards)
+        for name, rows in zip(names, parts, strict=True):
+            writer = ArrayRecordWriter(str(tmp / name), WRITER_OPTIONS)
+            for i in rows:
+                writer.write(labels[split][i].astype("<i4").tobytes() + images[i].tobytes())
+            writer.close()
+            counts.append(len(rows))
+        splits[split] = {"examples": len(images), "shards": names, "counts": counts}
+    np.savez(tmp / LABELS_FILE, **labels)
+    info = {
+        "format": FORMAT,
+        "record": RECORD_LAYOUT,
+        "name": dataset.name,
+        "title": dataset.title,
+        "class_names": list(dataset.class_names),
+        "image_shape": list(dataset.image_shape),
+        "splits": splits,
+        "source": {
+            "dataset": dataset.name, "files": list(dataset.sources), "checked": dataset.checked
+        },
+        "files": {
+            p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(tmp.iterdir())
+        },
+    }  # fmt: skip
+    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return info
 
 

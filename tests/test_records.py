@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
+import resource
 import shutil
+import signal
+import subprocess
 
 import numpy as np
 import pytest
@@ -200,3 +204,28 @@ def test_ten_times_the_records_train_in_the_same_memory(tmp_path, real_dataset, 
         assert peaks["big"] <= 1.1 * peaks["small"], peaks
     finally:
         shutil.rmtree(tmp_path / "big")
+
+
+def test_a_killed_prepares_leftovers_go_and_a_live_ones_stay(tmp_path):
+    dead = subprocess.Popen(["true"])  # a process that has exited: its pid is free
+    dead.wait()
+    abandoned = tmp_path / f".new.tmp-{dead.pid}"
+    (abandoned / "half").mkdir(parents=True)
+    live = tmp_path / f".new.tmp-{os.getppid()}"  # pytest's parent: alive
+    live.mkdir()
+    small_set(tmp_path, name="new")
+    assert not abandoned.exists() and live.exists()
+
+
+@pytest.mark.slow
+def test_prepare_on_a_full_disk_is_one_line_and_keeps_nothing(tmp_path):
+    """A real write failure: files may not grow past 1 MB in this process (RLIMIT_FSIZE)."""
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+
+    result = run_main("--mode=prepare", f"--output={tmp_path / 'rec'}", preexec_fn=small_files)
+    assert_one_line_error(result, "--mode=prepare could not write")
+    assert "File too large" in result.stderr and "nothing was kept" in result.stderr
+    assert list(tmp_path.iterdir()) == []
