@@ -348,11 +348,20 @@ def test_the_colour_recipe_trains_resumes_evaluates_predicts_and_exports(project
 def test_the_data_source_recipe(project):
     root, values = project
     write_png_folders(root / "data" / "shapes")
-    [done] = follow(recipe("Add a data source"), root, **values)
+    done, prepared, from_records = follow(recipe("Add a data source"), root, **values)
     assert "shapes (PNG folders) loaded from PNG folders (2 classes" in done.stdout
     summary = summary_of(root / "runs" / "pngs")
     assert summary["dataset"]["image_shape"] == [16, 16, 3]
     assert summary["dataset"]["class_names"] == ["bright", "dark"]
+    assert "as record files in" in prepared.stdout
+    assert (root / "data" / "shapes-records" / "train-00001-of-00002.array_record").is_file()
+    assert "record files (prepared from png_folders)" in from_records.stdout
+    records = summary_of(root / "runs" / "png-records")
+    assert (
+        records["dataset"]["name"] == "records" and records["config"]["input_pipeline"] == "grain"
+    )
+    same = ("image_shape", "class_names", "examples", "fingerprint")  # the very same pictures
+    assert {k: records["dataset"][k] for k in same} == {k: summary["dataset"][k] for k in same}
 
 
 @pytest.mark.slow
