@@ -207,10 +207,6 @@ class RecordSource:
         pixels, labels = self.read(keys.reshape(-1))
         return pixels.reshape(*keys.shape, self.pixels), labels.reshape(keys.shape)
 
-    def __getitems__(self, keys: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
-        pixels, labels = self.read(np.asarray(keys, np.int64))
-        return list(zip(pixels, labels, strict=True))
-
     def read(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(pixels (n, H*W*C), labels (n,)) of the records `keys` (n,), in that order."""
         if len(keys) and (keys.min() < 0 or keys.max() >= len(self)):
@@ -224,12 +220,13 @@ class RecordSource:
                 raw = readers[k].read((keys[where] - self.offsets[k]).tolist())
             except Exception as exc:  # a damaged chunk: the reader's own error types
                 raise _damaged(self.paths[k], exc) from None
-            if any(len(r) != size for r in raw):
+            joined = b"".join(raw)
+            if len(joined) != len(where) * size:
                 raise UserError(
                     f"{self.paths[k]}: its records are not {size} bytes each ({LABEL_BYTES} + the "
                     f"{INFO_FILE} image shape); write the records again with --mode=prepare"
                 )
-            rows[where] = np.frombuffer(b"".join(raw), np.uint8).reshape(len(where), size)
+            rows[where] = np.frombuffer(joined, np.uint8).reshape(len(where), size)
         labels = rows[:, :LABEL_BYTES].copy().view("<i4").reshape(-1).astype(np.int32)
         return rows[:, LABEL_BYTES:], labels
 
