@@ -150,10 +150,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     optimizer.check_config(config.optimizer, config.steps)
     if not 0 <= config.label_smoothing < 1:
         raise UserError(f"--config.label_smoothing={config.label_smoothing} must be in [0, 1)")
-    for name in ("workers", "block_examples", "prefetch"):
-        if not (0 if name == "workers" else 1) <= config.grain[name] <= MAX_COUNT:
+    for name, least in (("workers", 0), ("block_examples", 1), ("prefetch", 1)):
+        if not least <= config.grain[name] <= MAX_COUNT:
             raise UserError(f"--config.grain.{name}={config.grain[name]} must be a whole "
-                            f"number >= {0 if name == 'workers' else 1}")  # fmt: skip
+                            f"number >= {least}")  # fmt: skip
     if config.augment.max_shift < 0:
         raise UserError(f"--config.augment.max_shift={config.augment.max_shift} must be >= 0")
     check_ensemble(config)

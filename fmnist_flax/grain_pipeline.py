@@ -80,7 +80,7 @@ def process_batches(
 
 
 class GrainBatches:
-    """The Grain pipeline's training calls: blocks of `steps_per_call` steps' batches, each
+    """The Grain pipeline's training calls: blocks of `steps_per_block` steps' batches, each
     read in one bulk read (by Grain, on its `workers` read threads, `prefetch` blocks ahead)
     and placed on the devices one block before the step that needs it; the fused chunk runs
     up to a block's steps per call (one with `fused=False`)."""
@@ -96,22 +96,22 @@ class GrainBatches:
         accumulate: int = 1,
         *,
         workers: int = 0,
-        steps_per_call: int = 1,
+        steps_per_block: int = 1,
         prefetch: int = 2,
         fused: bool = True,
     ):
         """`state`: the iterator's saved position ({"next_index": steps done}); without one,
         the batch after `step` (a checkpoint the device pipeline wrote)."""
-        self.per_block, self.fused = steps_per_call, fused
+        self.per_block, self.fused = steps_per_block, fused
         self.next = (state or {"next_index": step})["next_index"]
-        block = self.next // steps_per_call  # read from the block that holds the next step
-        blocks = process_batches(source, batch_size, seed, accumulate, steps_per_call, block)
+        block = self.next // steps_per_block  # read from the block that holds the next step
+        blocks = process_batches(source, batch_size, seed, accumulate, steps_per_block, block)
         threads = read_threads(workers)
         options = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch)
         self.iterator = iter(blocks.to_iter_dataset(options))
         self.sharding = parallel.batch_sharding(mesh, axis=1 + int(accumulate > 1))
         self._blocks: list[tuple[int, jax.Array, jax.Array]] = []  # (first step, x, y)
-        self._read_from = block * steps_per_call
+        self._read_from = block * steps_per_block
 
     def _place_next(self) -> None:
         images, labels = next(self.iterator)
@@ -140,7 +140,7 @@ class GrainBatches:
         return {"data_iterator": {"next_index": self.next}}
 
 
-def steps_per_block(config: Any) -> int:
+def block_steps(config: Any) -> int:
     """Whole steps in `config.grain.block_examples` examples (at least one)."""
     per_step = config.batch_size * config.optimizer.accumulate
     return max(1, config.grain.block_examples // per_step)
@@ -154,8 +154,8 @@ def read_threads(workers: int) -> int:
 def train_source(dataset: Any) -> Any:
     """The Grain source of a dataset's train split: its record files when it has them
     (`records.RecordImages`), else its arrays."""
-    images = dataset.train_images
-    return getattr(images, "source", None) or ArraySource(images, dataset.train_labels)
+    source = getattr(dataset.train_images, "source", None)
+    return source if source is not None else ArraySource(dataset.train_images, dataset.train_labels)
 
 
 def from_config(
@@ -164,6 +164,6 @@ def from_config(
     """The run's `GrainBatches`, as `config` (batch size, seed, accumulate, config.grain) says."""
     return GrainBatches(
         source, config.batch_size, config.seed, mesh, state, step, config.optimizer.accumulate,
-        workers=config.grain.workers, steps_per_call=steps_per_block(config),
+        workers=config.grain.workers, steps_per_block=block_steps(config),
         prefetch=config.grain.prefetch, fused=config.fused_steps,
     )  # fmt: skip

@@ -32,6 +32,9 @@ def test_default_config_has_the_codelab_values():
         ("optimizer.weight_decay", -1.0, "weight_decay=-1.0 must be >= 0"),
         ("checkpoint_min_interval_secs", -1.0, "checkpoint_min_interval_secs=-1.0 must be a"),
         ("checkpoint_min_interval_secs", float("nan"), "checkpoint_min_interval_secs=nan must"),
+        ("grain.workers", -1, "--config.grain.workers=-1 must be a whole number >= 0"),
+        ("grain.block_examples", 0, "--config.grain.block_examples=0 must be a whole number >= 1"),
+        ("grain.prefetch", 0, "--config.grain.prefetch=0 must be a whole number >= 1"),
     ],
 )
 def test_bad_values_are_refused_with_one_line(field, value, message):

@@ -76,7 +76,7 @@ def test_a_restored_iterator_state_continues_with_the_same_batches():
     source, mesh = grain_pipeline.ArraySource(images, np.arange(64)), parallel.make_mesh()
 
     def feed(state):
-        return grain_pipeline.GrainBatches(source, 8, 0, mesh, state, steps_per_call=4)
+        return grain_pipeline.GrainBatches(source, 8, 0, mesh, state, steps_per_block=4)
 
     def steps(chunks) -> list[np.ndarray]:  # each step's batch, in order
         return [np.asarray(x)[i] for x, _, _, at, count, _ in chunks for i in range(at, at + count)]
