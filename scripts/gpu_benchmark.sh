@@ -3,8 +3,10 @@
 #
 #   bash scripts/gpu_benchmark.sh   # after `bash scripts/stage_gpu_run.sh` staged .whl/ and .data/
 #
-# 1. installs the carried wheels (.whl/) whose packages the image lacks, into $SITE (no network);
-# 2. finds the carried Fashion-MNIST files ($DATA_DIR);
+# 1. installs the carried wheels (.whl/) whose packages the image lacks or holds at another
+#    version, into $SITE (no network), which goes first on PYTHONPATH;
+# 2. finds the carried Fashion-MNIST files ($DATA_DIR) and trains a 2-member ensemble for 20
+#    steps, which stops the script at once where the image's packages do not fit the code;
 # 3. `main.py --mode=benchmark` at batch 512 and 4096, float32 and bfloat16: the codelab loop,
 #    the plain nnx.jit step, the fused path and every other path it times (8-member ensembles
 #    too: on a GPU, where one member is launch-bound, 8 should cost about one's time, >= 6x in
@@ -18,10 +20,11 @@
 # Environment: OUT (default ./gpu-bench-out), PYTHON (python3), DATA_DIR (first of
 # ./.data/fashion-mnist, /usr/share/datasets/fashion-mnist), SMALL=1 (a quick check on a CPU:
 # batches 32,64, few steps, 2 members), BATCH_SIZES, DTYPES, MEMBERS, BENCH_STEPS,
-# BENCH_REPEATS, WHOLE_RUN_STEPS, RUN_STEPS, KERNEL_STEPS, BUDGET_S (seconds for all phases, default 460), SITE (/tmp/site),
-# INSTALL_ALL=1 (install every carried wheel, present or not), ALLOW_CPU=1 (run the full
-# sizes without a GPU). A phase that fails or runs out of time leaves "not measured" cells and
-# a non-zero exit status, after the table.
+# BENCH_REPEATS, WHOLE_RUN_STEPS, RUN_STEPS, KERNEL_STEPS, BUDGET_S (seconds for all phases,
+# default 460), BENCH_CAP_S (of which the benchmark suite's, default 330), SITE (/tmp/site),
+# INSTALL_ALL=1 (install every carried wheel, even at the installed version), ALLOW_CPU=1 (run
+# the full sizes without a GPU). A phase that fails or runs out of time leaves "not measured" cells and
+# a non-zero exit status, after the table; a failed 20-step run first stops it (exit 4).
 set -euo pipefail
 
 START_DIR=$PWD
@@ -44,6 +47,7 @@ else
 fi
 DTYPES=${DTYPES:-float32,bfloat16}
 BUDGET_S=${BUDGET_S:-460}
+BENCH_CAP_S=${BENCH_CAP_S:-330}
 # Each process takes GPU memory as it needs it: the benchmark's whole-run subprocesses start
 # while it still holds its own.
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
@@ -60,13 +64,17 @@ import sys
 
 present = []
 for wheel in sys.argv[1:]:
-    name = pathlib.Path(wheel).name.split("-")[0]
+    name, version = pathlib.Path(wheel).name.split("-")[:2]
     try:
-        present.append(f"{name} {md.version(name)}")
-        if os.environ["INSTALL_ALL"] == "1":
-            print(wheel)
+        installed = md.version(name)
     except md.PackageNotFoundError:
+        installed = None
+    if installed == version and os.environ["INSTALL_ALL"] != "1":
+        present.append(f"{name} {installed}")
+    else:
         print(wheel)
+        if installed:
+            print(f"[gpu_benchmark] {name} {installed} -> {version}", file=sys.stderr)
 print(f"[gpu_benchmark] already installed: {', '.join(present) or 'none'}", file=sys.stderr)
 EOF
   )
@@ -115,6 +123,18 @@ if [[ $BACKEND != gpu && $SMALL != 1 && ${ALLOW_CPU:-0} != 1 ]]; then
   exit 3
 fi
 
+# A 20-step run of a 2-member ensemble first: an image whose packages do not fit the code
+# fails here in seconds, not in every phase after it.
+SMOKE_DIR=$(mktemp -d)
+if ! timeout -k 10 120 "$PY" main.py --steps=20 --report=none --config.ensemble.size=2 \
+  --data_dir="$DATA_DIR" --workdir="$SMOKE_DIR" >"$OUT/smoke.log" 2>&1; then
+  tail -n 15 "$OUT/smoke.log" >&2
+  echo "gpu_benchmark: a 20-step run failed (whole log: $OUT/smoke.log); nothing else ran" >&2
+  exit 4
+fi
+rm -rf "$SMOKE_DIR"
+log "a 20-step run of 2 members: $(grep -m 1 -o 'test accuracy [0-9.]*' "$OUT/smoke.log" || echo ran)"
+
 # Each phase gets at most its cap and never more than what is left of BUDGET_S.
 FAILED=()
 phase() {  # phase NAME CAP_S LOG COMMAND...
@@ -134,7 +154,7 @@ phase() {  # phase NAME CAP_S LOG COMMAND...
 
 # --- 3. the benchmark suite --------------------------------------------------------------
 rm -f "$OUT/bench.json"
-phase benchmark 330 "$OUT/bench.log" "$PY" main.py --mode=benchmark --data_dir="$DATA_DIR" \
+phase benchmark "$BENCH_CAP_S" "$OUT/bench.log" "$PY" main.py --mode=benchmark --data_dir="$DATA_DIR" \
   --bench_batch_sizes="$BATCH_SIZES" --bench_dtypes="$DTYPES" --bench_steps="$BENCH_STEPS" \
   --bench_repeats="$BENCH_REPEATS" --bench_whole_run_steps="$WHOLE_RUN_STEPS" \
   --bench_members="$MEMBERS" \

@@ -8,17 +8,21 @@
 #
 # Versions are pinned to the ones the project is tested with (.venv); the GPU machine runs
 # CPython 3.12 on x86-64, hence the platform flags. The benchmark installs only the ones its
-# image lacks.
+# image lacks or holds at another version.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 SRC_DATA=${SRC_DATA:-/usr/share/datasets/fashion-mnist}
 
-# The project's dependencies (pyproject.toml) that the image may lack, with their own
-# dependencies that jax, flax, optax and orbax-checkpoint do not already bring (those bring
-# numpy, absl-py, protobuf, etils, psutil, PyYAML, msgpack, rich): protobuf and absl-py are
-# staged anyway (small), and the benchmark installs a wheel only when its package is missing.
+# The project's dependencies (pyproject.toml) at the versions it is tested with, with their
+# own dependencies that jax, flax, optax and orbax-checkpoint do not already bring (those bring
+# numpy, absl-py, protobuf, etils, psutil, PyYAML, msgpack, rich, tensorstore). JAX itself is
+# the image's: its CUDA plugin must match its jaxlib. The benchmark installs a wheel only when
+# its package is missing or at another version.
 WHEELS=(
+  flax==0.12.8            # the image's may be another release, whose NNX API may differ
+  optax==0.2.8
+  orbax-checkpoint==0.12.8
   ml-collections==1.1.0   # configs and --config flags
   tensorboardX==2.6.5     # summaries; needs numpy, packaging, protobuf
   protobuf==7.36.2        # tensorboardX's (orbax-checkpoint's too, so usually present)
