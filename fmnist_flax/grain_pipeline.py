@@ -81,9 +81,9 @@ def process_batches(
 
 class GrainBatches:
     """The Grain pipeline's training calls: blocks of `steps_per_block` steps' batches, each
-    read in one bulk read (by Grain, on its `workers` read threads, `prefetch` blocks ahead)
-    and placed on the devices one block before the step that needs it; the fused chunk runs
-    up to a block's steps per call (one with `fused=False`)."""
+    read in one bulk read (by Grain, on its `workers` read threads, `prefetch` blocks ahead but
+    at least one per thread) and placed on the devices one block before the step that needs
+    it; the fused chunk runs up to a block's steps per call (one with `fused=False`)."""
 
     def __init__(
         self,
@@ -106,8 +106,11 @@ class GrainBatches:
         self.next = (state or {"next_index": step})["next_index"]
         block = self.next // steps_per_block  # read from the block that holds the next step
         blocks = process_batches(source, batch_size, seed, accumulate, steps_per_block, block)
+        # Grain reads no more blocks at once than its buffer holds: one per thread at least.
         threads = read_threads(workers)
-        options = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch)
+        options = grain.ReadOptions(
+            num_threads=threads, prefetch_buffer_size=max(prefetch, threads)
+        )
         self.iterator = iter(blocks.to_iter_dataset(options))
         self.sharding = parallel.batch_sharding(mesh, axis=1 + int(accumulate > 1))
         self._blocks: list[tuple[int, jax.Array, jax.Array]] = []  # (first step, x, y)

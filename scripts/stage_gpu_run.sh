@@ -16,13 +16,12 @@ SRC_DATA=${SRC_DATA:-/usr/share/datasets/fashion-mnist}
 
 # The project's dependencies (pyproject.toml) at the versions it is tested with, with their
 # own dependencies that jax, flax, optax and orbax-checkpoint do not already bring (those bring
-# numpy, absl-py, protobuf, etils, psutil, PyYAML, msgpack, rich, tensorstore). JAX itself is
-# the image's: its CUDA plugin must match its jaxlib. The benchmark installs a wheel only when
-# its package is missing or at another version.
+# numpy, absl-py, protobuf, etils, psutil, PyYAML, msgpack, rich, tensorstore). JAX, Flax,
+# Optax and Orbax are the image's: its CUDA plugin must match its jaxlib, and a Flax must match
+# its JAX (2026-12-04: flax 0.12.8 failed to import under the image's jax 0.11.2; its own flax
+# 0.12.10 ran everything). The benchmark installs a wheel only when its package is missing or
+# at another version.
 WHEELS=(
-  flax==0.12.8            # the image's may be another release, whose NNX API may differ
-  optax==0.2.8
-  orbax-checkpoint==0.12.8
   ml-collections==1.1.0   # configs and --config flags
   tensorboardX==2.6.5     # summaries; needs numpy, packaging, protobuf
   protobuf==7.36.2        # tensorboardX's (orbax-checkpoint's too, so usually present)

@@ -93,6 +93,20 @@ def test_a_restored_iterator_state_continues_with_the_same_batches():
         assert a.dtype == np.uint8 and a.shape == (8, 4)
 
 
+def test_every_read_thread_gets_a_block_to_read(caplog):
+    """Grain reads no more blocks at once than it buffers: with 4 threads and prefetch=1 the
+    buffer still holds 4 (Grain warns when it would idle threads) and the blocks come in order."""
+    source = numbered(64)
+    fed = grain_pipeline.GrainBatches(
+        source, 4, 0, parallel.make_mesh(), workers=4, steps_per_block=2, prefetch=1
+    )
+    labels = [np.asarray(y)[at] for _, y, _, at, _, _ in fed.chunks(0, 8)]
+    assert len(labels) == 4  # a call per block of 2 steps
+    one = grain_pipeline.process_batches(source, 4, 0)
+    np.testing.assert_array_equal(labels[3], one[6][1][0])
+    assert not [r for r in caplog.records if "smaller than num_threads" in r.getMessage()]
+
+
 def on_records(directory) -> tuple[str, str]:
     return "--config.dataset.name=records", f"--data_dir={directory}"
 
