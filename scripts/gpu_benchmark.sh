@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The performance issue's GPU measurements in one command (under 8 minutes on one H200):
+# The performance issue's GPU measurements in one command (290 s on one H200, 2026-12-04):
 #
 #   bash scripts/gpu_benchmark.sh   # after `bash scripts/stage_gpu_run.sh` staged .whl/ and .data/
 #
@@ -7,7 +7,7 @@
 #    version, into $SITE (no network), which goes first on PYTHONPATH;
 # 2. finds the carried Fashion-MNIST files ($DATA_DIR) and trains a 2-member ensemble for 20
 #    steps, which stops the script at once where the image's packages do not fit the code;
-# 3. `main.py --mode=benchmark` at batch 512 and 4096, float32 and bfloat16: the codelab loop,
+# 3. `main.py --mode=benchmark` at batch 512, 32 and 4096, float32 and bfloat16: the codelab loop,
 #    the plain nnx.jit step, the fused path and every other path it times (8-member ensembles
 #    too: on a GPU, where one member is launch-bound, 8 should cost about one's time, >= 6x in
 #    member-examples/s; Grain from record files, and its pipeline alone, which should feed
@@ -23,8 +23,9 @@
 # BENCH_REPEATS, WHOLE_RUN_STEPS, RUN_STEPS, KERNEL_STEPS, BUDGET_S (seconds for all phases,
 # default 460), BENCH_CAP_S (of which the benchmark suite's, default 330), SITE (/tmp/site),
 # INSTALL_ALL=1 (install every carried wheel, even at the installed version), ALLOW_CPU=1 (run
-# the full sizes without a GPU). A phase that fails or runs out of time leaves "not measured" cells and
-# a non-zero exit status, after the table; a failed 20-step run first stops it (exit 4).
+# the full sizes without a GPU). A phase that fails or runs out of time leaves "not measured"
+# cells and a non-zero exit status, after the table; a failed 20-step run first stops it
+# (exit 4).
 set -euo pipefail
 
 START_DIR=$PWD
@@ -42,7 +43,7 @@ if [[ $SMALL = 1 ]]; then
   : "${MEMBERS:=2}"
   : "${RUN_STEPS:=20}" "${KERNEL_STEPS:=10}"
 else
-  : "${BATCH_SIZES:=512,4096}" "${BENCH_STEPS:=400}" "${BENCH_REPEATS:=5}" "${MEMBERS:=8}"
+  : "${BATCH_SIZES:=512,32,4096}" "${BENCH_STEPS:=400}" "${BENCH_REPEATS:=3}" "${MEMBERS:=8}"
   : "${WHOLE_RUN_STEPS:=400}" "${RUN_STEPS:=400}" "${KERNEL_STEPS:=100}"
 fi
 DTYPES=${DTYPES:-float32,bfloat16}

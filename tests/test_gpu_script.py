@@ -33,3 +33,24 @@ def test_small_mode_prints_the_table(tmp_path):
         assert row and re.search(r"\*\*\d+\.\d\dx\*\*", row[0]), table  # fused vs codelab
         assert "not measured" not in row[0], row[0]  # kernels per step included
     assert re.search(r"^\| main.py --steps=20 --report=basic .*\*\*0\.\d{4}\*\* \|$", table, re.M)
+
+
+@pytest.mark.slow
+def test_a_failing_first_run_stops_the_script_before_the_benchmark(tmp_path):
+    """Files with the right names and wrong contents: the 20-step run fails, the script says so
+    in its last line, exits 4 and starts nothing else (an image whose packages do not fit the
+    code fails the same way, in seconds)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train-images-idx3", "train-labels-idx1", "t10k-images-idx3", "t10k-labels-idx1"):
+        (data / f"{name}-ubyte").write_bytes(b"not an IDX file")
+    env = {**os.environ, "SMALL": "1", "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
+           "DATA_DIR": str(data), "SITE": str(tmp_path / "site")}  # fmt: skip
+    result = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_benchmark.sh")],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 4, result.stderr[-2000:]
+    assert result.stderr.rstrip().splitlines()[-1].startswith("gpu_benchmark: a 20-step run failed")
+    assert not (tmp_path / "out" / "bench.log").exists()
+    assert "MD5 mismatch" in (tmp_path / "out" / "smoke.log").read_text()
