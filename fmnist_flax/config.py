@@ -96,7 +96,7 @@ def grain_config() -> ml_collections.ConfigDict:
     # Examples read in one bulk read, as a block of whole steps that trains in compiled calls
     # of up to that many steps: larger blocks spread the reader's cost per call (~0.5 ms).
     grain.block_examples = 16_384
-    grain.prefetch = 2  # such blocks read ahead of the step that needs them (>= workers)
+    grain.prefetch = 2  # such blocks read ahead of the step that needs them (>= 1 per worker)
     return grain
 
 
