@@ -130,6 +130,7 @@ SMOKE_DIR=$(mktemp -d)
 if ! timeout -k 10 120 "$PY" main.py --steps=20 --report=none --config.ensemble.size=2 \
   --data_dir="$DATA_DIR" --workdir="$SMOKE_DIR" >"$OUT/smoke.log" 2>&1; then
   tail -n 15 "$OUT/smoke.log" >&2
+  rm -rf "$SMOKE_DIR"
   echo "gpu_benchmark: a 20-step run failed (whole log: $OUT/smoke.log); nothing else ran" >&2
   exit 4
 fi
@@ -155,11 +156,10 @@ phase() {  # phase NAME CAP_S LOG COMMAND...
 
 # --- 3. the benchmark suite --------------------------------------------------------------
 rm -f "$OUT/bench.json"
-phase benchmark "$BENCH_CAP_S" "$OUT/bench.log" "$PY" main.py --mode=benchmark --data_dir="$DATA_DIR" \
-  --bench_batch_sizes="$BATCH_SIZES" --bench_dtypes="$DTYPES" --bench_steps="$BENCH_STEPS" \
-  --bench_repeats="$BENCH_REPEATS" --bench_whole_run_steps="$WHOLE_RUN_STEPS" \
-  --bench_members="$MEMBERS" \
-  --output="$OUT/bench.json"
+phase benchmark "$BENCH_CAP_S" "$OUT/bench.log" "$PY" main.py --mode=benchmark \
+  --data_dir="$DATA_DIR" --bench_batch_sizes="$BATCH_SIZES" --bench_dtypes="$DTYPES" \
+  --bench_steps="$BENCH_STEPS" --bench_repeats="$BENCH_REPEATS" \
+  --bench_whole_run_steps="$WHOLE_RUN_STEPS" --bench_members="$MEMBERS" --output="$OUT/bench.json"
 
 # --- 4. one training run, as a user starts it ----------------------------------------------
 rm -rf "$OUT/run" # a workdir with a finished run would be returned as it is, not run again
