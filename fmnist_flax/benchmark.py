@@ -203,29 +203,51 @@ def chunk_for(config, device_data, graphdef, model) -> tuple[Callable[..., Any],
     return chunk, train.zero_sums(model, frozen, device_data.image_shape)
 
 
-def ensemble_config(config: ml_collections.ConfigDict, members: int, same_data: bool):
-    """`config` as an ensemble of `members` on shared batches or each on its own."""
+def ensemble_config(
+    config: ml_collections.ConfigDict, members: int, same_data: bool, shards: int = 1
+):
+    """`config` as an ensemble of `members` on shared batches or each on its own, split over
+    `shards` devices."""
     ensemble = ml_collections.ConfigDict(config.to_dict())
     ensemble.ensemble.size, ensemble.ensemble.same_data = members, same_data
+    ensemble.ensemble.shards = shards
     return ensemble
 
 
+def member_mesh(members: int, shards: int) -> jax.sharding.Mesh | None:
+    """The mesh the split ensemble rows run on: `shards` devices on a `member` axis, or None
+    (no rows; a line says so when there are too few devices)."""
+    if members < 2 or shards < 2:
+        return None
+    devices = jax.local_devices()
+    if len(devices) < shards:
+        print(f"(no rows with {members} members over {shards} devices: "
+              f"{len(devices)} device(s) here)")  # fmt: skip
+        return None
+    return parallel.make_mesh(devices[:shards], member_shards=shards)
+
+
 def _runners(
-    config, device_data, fixed, dataset, members: int = 0, record_set=None
+    config, device_data, fixed, dataset, members: int = 0, record_set=None, split_data=None
 ) -> dict[str, Callable[[], Runner]]:
     """Each training path's runner factory, all from the same start; the codelab's first. With
-    `members`, ensembles of that many on shared batches and on their own; with a `record_set`
-    (the dataset as record files), Grain training from it and its pipeline alone."""
+    `members`, ensembles of that many on shared batches and on their own, on one device and,
+    with `split_data` (the data on a `member_mesh`), split over its devices; with a
+    `record_set` (the dataset as record files), Grain training from it and its pipeline alone."""
     from_records = {
         GRAIN_RECORDS: lambda: grain_runner(config, device_data, record_set),
         GRAIN_ALONE: lambda: grain_alone_runner(config, device_data, record_set),
     }
+    layouts = [("", 1, device_data)] if members > 1 else []
+    if split_data is not None:
+        shards = parallel.member_shards(split_data.mesh)
+        layouts.append((f", {shards} devices", shards, split_data))
     ensembles = {
-        f"ensemble of {members}, {data}": functools.partial(
-            fused_runner, ensemble_config(config, members, data == "shared data"), device_data
+        f"ensemble of {members}, {data}{where}": functools.partial(
+            fused_runner, ensemble_config(config, members, data == "shared data", shards), on
         )
+        for where, shards, on in layouts
         for data in ("shared data", "own data")
-        if members > 1
     }
     return {
         "codelab loop (reference)": lambda: codelab_runner(config, fixed),
@@ -253,19 +275,24 @@ def _time_paths(
 ) -> list[dict[str, Any]]:
     """Each runner timed in turn at the config's batch and dtype: rows with its rate (every
     member's examples for an ensemble), its ratios to the first (the codelab's) and to the
-    fused path, its GFLOP/s (`flops` per example) and their share of the matmul `peak`."""
+    fused path, its GFLOP/s (`flops` per example) and their share of the matmul `peak`. An
+    ensemble is timed alternating with a fused member (`fused_beside_per_sec`), and its ratio
+    is to that: the same minutes of a shared machine for both."""
     rows, batch_size, dtype, fused = [], config.batch_size, config.compute_dtype, None
     for name, make in runners.items():
         timed = steps if name != "Python dispatch" else min(steps, BENCH_EAGER_STEPS)
-        result = _measure(make(), timed, repeats)
-        size = members if name.startswith("ensemble") else 1
-        rate = size * timed * batch_size / result["seconds"]
+        ensemble = name.startswith("ensemble")
+        result = _measure(make(), timed, repeats, beside=runners[FUSED]() if ensemble else None)
+        beside = result.pop("beside_seconds", None)
+        beside = beside and timed * batch_size / beside
+        rate = (members if ensemble else 1) * timed * batch_size / result["seconds"]
         fused = rate if name == FUSED else fused
+        reference = beside or fused
         rows.append({
             "path": name, "batch_size": batch_size, "dtype": dtype, **result,
-            "examples_per_sec": rate,
+            "examples_per_sec": rate, "fused_beside_per_sec": beside,
             "ratio_to_codelab": rate / (rows[0]["examples_per_sec"] if rows else rate),
-            "ratio_to_fused": rate / fused if fused else None,
+            "ratio_to_fused": rate / reference if reference else None,
             **_compute(rate * flops / 1e9 if name != GRAIN_ALONE else None, peak),
             **_peak_memory_mb(),
         })  # fmt: skip
@@ -279,19 +306,31 @@ def _compute(gflops: float | None, peak: float) -> dict[str, float | None]:
     return {"gflops": gflops, "share_of_matmul_peak": share}
 
 
-def _measure(run: Callable[[int], Any], steps: int, repeats: int) -> dict[str, float]:
+def _measure(
+    run: Runner, steps: int, repeats: int, beside: Runner | None = None
+) -> dict[str, float]:
+    """The median seconds of `steps` steps over `repeats`, after a compiling call; with a
+    `beside` runner, that one is timed after each repeat too (`beside_seconds`)."""
     start = time.perf_counter()
     jax.block_until_ready(run(1))  # compiles
     compile_seconds = time.perf_counter() - start
+    runs = [run] if beside is None else [run, beside]
+    times = [[] for _ in runs]
+    for each in runs[1:]:  # its compiling call
+        jax.block_until_ready(each(1))
     # Once more untimed: the codelab loop's step recompiles on its second call, when its
     # inputs are its own (committed) outputs.
-    jax.block_until_ready(run(1))
-    times = []
+    for each in runs:
+        jax.block_until_ready(each(1))
     for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(run(steps))
-        times.append(time.perf_counter() - start)
-    return {"steps": steps, "seconds": statistics.median(times), "first_call_s": compile_seconds}
+        for each, spent in zip(runs, times, strict=True):
+            start = time.perf_counter()
+            jax.block_until_ready(each(steps))
+            spent.append(time.perf_counter() - start)
+    result = {"steps": steps, "seconds": statistics.median(times[0])}
+    if beside is not None:
+        result["beside_seconds"] = statistics.median(times[1])
+    return {**result, "first_call_s": compile_seconds}
 
 
 def _peak_memory_mb() -> dict[str, float | None]:
@@ -313,18 +352,22 @@ def run_suite(
     repeats: int,
     members: int = 0,
     record_set: datasets.Dataset | None = None,
+    member_shards: int = 1,
 ) -> dict[str, Any]:
     """Every path at every batch size and dtype, in one process on one device, ratios to the
     codelab loop and to the fused path. An ensemble's rate counts every member's examples
     (members x batch x steps / time): against one fused member, the speed-up over training
-    its members one after another. `record_set`: `dataset` as record files (Grain rows)."""
+    its members one after another; with `member_shards` > 1 devices, also with the members
+    split over them. `record_set`: `dataset` as record files (Grain rows)."""
     mesh = parallel.make_mesh(jax.devices()[:1])
+    split = member_mesh(members, member_shards)
     device = jax.devices()[0]
     peak = matmul_peak_gflops()
     flops = flops_per_example((reference.INPUT_DIM, *config.model.hidden, reference.NUM_CLASSES))
     rows, profiles = [], []
     for batch_size in batch_sizes:
         device_data = input_pipeline.to_device(dataset, batch_size, mesh)
+        split_data = None if split is None else input_pipeline.to_device(dataset, batch_size, split)
         x, y = input_pipeline.shuffle(dataset.train_images, dataset.train_labels, seed=0)
         flat = reference.flat_images(x)
         fixed = jax.device_put(input_pipeline.fixed_batches(flat, y, batch_size), device)
@@ -332,10 +375,10 @@ def run_suite(
         for dtype in dtypes:
             run_config = ml_collections.ConfigDict(config.to_dict())
             run_config.batch_size, run_config.compute_dtype = batch_size, dtype
-            rows += _time_paths(
-                _runners(run_config, device_data, fixed, dataset, members, record_set), run_config,
-                n_steps, repeats, members, flops, peak,
-            )  # fmt: skip
+            runners = _runners(
+                run_config, device_data, fixed, dataset, members, record_set, split_data
+            )
+            rows += _time_paths(runners, run_config, n_steps, repeats, members, flops, peak)
             fused = next(r for r in rows[::-1] if r["path"] == FUSED)
             profiles.append({
                 "batch_size": batch_size, "dtype": dtype,
@@ -343,7 +386,7 @@ def run_suite(
                 "op_us_per_step": profiling.profile_fused(
                     fresh_state(run_config, device_data), device_data, run_config),
             })  # fmt: skip
-        del device_data, fixed
+        del device_data, split_data, fixed
     print(benchmark_table(rows, peak))
     print(profiling.profile_table(profiles))
     return {
@@ -460,18 +503,10 @@ def whole_run_table(whole: dict[str, Any]) -> str:
     )  # fmt: skip
 
 
-def run_benchmark(
-    config: ml_collections.ConfigDict,
-    *,
-    batch_sizes: Sequence[int],
-    dtypes: Sequence[str],
-    steps: int | None,
-    repeats: int,
-    whole_run_steps: int,
-    output: str | None,
-    members: int = 8,
-) -> dict[str, Any]:
-    """`--mode=benchmark`: the step suite, then the whole-run comparison; prints and saves."""
+def _check_options(
+    config, batch_sizes, dtypes, steps, repeats, members, member_shards, output
+) -> None:
+    """Every mistake in the benchmark's options as one line, before anything is measured."""
     config_lib.validate(config)
     if config.model.name != "mlp" or len(config.model.hidden) != 2:
         raise UserError(
@@ -481,10 +516,18 @@ def run_benchmark(
     for dtype in dtypes:
         if dtype not in model_lib.COMPUTE_DTYPES:
             raise UserError(f"--bench_dtypes: {dtype!r} is not one of float32, bfloat16")
-    if any(b < 1 for b in batch_sizes) or repeats < 1 or (steps is not None and steps < 1):
-        raise UserError("--bench_batch_sizes, --bench_steps and --bench_repeats must be >= 1")
+    counts = [*batch_sizes, repeats, member_shards, *([] if steps is None else [steps])]
+    if min(counts) < 1:
+        raise UserError(
+            "--bench_batch_sizes, --bench_steps, --bench_repeats and --bench_member_shards "
+            "must be >= 1"
+        )
     if jax.process_count() > 1:
         raise UserError("--mode=benchmark times one device; run it as a single process")
+    if members > 1 and members % member_shards:
+        raise UserError(
+            f"--bench_member_shards={member_shards} does not divide --bench_members={members}"
+        )
     workdir_lib.check_output_path(output)
     if config.ensemble.size > 1:
         raise UserError(
@@ -495,12 +538,28 @@ def run_benchmark(
         raise UserError(
             "--mode=benchmark times the codelab on Fashion-MNIST; drop --config.dataset"
         )
+
+
+def run_benchmark(
+    config: ml_collections.ConfigDict,
+    *,
+    batch_sizes: Sequence[int],
+    dtypes: Sequence[str],
+    steps: int | None,
+    repeats: int,
+    whole_run_steps: int,
+    output: str | None,
+    members: int = 8,
+    member_shards: int = 1,
+) -> dict[str, Any]:
+    """`--mode=benchmark`: the step suite, then the whole-run comparison; prints and saves."""
+    _check_options(config, batch_sizes, dtypes, steps, repeats, members, member_shards, output)
     dataset = datasets.load(config)
     with tempfile.TemporaryDirectory(prefix="bench-records-") as tmp:
         records.write(dataset, pathlib.Path(tmp) / "records")
         result = run_suite(
             config, dataset, batch_sizes=batch_sizes, dtypes=dtypes, steps=steps,
-            repeats=repeats, members=members,
+            repeats=repeats, members=members, member_shards=member_shards,
             record_set=datasets.load_records(pathlib.Path(tmp) / "records"),
         )  # fmt: skip
     if whole_run_steps:

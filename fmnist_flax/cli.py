@@ -68,6 +68,12 @@ if BENCHMARK:  # its flags exist while the module does
         "benchmark: members of the ensemble rows (shared and own data); <2 skips.",
     )
     flags.DEFINE_integer(
+        "bench_member_shards",
+        2,
+        "benchmark: also time the ensembles split over this many devices (on a CPU, one "
+        "device per core is made for it); 1 skips.",
+    )
+    flags.DEFINE_integer(
         "bench_whole_run_steps", 400, "benchmark: steps of the whole-run comparison; 0 skips it."
     )
 _IMAGES = flags.DEFINE_list(
@@ -235,6 +241,7 @@ def main(argv: Sequence[str]) -> None:
         {SHORTHANDS[flag]: value for flag, value in shorthands.items() if value is not None}
     )
     try:
+        parallel.make_cpu_devices(member_devices(_MODE.value, config))
         parallel.initialize(
             _COORDINATOR.value,
             _NUM_PROCESSES.value,
@@ -254,6 +261,17 @@ def main(argv: Sequence[str]) -> None:
             "saved so far are kept; resume with the same command and --workdir",
             PIPE_CLOSED_STATUS,
         )
+
+
+def member_devices(mode: str, config: ml_collections.ConfigDict) -> int:
+    """The devices a single-process run splits an ensemble's members over (made on a CPU):
+    --config.ensemble.shards to train, --bench_member_shards to benchmark; else 1."""
+    if _COORDINATOR.value or _DISTRIBUTED.value:  # each process keeps the devices it has
+        return 1
+    if mode == "benchmark":
+        return FLAGS.bench_member_shards
+    shards = config.ensemble.shards if mode == "train" else 1
+    return shards if isinstance(shards, int) else 1  # validate() explains a bad one
 
 
 def step_flag() -> int | str | None:
@@ -347,6 +365,7 @@ def run_benchmark(config: ml_collections.ConfigDict) -> None:
         repeats=FLAGS.bench_repeats,
         whole_run_steps=FLAGS.bench_whole_run_steps,
         members=FLAGS.bench_members,
+        member_shards=FLAGS.bench_member_shards,
         output=_OUTPUT.value,
     )
 

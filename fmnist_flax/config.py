@@ -112,7 +112,8 @@ def ensemble_config() -> ml_collections.ConfigDict:
     # augmentation) of a single run with --seed=seed+k.
     ensemble.same_data = True
     # Split the members over this many devices (a `member` mesh axis; the devices of each
-    # part split every batch over `data`). It must divide `size` and the device count.
+    # part split every batch over `data`). It must divide `size` and the device count. On a
+    # CPU, main.py makes the devices: set it to the number of cores (faster than one device).
     ensemble.shards = 1
     return ensemble
 

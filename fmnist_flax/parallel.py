@@ -157,6 +157,25 @@ def wait_for_coordinator(host: str, port: int, timeout_s: float) -> None:
             time.sleep(CONNECT_RETRY_S)
 
 
+def make_cpu_devices(count: int) -> int | None:
+    """Give JAX's CPU backend `count` devices, before anything starts it, so an ensemble's
+    members can be split over a CPU's cores as over GPUs (`--config.ensemble.shards`): each
+    device then runs its own members' program on its own core instead of splitting every op
+    over all of them (8 members at 1.0-1.07x one member's speed on 2 cores, against 0.83-0.9x
+    on one device). A count the user set (XLA_FLAGS, JAX_NUM_CPU_DEVICES) is left as it is;
+    GPUs are unaffected. Returns the count set, or None when nothing changed."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if count <= 1 or "xla_force_host_platform_device_count" in flags:
+        return None
+    if jax.config.jax_num_cpu_devices >= 0:  # JAX_NUM_CPU_DEVICES or an earlier call
+        return None
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # the backends already started: the mesh check says what is missing
+        return None
+    return count
+
+
 def is_primary() -> bool:
     """Process 0 alone prints, logs and writes files; every process computes."""
     return jax.process_index() == 0

@@ -19,7 +19,8 @@
 #
 # Environment: OUT (default ./gpu-bench-out), PYTHON (python3), DATA_DIR (first of
 # ./.data/fashion-mnist, /usr/share/datasets/fashion-mnist), SMALL=1 (a quick check on a CPU:
-# batches 32,64, few steps, 2 members), BATCH_SIZES, DTYPES, MEMBERS, BENCH_STEPS,
+# batches 32,64, few steps, 2 members), BATCH_SIZES, DTYPES, MEMBERS, MEMBER_SHARDS (the
+# ensembles also split over that many devices; default 1: one chip), BENCH_STEPS,
 # BENCH_REPEATS, WHOLE_RUN_STEPS, RUN_STEPS, KERNEL_STEPS, BUDGET_S (seconds for all phases,
 # default 460), BENCH_CAP_S (of which the benchmark suite's, default 330), SITE (/tmp/site),
 # INSTALL_ALL=1 (install every carried wheel, even at the installed version), ALLOW_CPU=1 (run
@@ -47,6 +48,7 @@ else
   : "${WHOLE_RUN_STEPS:=400}" "${RUN_STEPS:=400}" "${KERNEL_STEPS:=100}"
 fi
 DTYPES=${DTYPES:-float32,bfloat16}
+MEMBER_SHARDS=${MEMBER_SHARDS:-1}
 BUDGET_S=${BUDGET_S:-460}
 BENCH_CAP_S=${BENCH_CAP_S:-330}
 # Each process takes GPU memory as it needs it: the benchmark's whole-run subprocesses start
@@ -159,7 +161,8 @@ rm -f "$OUT/bench.json"
 phase benchmark "$BENCH_CAP_S" "$OUT/bench.log" "$PY" main.py --mode=benchmark \
   --data_dir="$DATA_DIR" --bench_batch_sizes="$BATCH_SIZES" --bench_dtypes="$DTYPES" \
   --bench_steps="$BENCH_STEPS" --bench_repeats="$BENCH_REPEATS" \
-  --bench_whole_run_steps="$WHOLE_RUN_STEPS" --bench_members="$MEMBERS" --output="$OUT/bench.json"
+  --bench_whole_run_steps="$WHOLE_RUN_STEPS" --bench_members="$MEMBERS" \
+  --bench_member_shards="$MEMBER_SHARDS" --output="$OUT/bench.json"
 
 # --- 4. one training run, as a user starts it ----------------------------------------------
 rm -rf "$OUT/run" # a workdir with a finished run would be returned as it is, not run again
@@ -255,9 +258,12 @@ def ratio(a, b):
 bench, summary = load("bench.json"), load("run/summary.json")
 kernels = {(k["batch_size"], k["dtype"]): k for k in load("traces/kernels.json") or []}
 rates = {}  # (batch, dtype) -> {path: examples/s}, paths in the benchmark's order
+timed_beside = {}  # (batch, dtype, path) -> an ensemble's ratio to a fused member timed beside it
 if bench:
     for r in bench["results"]:
         rates.setdefault((r["batch_size"], r["dtype"]), {})[r["path"]] = r["examples_per_sec"]
+        if r.get("fused_beside_per_sec"):
+            timed_beside[r["batch_size"], r["dtype"], r["path"]] = f"{r['ratio_to_fused']:.2f}x"
 elif (out / "bench.log").exists():  # cut short: the rates it printed as it went
     text = (out / "bench.log").read_text()
     for m in re.finditer(r"^  (.+?) +B=(\d+) +(\w+) +([\d,]+) examples/s$", text, re.M):
@@ -272,7 +278,8 @@ for (batch, dtype), r in rates.items():
     k = kernels.get((batch, dtype))
     rows.append(["benchmark", batch, dtype, *(num(r.get(p)) for p in paths),
                  f"**{ratio(r.get(FUSED), r.get(CODELAB))}**", ratio(r.get(JIT), r.get(CODELAB)),
-                 ratio(r.get(ENSEMBLE), r.get(FUSED)),
+                 timed_beside.get((batch, dtype, ENSEMBLE),
+                                  ratio(r.get(ENSEMBLE), r.get(FUSED))),
                  f"{k['kernels_per_step']:.1f}" if k else NM,
                  f"{k['us_per_kernel']:.1f}" if k else NM, ""])  # fmt: skip
 if not rates:

@@ -6,9 +6,10 @@ Speed itself is never asserted here (shared, noisy machines); ratios come from o
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
-from conftest import load_config
+from conftest import load_config, run_main
 
 from fmnist_flax import benchmark, profiling
 from fmnist_flax.errors import UserError
@@ -19,10 +20,11 @@ PATHS = {
     "ensemble of 2, shared data",
     "ensemble of 2, own data", "Python dispatch",
 }  # fmt: skip
+SPLIT_PATHS = {"ensemble of 2, shared data, 2 devices", "ensemble of 2, own data, 2 devices"}
 ROW_FIELDS = {
     "path", "batch_size", "dtype", "steps", "seconds", "first_call_s", "examples_per_sec",
-    "ratio_to_codelab", "ratio_to_fused", "gflops", "share_of_matmul_peak", "device_peak_mb",
-    "process_peak_rss_mb",
+    "fused_beside_per_sec", "ratio_to_codelab", "ratio_to_fused", "gflops",
+    "share_of_matmul_peak", "device_peak_mb", "process_peak_rss_mb",
 }  # fmt: skip
 
 
@@ -32,25 +34,24 @@ def test_flops_per_example_matches_the_hand_count():
 
 
 @pytest.mark.slow
-def test_tiny_benchmark_writes_every_field(tmp_path, capsys):
+def test_tiny_benchmark_writes_every_field(tmp_path):
+    """As a user runs it: the CLI makes 2 CPU devices (--bench_member_shards' default) for the
+    rows with the members split over them; every other path runs on one device."""
     output = tmp_path / "bench.json"
-    benchmark.run_benchmark(
-        load_config("default"),
-        batch_sizes=[16],
-        dtypes=["bfloat16"],
-        steps=2,
-        repeats=1,
-        whole_run_steps=3,
-        output=str(output),
-        members=2,
-    )
-    result = json.loads(output.read_text())
-    assert result["matmul_peak_gflops"] > 0
-    assert result["flops_per_example"] == 1_007_104
-    assert set(result["versions"]) == {"jax", "flax", "optax"}
-    rows = result["results"]
-    assert len(rows) == len(PATHS)
-    assert {r["path"] for r in rows} == PATHS
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    result = run_main(
+        "--mode=benchmark", "--bench_batch_sizes=16", "--bench_dtypes=bfloat16",
+        "--bench_steps=2", "--bench_repeats=1", "--bench_whole_run_steps=3",
+        "--bench_members=2", f"--output={output}", env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    result_json = json.loads(output.read_text())
+    assert result_json["matmul_peak_gflops"] > 0
+    assert result_json["flops_per_example"] == 1_007_104
+    assert set(result_json["versions"]) == {"jax", "flax", "optax"}
+    rows = result_json["results"]
+    assert len(rows) == len(PATHS) + len(SPLIT_PATHS)
+    assert {r["path"] for r in rows} == PATHS | SPLIT_PATHS
     for row in rows:
         assert set(row) == ROW_FIELDS
         assert row["examples_per_sec"] > 0 and row["seconds"] > 0
@@ -58,25 +59,40 @@ def test_tiny_benchmark_writes_every_field(tmp_path, capsys):
     for row in rows:
         if row["path"] == "codelab loop (reference)":
             assert row["ratio_to_codelab"] == 1.0
-        if row["path"].startswith("ensemble"):  # member-examples/s against one fused member
-            assert row["ratio_to_fused"] == row["examples_per_sec"] / rate["fused (default)"]
+        if row["path"].startswith("ensemble"):  # member-examples/s against one fused member,
+            beside = row["fused_beside_per_sec"]  # timed alternating with the ensemble
+            assert beside > 0 and row["ratio_to_fused"] == row["examples_per_sec"] / beside
             assert row["examples_per_sec"] == 2 * 2 * 16 / row["seconds"]  # members x steps x B
+        else:
+            assert row["fused_beside_per_sec"] is None
+            if row["ratio_to_fused"] is not None:
+                assert row["ratio_to_fused"] == row["examples_per_sec"] / rate["fused (default)"]
     # The profile maps the trace's events to the compiled module's ops: each kind shows up.
-    [profile] = result["profiles"]
+    [profile] = result_json["profiles"]
     assert (profile["batch_size"], profile["dtype"]) == (16, "bfloat16")
     assert set(profile["op_us_per_step"]) == set(profiling.OP_KINDS)
     assert all(us > 0 for us in profile["op_us_per_step"].values())
     assert profile["wall_us_per_step"] > 0
-    whole = result["whole_run"]
+    whole = result_json["whole_run"]
     assert set(whole) == {"steps", "runs", "wall_ratio_cold", "wall_ratio_warm", "fused_reference"}
     assert len(whole["runs"]) == 3 and whole["fused_reference"] > 0
     for name, run in whole["runs"].items():
         assert run["wall_seconds"] > 0 and run["peak_rss_mb"] > 100
         if name.startswith("main.py"):  # its own rate against the fused path's, same minutes
             assert run["vs_fused"] == run["train_examples_per_sec"] / whole["fused_reference"]
-    out = capsys.readouterr().out
+    out = result.stdout
     assert "Training step throughput" in out and "main.py / plain JAX wall time" in out
     assert "Where the fused step's time goes" in out
+
+
+def test_without_the_devices_the_split_rows_are_left_out(capsys):
+    """In a process that has started JAX on one device, the CLI cannot make more: the rows with
+    the members split over 2 devices are left out, with a line that says why; asked for no
+    split (1) or no ensembles (members < 2), there are none either."""
+    assert benchmark.member_mesh(2, 2) is None
+    assert "(no rows with 2 members over 2 devices: 1 device(s) here)" in capsys.readouterr().out
+    assert benchmark.member_mesh(2, 1) is None and benchmark.member_mesh(1, 2) is None
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize(
@@ -84,6 +100,8 @@ def test_tiny_benchmark_writes_every_field(tmp_path, capsys):
     [
         ({"dtypes": ["float16"]}, "'float16' is not one of"),
         ({"batch_sizes": [0]}, "must be >= 1"),
+        ({"member_shards": 0}, "--bench_member_shards must be >= 1"),
+        ({"members": 3, "member_shards": 2}, "=2 does not divide --bench_members=3"),
         ({"output": "/nonexistent/dir/b.json"}, "its directory does not exist"),
     ],
 )

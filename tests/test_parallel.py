@@ -234,3 +234,20 @@ def test_fsdp_shards_the_largest_dimension_that_divides():
     parallel.check_batch(512, 8)
     with pytest.raises(UserError, match=r"use a multiple of 3, e\.g\. 510 or 513"):
         parallel.check_batch(512, 3)
+
+
+def test_cpu_devices_are_made_only_when_nobody_chose_a_count(monkeypatch):
+    """`make_cpu_devices` leaves a count set by XLA_FLAGS or JAX_NUM_CPU_DEVICES alone, asks
+    for nothing at 1, and changes nothing once JAX has started (this process): the mesh check
+    then says what is missing. (A fresh process gets its devices: tests/test_ensemble.py.)"""
+    import jax
+
+    jax.devices()  # this process's backend is up, with the devices it has
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    assert parallel.make_cpu_devices(3) is None
+    monkeypatch.delenv("XLA_FLAGS")
+    assert parallel.make_cpu_devices(1) is None
+    assert parallel.make_cpu_devices(3) is None  # too late: the backend started
+    assert len(jax.devices()) == 1
+    with pytest.raises(UserError, match=r"shards=3 does not divide the 1 devices"):
+        parallel.make_mesh(member_shards=3)
