@@ -283,8 +283,8 @@ def _time_paths(
         timed = steps if name != "Python dispatch" else min(steps, BENCH_EAGER_STEPS)
         ensemble = name.startswith("ensemble")
         result = _measure(make(), timed, repeats, beside=runners[FUSED]() if ensemble else None)
-        beside = result.pop("beside_seconds", None)
-        beside = beside and timed * batch_size / beside
+        beside_seconds = result.pop("beside_seconds", None)
+        beside = None if beside_seconds is None else timed * batch_size / beside_seconds
         rate = (members if ensemble else 1) * timed * batch_size / result["seconds"]
         fused = rate if name == FUSED else fused
         reference = beside or fused

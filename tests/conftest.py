@@ -51,6 +51,12 @@ def run_main(*args, cwd=REPO, **kwargs) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+def env_without_device_count() -> dict[str, str]:
+    """This environment without a CPU device count of its own: main.py then makes the devices
+    an ensemble is split over (`--config.ensemble.shards`, `--bench_member_shards`)."""
+    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) -> str:
     """The run failed with exactly one line on stderr, `error: ...` containing `expected`."""
     assert result.returncode != 0

@@ -6,10 +6,9 @@ Speed itself is never asserted here (shared, noisy machines); ratios come from o
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-from conftest import load_config, run_main
+from conftest import env_without_device_count, load_config, run_main
 
 from fmnist_flax import benchmark, profiling
 from fmnist_flax.errors import UserError
@@ -38,7 +37,7 @@ def test_tiny_benchmark_writes_every_field(tmp_path):
     """As a user runs it: the CLI makes 2 CPU devices (--bench_member_shards' default) for the
     rows with the members split over them; every other path runs on one device."""
     output = tmp_path / "bench.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env = env_without_device_count()
     result = run_main(
         "--mode=benchmark", "--bench_batch_sizes=16", "--bench_dtypes=bfloat16",
         "--bench_steps=2", "--bench_repeats=1", "--bench_whole_run_steps=3",

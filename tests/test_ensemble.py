@@ -4,14 +4,13 @@ single run it stands for, their outputs, exact resume, and picking a member to u
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 
 import jax
 import numpy as np
 import pytest
-from conftest import assert_same_models, load_config, run_main
+from conftest import assert_same_models, env_without_device_count, load_config, run_main
 from flax import nnx
 
 from fmnist_flax import config as config_lib
@@ -268,7 +267,7 @@ def test_members_split_over_devices_train_like_one_device(ensemble, tmp_path):
         "--config.augment.flip=True", "--config.ensemble.size=3",
         "--config.ensemble.same_data=False", f"--config.ensemble.learning_rate=({rates})",
         "--config.ensemble.shards=3",
-        env={k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")},
+        env=env_without_device_count(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "mesh {'member': 3, 'data': 1} over 3 cpu device(s)" in result.stdout
