@@ -161,9 +161,9 @@ def make_cpu_devices(count: int) -> int | None:
     """Give JAX's CPU backend `count` devices, before anything starts it, so an ensemble's
     members can be split over a CPU's cores as over GPUs (`--config.ensemble.shards`): each
     device then runs its own members' program on its own core instead of splitting every op
-    over all of them (8 members at 0.98-1.17x one member's speed on 2 cores, against
-    0.56-0.85x on one device). A count the user set (XLA_FLAGS, JAX_NUM_CPU_DEVICES) is left
-    as it is; GPUs are unaffected. Returns the count set, or None when nothing changed."""
+    over all of them (faster: docs/performance.md). A count the user set (XLA_FLAGS,
+    JAX_NUM_CPU_DEVICES) is left as it is; GPUs are unaffected. Returns the count set, or None
+    when nothing changed."""
     flags = os.environ.get("XLA_FLAGS", "")
     if count <= 1 or "xla_force_host_platform_device_count" in flags:
         return None
