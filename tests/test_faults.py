@@ -470,20 +470,49 @@ def test_a_report_that_cannot_be_written_is_one_warning_and_the_summary_is_writt
     assert summary["steps"] == 30 and summary["report"] is None
 
 
+def saves_with_arrays_to_write(workdir: pathlib.Path) -> list[pathlib.Path]:
+    """The steps Orbax is writing (a temporary directory) that hold no array data yet."""
+    saves = []
+    for path in (workdir / "checkpoints").glob("*.orbax-checkpoint-tmp*"):
+        with contextlib.suppress(FileNotFoundError):  # finalised while it was being looked at
+            if not any(p.parent.name == "d" for p in path.rglob("*")):
+                saves.append(path)
+    return saves
+
+
 @pytest.mark.skipif(not IS_ROOT, reason="mounting a tmpfs needs root")
 def test_a_disk_another_process_fills_mid_save_is_one_line_naming_the_kept_step(tmp_path):
+    """The test freezes the run (SIGSTOP) once a save has begun and before its arrays are
+    written, fills the disk, and lets it go on: the save fails half written, whatever the load
+    on the machine (a filler racing the run sometimes filled the disk between two saves)."""
     with small_disk(tmp_path / "disk", "size=40m") as disk:
         workdir = disk / "w"
         process = start(workdir, "--steps=1000000", "--checkpoint_every=2", *QUICK)
         wait_for(lambda: len(saved_steps(workdir)) >= 3)
-        with (disk / "filler").open("wb") as filler, contextlib.suppress(OSError):
-            while True:  # as fast as it can: the disk fills while a save is being written
-                filler.write(b"\0" * 2**20)
-                filler.flush()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if saves_with_arrays_to_write(workdir):
+                process.send_signal(signal.SIGSTOP)
+                caught = saves_with_arrays_to_write(workdir)  # frozen: still to write
+                if caught:
+                    break
+                process.send_signal(signal.SIGCONT)
+        else:
+            pytest.fail("no save was caught before its arrays in 120 s of saves")
+        filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+        with contextlib.suppress(OSError):
+            while os.write(filler, b"\0" * 2**20):  # to the last byte: writes end short, then fail
+                pass
+        os.close(filler)
+        process.send_signal(signal.SIGCONT)
         stopped = process.communicate(timeout=120)[1]
         kept = saved_steps(workdir)
-        line = the_error(subprocess.CompletedProcess([], process.returncode, "", stopped), "")
-        assert "No space left on device" in line and f"resume from checkpoint {kept[-1]}" in line
+        step = int(caught[0].name.split(".")[0])
+        line = the_error(
+            subprocess.CompletedProcess([], process.returncode, "", stopped),
+            f"could not write checkpoint {step} in {workdir / 'checkpoints'} (No space left on",
+        )
+        assert kept[-1] < step and f"resume from checkpoint {kept[-1]}" in line
         (disk / "filler").unlink()
         resumed = run_main(f"--workdir={workdir}", f"--steps={kept[-1] + 4}", *QUICK)
         assert resumed.returncode == 0, resumed.stderr
