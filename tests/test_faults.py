@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -66,6 +67,23 @@ def saved_steps(workdir: pathlib.Path) -> list[int]:
         for p in directory.iterdir()
         if p.name.isdigit() and (p / checkpoint.STEP_MARKER).exists()
     )
+
+
+def freeze_when(
+    process: subprocess.Popen, find: Callable[[], list], what: str, timeout: float = 120
+) -> list:
+    """Freezes `process` (SIGSTOP) at a moment `find()` returns something, and returns what it
+    finds once the process is frozen; a moment that passed before the signal landed is let go
+    (SIGCONT) and the next one is awaited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if find():
+            process.send_signal(signal.SIGSTOP)
+            found = find()
+            if found:
+                return found
+            process.send_signal(signal.SIGCONT)
+    pytest.fail(f"no {what} was caught in {timeout} s")
 
 
 def finish(process: subprocess.Popen, signum: int = signal.SIGTERM) -> subprocess.CompletedProcess:
@@ -419,16 +437,7 @@ def test_a_kill_while_a_step_is_deleted_leaves_a_workdir_the_same_command_resume
     workdir = tmp_path / "w"
     process = start(workdir, *flags)
     wait_for(lambda: len(saved_steps(workdir)) >= 3)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if half_deleted_steps(workdir):
-            process.send_signal(signal.SIGSTOP)
-            halves = half_deleted_steps(workdir)  # the run is frozen: this is what a kill leaves
-            if halves:
-                break
-            process.send_signal(signal.SIGCONT)
-    else:
-        pytest.fail("no step was caught half deleted in 120 s of rotations")
+    halves = freeze_when(process, lambda: half_deleted_steps(workdir), "half-deleted step")
     process.kill()
     process.wait()
     resumed = start(workdir, *flags)
@@ -489,16 +498,7 @@ def test_a_disk_another_process_fills_mid_save_is_one_line_naming_the_kept_step(
         workdir = disk / "w"
         process = start(workdir, "--steps=1000000", "--checkpoint_every=2", *QUICK)
         wait_for(lambda: len(saved_steps(workdir)) >= 3)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if saves_with_arrays_to_write(workdir):
-                process.send_signal(signal.SIGSTOP)
-                caught = saves_with_arrays_to_write(workdir)  # frozen: still to write
-                if caught:
-                    break
-                process.send_signal(signal.SIGCONT)
-        else:
-            pytest.fail("no save was caught before its arrays in 120 s of saves")
+        caught = freeze_when(process, lambda: saves_with_arrays_to_write(workdir), "save")
         filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
         with contextlib.suppress(OSError):
             while os.write(filler, b"\0" * 2**20):  # to the last byte: writes end short, then fail
