@@ -276,8 +276,9 @@ def _time_paths(
     """Each runner timed in turn at the config's batch and dtype: rows with its rate (every
     member's examples for an ensemble), its ratios to the first (the codelab's) and to the
     fused path, its GFLOP/s (`flops` per example) and their share of the matmul `peak`. An
-    ensemble is timed alternating with a fused member (`fused_beside_per_sec`), and its ratio
-    is to that: the same minutes of a shared machine for both."""
+    ensemble is timed alternating with a fused member that trains as many examples
+    (`fused_beside_per_sec`); its ratio is the median over the pairs of their times: windows
+    of one length, side by side, see the same minutes of a shared machine."""
     rows, batch_size, dtype, fused = [], config.batch_size, config.compute_dtype, None
     fused_beside = None  # one fused member, built once, timed beside every ensemble
     for name, make in runners.items():
@@ -285,17 +286,23 @@ def _time_paths(
         ensemble = name.startswith("ensemble")
         if ensemble and fused_beside is None:
             fused_beside = runners[FUSED]()
-        result = _measure(make(), timed, repeats, beside=fused_beside if ensemble else None)
-        beside_seconds = result.pop("beside_seconds", None)
-        beside = None if beside_seconds is None else timed * batch_size / beside_seconds
-        rate = (members if ensemble else 1) * timed * batch_size / result["seconds"]
+        width = members if ensemble else 1
+        result = _measure(
+            make(),
+            timed,
+            repeats,
+            beside=fused_beside if ensemble else None,
+            beside_steps=width * timed,
+        )
+        beside_seconds, pair_ratio = result.pop("beside_seconds"), result.pop("pair_ratio")
+        beside = None if beside_seconds is None else width * timed * batch_size / beside_seconds
+        rate = width * timed * batch_size / result["seconds"]
         fused = rate if name == FUSED else fused
-        reference = beside or fused
         rows.append({
             "path": name, "batch_size": batch_size, "dtype": dtype, **result,
             "examples_per_sec": rate, "fused_beside_per_sec": beside,
             "ratio_to_codelab": rate / (rows[0]["examples_per_sec"] if rows else rate),
-            "ratio_to_fused": rate / reference if reference else None,
+            "ratio_to_fused": pair_ratio or (rate / fused if fused else None),
             **_compute(rate * flops / 1e9 if name != GRAIN_ALONE else None, peak),
             **_peak_memory_mb(),
         })  # fmt: skip
@@ -310,29 +317,39 @@ def _compute(gflops: float | None, peak: float) -> dict[str, float | None]:
 
 
 def _measure(
-    run: Runner, steps: int, repeats: int, beside: Runner | None = None
-) -> dict[str, float]:
+    run: Runner, steps: int, repeats: int, beside: Runner | None = None, beside_steps: int = 0
+) -> dict[str, Any]:
     """The median seconds of `steps` steps over `repeats`, after a compiling call; with a
-    `beside` runner (already compiled, or compiled by its untimed call here), that one is timed
-    after each repeat too (`beside_seconds`)."""
+    `beside` runner (already compiled, or compiled by its untimed call here), that one runs
+    `beside_steps` steps after each repeat too: `beside_seconds` (median) and `pair_ratio`,
+    the median over the repeats of its time over `run`'s (both None without it)."""
     start = time.perf_counter()
     jax.block_until_ready(run(1))  # compiles
     compile_seconds = time.perf_counter() - start
-    runs = [run] if beside is None else [run, beside]
+    runs = [(run, steps)] if beside is None else [(run, steps), (beside, beside_steps)]
     times = [[] for _ in runs]
     # Once more untimed: the codelab loop's step recompiles on its second call, when its
     # inputs are its own (committed) outputs.
-    for each in runs:
+    for each, _ in runs:
         jax.block_until_ready(each(1))
     for _ in range(repeats):
-        for each, spent in zip(runs, times, strict=True):
+        for (each, count), spent in zip(runs, times, strict=True):
             start = time.perf_counter()
-            jax.block_until_ready(each(steps))
+            jax.block_until_ready(each(count))
             spent.append(time.perf_counter() - start)
-    result = {"steps": steps, "seconds": statistics.median(times[0])}
-    if beside is not None:
-        result["beside_seconds"] = statistics.median(times[1])
-    return {**result, "first_call_s": compile_seconds}
+    result = {
+        "steps": steps,
+        "seconds": statistics.median(times[0]),
+        "first_call_s": compile_seconds,
+    }
+    if beside is None:
+        return {**result, "beside_seconds": None, "pair_ratio": None}
+    pairs = [b / a for a, b in zip(*times, strict=True)]
+    return {
+        **result,
+        "beside_seconds": statistics.median(times[1]),
+        "pair_ratio": statistics.median(pairs),
+    }
 
 
 def _peak_memory_mb() -> dict[str, float | None]:

@@ -58,9 +58,10 @@ def test_tiny_benchmark_writes_every_field(tmp_path):
     for row in rows:
         if row["path"] == "codelab loop (reference)":
             assert row["ratio_to_codelab"] == 1.0
-        if row["path"].startswith("ensemble"):  # member-examples/s against one fused member,
-            beside = row["fused_beside_per_sec"]  # timed alternating with the ensemble
-            assert beside > 0 and row["ratio_to_fused"] == row["examples_per_sec"] / beside
+        if row["path"].startswith("ensemble"):  # member-examples/s against one fused member
+            beside = row["fused_beside_per_sec"]  # timed alternating with the ensemble; with one
+            assert beside > 0  # repeat, the median of the pairs' ratios is that pair's ratio
+            assert row["ratio_to_fused"] == pytest.approx(row["examples_per_sec"] / beside)
             assert row["examples_per_sec"] == 2 * 2 * 16 / row["seconds"]  # members x steps x B
         else:
             assert row["fused_beside_per_sec"] is None
