@@ -387,11 +387,11 @@ class Checkpoints:
         """(step, JSON `item`) of `step`, or of the newest step whose item is intact: restore()
         sets a damaged one aside (or, reading, skips it) with a warning."""
         if step is not None:
-            return step, saved_item(self.directory, step, item)
+            return step, self._item(step, item)
         damage = None
         for candidate in self.steps()[::-1]:
             try:
-                value = saved_item(self.directory, candidate, item)
+                value = self._item(candidate, item)
             except Unreadable:
                 raise
             except UserError as exc:
@@ -405,6 +405,14 @@ class Checkpoints:
         if damage:
             raise damage
         return 0, None
+
+    def _item(self, step: int, item: str) -> dict[str, Any] | None:
+        """`saved_item`, where an item missing from a step that a live run is rotating away
+        (Orbax deletes it file by file) is that step vanishing, not a step without the item."""
+        value = saved_item(self.directory, step, item)
+        if value is None and self.rotated(step):
+            raise StepVanished(step)
+        return value
 
     def rotated(self, step: int) -> bool:
         """For a reader, whether `step` looks rotated away by a live training run rather than

@@ -147,6 +147,34 @@ def test_deleted_data_file_is_detected_too(trained, tmp_path):
     assert summary["resumed_from_step"] == 100
 
 
+def test_a_reader_takes_an_item_gone_from_a_step_a_newer_save_replaced_as_rotated_away(
+    trained, tmp_path
+):
+    """A live run keeping one step deletes the old one file by file once a newer one is
+    complete: a reader that listed the old step and finds its config gone must start over
+    from the newest (it said "no checkpoint has an intact saved config" and stopped)."""
+    workdir = tmp_path / "w"
+    shutil.copytree(trained[0], workdir)
+    steps = workdir / "checkpoints"
+    shutil.rmtree(steps / "100")
+    reader = checkpoint.open_reader(workdir)
+    try:
+        assert reader.steps() == [200]
+        shutil.copytree(steps / "200", steps / "300")  # the run completes a newer step,
+        (steps / "200" / "config" / "metadata").unlink()  # then deletes the old one
+        with pytest.raises(checkpoint.StepVanished):
+            reader.saved("config")
+        with pytest.raises(checkpoint.StepVanished):
+            reader.saved("config", 200)
+        reader.reload()
+        assert reader.saved("config")[0] == 300
+    finally:
+        reader.close()
+    shutil.rmtree(steps / "300")  # no newer step: the item is missing, not rotated away
+    with pytest.raises(UserError, match="no checkpoint has an intact saved config"):
+        inference.restore_model(workdir)
+
+
 def test_restoring_into_another_architecture_names_the_parameter(trained):
 
     config = load_config("default")
