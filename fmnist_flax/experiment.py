@@ -18,7 +18,6 @@ import jax
 import ml_collections
 from absl import logging
 from flax import nnx
-from matplotlib.figure import Figure
 
 from fmnist_flax import checkpoint as checkpoint_lib
 from fmnist_flax import config as config_lib
@@ -74,7 +73,7 @@ class Run:
         self.sections.setdefault(heading, []).append(table)
         parallel.say(table.format())
 
-    def figure(self, heading: str, name: str, make: Callable[[], Figure]) -> None:
+    def figure(self, heading: str, name: str, make: Callable[[], report.Figure]) -> None:
         """Add the figure `make()` builds as `name` (a PNG) to a section, only when reporting."""
         if self.reporting:
             self.sections.setdefault(heading, []).append((name, make()))

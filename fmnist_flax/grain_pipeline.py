@@ -15,14 +15,16 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grain
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from fmnist_flax import parallel
+
+if TYPE_CHECKING:  # imported by the runs that read with Grain (0.25 s a process)
+    import grain
 
 UNBOUNDED_STEPS = 2**62  # the batches never run out: epochs repeat
 MAX_WORKERS = 8  # read threads by default: one per core up to this
@@ -55,6 +57,8 @@ def process_batches(
     (K, accumulate, share, ...); the dataset starts at block `first_block`. Each epoch is a
     fresh permutation from (seed, epoch), cut into whole batches (the remainder is dropped);
     a block's records are read in one bulk read, never one by one."""
+    import grain
+
     share = batch_size // jax.process_count()
     first = jax.process_index() * share
     examples = batch_size * accumulate
@@ -108,6 +112,8 @@ class GrainBatches:
         blocks = process_batches(source, batch_size, seed, accumulate, steps_per_block, block)
         # Grain reads no more blocks at once than its buffer holds: one per thread at least.
         threads = read_threads(workers)
+        import grain
+
         options = grain.ReadOptions(
             num_threads=threads, prefetch_buffer_size=max(prefetch, threads)
         )

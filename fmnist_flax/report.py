@@ -11,14 +11,16 @@ import html
 import json
 import pathlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from matplotlib.figure import Figure  # the Agg canvas, no pyplot state or display needed
 
 from fmnist_flax.tables import Table
 
-Item = Table | tuple[str, Figure] | str  # a table, (PNG file name, figure) or a note
+if TYPE_CHECKING:  # matplotlib is imported by the first figure drawn (0.7 s a process)
+    from matplotlib.figure import Figure
+
+Item = Table | tuple[str, "Figure"] | str  # a table, (PNG file name, figure) or a note
 
 BLUE, GREEN, RED = "#0969da", "#1a7f37", "#d1242f"
 DPI = 100
@@ -31,6 +33,13 @@ SECTION_ORDER = (
     "Set-up", "Data", "Batches", "Model", "Gradients", "Python dispatch vs jit", "Training",
     "Evaluation", "Precision", "Device placement", "Throughput in tokens",
 )  # fmt: skip
+
+
+def new_figure(width: float, height: float) -> Figure:
+    """An empty figure on matplotlib's Agg canvas: no pyplot state or display needed."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height))
 
 
 def image_grid(fig: Figure, rows: int, cols: int, hspace: float) -> list[Any]:
@@ -56,7 +65,7 @@ def examples_per_class(
 ) -> Figure:
     """Section 3: the first training example of each class, 5 a row, titled with its class."""
     rows = -(-len(class_names) // 5)
-    fig = Figure(figsize=(10, 2.5 * rows))
+    fig = new_figure(10, 2.5 * rows)
     for label, ax in enumerate(image_grid(fig, rows, 5, hspace=0.0)):
         ax.axis("off")
         found = np.flatnonzero(labels == label)
@@ -77,7 +86,7 @@ def training_curve(
 ) -> Figure:
     """Section 9: train loss and accuracy at the logged steps (row means), and the test set's
     (`test`: steps, losses, accuracies of the evaluations during training) on the same axes."""
-    fig = Figure(figsize=(8, 4))
+    fig = new_figure(8, 4)
     ax1 = fig.subplots()
     ax1.plot(steps, losses, marker="o", color=BLUE, label="train loss")
     if len(test[0]):
@@ -108,7 +117,7 @@ def members_figure(
 ) -> Figure:
     """An ensemble: every member's train loss curve (`losses[k]` at `steps`, row means), and
     each member's test accuracy against its learning rate (a sweep's result; log scale)."""
-    fig = Figure(figsize=(10, 4))
+    fig = new_figure(10, 4)
     curves, sweep = fig.subplots(1, 2)
     for member, loss in zip(members, losses, strict=True):
         curves.plot(steps, loss, linewidth=1, label=f"member {member['member']}")
@@ -139,7 +148,7 @@ def prediction_grid(
     images: np.ndarray, labels: np.ndarray, predictions: np.ndarray, class_names: Sequence[str]
 ) -> Figure:
     """Section 11: up to 5x5 images titled "pred / true", green when right and red when wrong."""
-    fig = Figure(figsize=(10, 10.6))
+    fig = new_figure(10, 10.6)
     axes = image_grid(fig, 5, 5, hspace=0.15)
     for ax in axes:
         ax.axis("off")
@@ -164,7 +173,7 @@ def row_normalise(counts: np.ndarray) -> np.ndarray:
 def confusion_figure(counts: np.ndarray, class_names: Sequence[str]) -> Figure:
     """Section 12: row-normalised confusion matrix with percentages where they matter."""
     fractions = row_normalise(counts)
-    fig = Figure(figsize=(8, 7))
+    fig = new_figure(8, 7)
     ax = fig.subplots()
     image = ax.imshow(fractions, cmap="Blues", vmin=0.0, vmax=1.0)
     ticks = np.arange(len(class_names))
@@ -187,7 +196,7 @@ def confusion_figure(counts: np.ndarray, class_names: Sequence[str]) -> Figure:
 
 def bars(labels: Sequence[str], values: Sequence[float], title: str, unit: str) -> Figure:
     """Sections 7 and 13: horizontal bars, longest is fastest, values written at the bar ends."""
-    fig = Figure(figsize=(8, 1.2 + 0.7 * len(labels)))
+    fig = new_figure(8, 1.2 + 0.7 * len(labels))
     ax = fig.subplots()
     positions = np.arange(len(labels))[::-1]
     ax.barh(positions, values, color=GREEN)
