@@ -29,10 +29,16 @@ def pytest_configure(config: pytest.Config) -> None:
     keep their own --compilation_cache."""
     if getattr(config, "cache", None) is None:  # -p no:cacheprovider
         return
-    jax.config.update("jax_compilation_cache_dir", str(config.cache.mkdir("jax")))
+    use_compilation_cache(config.cache.mkdir("jax"))
+
+
+def use_compilation_cache(directory: pathlib.Path) -> None:
+    """Every compiled program kept in `directory`, shared by the test workers and the test
+    processes that call this (mesh_worker.py)."""
+    jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    # A size limit turns on JAX's file lock (the filelock package): no worker reads an entry
-    # the other is still writing. Least recently used entries go past it.
+    # A size limit turns on JAX's file lock (the filelock package): no process reads an entry
+    # another is still writing. Least recently used entries go past it.
     jax.config.update("jax_compilation_cache_max_size", 2**30)
 
 

@@ -1,4 +1,5 @@
-"""Run by tests/test_parallel.py in a subprocess that has 8 virtual CPU devices.
+"""Run by tests/test_parallel.py in a subprocess that has 8 virtual CPU devices:
+`mesh_worker.py WORKDIR CACHE`, CACHE being the tests' JAX compilation cache.
 
 Trains the same config on a 1-device mesh, on all 8 devices with replicated parameters and on
 all 8 with FSDP; prints one JSON object: each run's loss curve, final parameters, evaluation,
@@ -12,7 +13,7 @@ import pathlib
 import sys
 
 import jax
-from conftest import load_config
+from conftest import load_config, use_compilation_cache
 from flax import nnx
 
 from fmnist_flax import checkpoint, datasets, evaluate, input_pipeline, parallel, restore, train
@@ -75,7 +76,8 @@ def run(dataset, config, devices, param_sharding: str, workdir: pathlib.Path) ->
     }
 
 
-def main(workdir: str) -> None:
+def main(workdir: str, cache: str) -> None:
+    use_compilation_cache(pathlib.Path(cache))
     dataset = datasets.load_dataset(download=False)
     config = load_config("default")
     config.batch_size, config.steps, config.log_every = 128, 50, 5
@@ -89,4 +91,4 @@ def main(workdir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

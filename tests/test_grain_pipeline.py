@@ -126,8 +126,9 @@ def test_grain_trains_to_the_device_pipelines_band_in_400_steps(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_grain_run_resumes_mid_epoch_bit_exact(tmp_path, fmnist_records):
-    """From record files, blocks of 32 steps: the kill lands inside a block."""
-    flags = (GRAIN, "--steps=300", "--checkpoint_every=10", "--report=none", "--log_every=10",
+    """From record files, blocks of 32 steps: the kill lands inside a block and an epoch (of
+    117 steps: saves every 30 steps fall on neither's end before step 480)."""
+    flags = (GRAIN, "--steps=300", "--checkpoint_every=30", "--report=none", "--log_every=10",
              EVERY_DUE_SAVE, *on_records(fmnist_records))  # fmt: skip
     direct = run_main(f"--workdir={tmp_path / 'direct'}", *flags)
     assert direct.returncode == 0, direct.stderr
@@ -176,7 +177,7 @@ def test_two_processes_killed_at_once_resume_from_records_exactly(tmp_path, fmni
     """Both processes SIGKILLed mid-run, then the same two commands: the rows and parameters
     of an uninterrupted two-process run."""
     flags = (GRAIN, *on_records(fmnist_records), "--steps=200", "--log_every=10",
-             "--batch_size=256", "--checkpoint_every=10", EVERY_DUE_SAVE)  # fmt: skip
+             "--batch_size=256", "--checkpoint_every=30", EVERY_DUE_SAVE)  # fmt: skip
 
     def finish(processes) -> str:
         outputs = [p.communicate(timeout=180) for p in processes]

@@ -40,7 +40,7 @@ def free_port() -> int:
 
 def main_py(*flags: str, devices: int = 1, timeout: int = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(REPO / "main.py"), "--compilation_cache=", *flags],
+        [sys.executable, str(REPO / "main.py"), *flags],
         env=env_with_devices(devices),
         capture_output=True,
         text=True,
@@ -49,9 +49,10 @@ def main_py(*flags: str, devices: int = 1, timeout: int = 120) -> subprocess.Com
 
 
 @pytest.mark.slow
-def test_eight_devices_train_like_one_and_arrays_are_really_sharded(tmp_path):
+def test_eight_devices_train_like_one_and_arrays_are_really_sharded(tmp_path, pytestconfig):
+    cache = pytestconfig.cache.mkdir("jax")
     worker = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "mesh_worker.py"), str(tmp_path)],
+        [sys.executable, str(REPO / "tests" / "mesh_worker.py"), str(tmp_path), str(cache)],
         env=env_with_devices(8),
         capture_output=True,
         text=True,
@@ -86,7 +87,7 @@ def test_eight_devices_train_like_one_and_arrays_are_really_sharded(tmp_path):
 def start_two_processes(workdir, *flags: str) -> list[subprocess.Popen]:
     """main.py as processes 0 and 1 of one run on localhost, 2 CPU devices each."""
     command = [
-        sys.executable, str(REPO / "main.py"), "--compilation_cache=", "--report=none",
+        sys.executable, str(REPO / "main.py"), "--report=none",
         f"--workdir={workdir}", f"--coordinator_address=127.0.0.1:{free_port()}",
         "--num_processes=2", "--distributed_timeout=60", *flags,
     ]  # fmt: skip
