@@ -106,14 +106,14 @@ class GrainBatches:
     ):
         """`state`: the iterator's saved position ({"next_index": steps done}); without one,
         the batch after `step` (a checkpoint the device pipeline wrote)."""
+        import grain
+
         self.per_block, self.fused = steps_per_block, fused
         self.next = (state or {"next_index": step})["next_index"]
         block = self.next // steps_per_block  # read from the block that holds the next step
         blocks = process_batches(source, batch_size, seed, accumulate, steps_per_block, block)
         # Grain reads no more blocks at once than its buffer holds: one per thread at least.
         threads = read_threads(workers)
-        import grain
-
         options = grain.ReadOptions(
             num_threads=threads, prefetch_buffer_size=max(prefetch, threads)
         )

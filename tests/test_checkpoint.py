@@ -286,7 +286,8 @@ def saved_at(workdir, step):
 def test_the_time_floor_spaces_saves_and_bounds_what_a_kill_loses(tmp_path):
     """Saves due every 5 steps (~15 ms; without a floor each starts when the last is written,
     0.1-1 s apart here) but at least FLOOR s apart: each starts FLOOR s after the last, or once
-    the last is written if that took longer (then up to SLACK for the next due step), and a
+    the last is written if that took longer (then up to SLACK, or that save's own writing time
+    on a loaded machine, for the next due step and the save's start), and a
     SIGKILL at a random moment loses what was trained since the newest complete save began:
     at most that bound plus the writing time of the save in progress (the README's bound)."""
     floor, slack = 2.0, 2.0
