@@ -19,6 +19,7 @@ from ml_collections import config_flags
 
 from fmnist_flax import (
     checkpoint,
+    compilation_cache,
     datasets,
     experiment,
     export,
@@ -233,8 +234,7 @@ def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         fail(f"unexpected arguments {' '.join(argv[1:])}; flags look like --steps=400", 2)
     if _COMPILATION_CACHE.value:
-        jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE.value)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        compilation_cache.use(_COMPILATION_CACHE.value)
     config = _CONFIG.value
     shorthands = {flag: flags.FLAGS[flag].value for flag in SHORTHANDS}
     config.update_from_flattened_dict(

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from fmnist_flax import datasets, load_model
+from fmnist_flax import compilation_cache, datasets, load_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -35,11 +35,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def use_compilation_cache(directory: pathlib.Path) -> None:
     """Every compiled program kept in `directory`, shared by the test workers and the test
     processes that call this (mesh_worker.py)."""
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    # A size limit turns on JAX's file lock (the filelock package): no process reads an entry
-    # another is still writing. Least recently used entries go past it.
-    jax.config.update("jax_compilation_cache_max_size", 2**30)
+    compilation_cache.use(directory)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

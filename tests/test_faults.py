@@ -231,6 +231,48 @@ def test_no_inodes_left_is_one_line_naming_the_inodes(tmp_path):
         assert "needs about" in line and "100 inodes" in line
 
 
+# --- The compilation cache ---------------------------------------------------------------------
+
+
+def cached_run(cache: pathlib.Path, workdir: pathlib.Path, bound: bool = False) -> list[str]:
+    """A 20-step run compiling into `cache` (bound by file permissions, if asked): it succeeds
+    and says nothing but its `warning:` lines, returned."""
+    args = (f"--workdir={workdir}", "--steps=20", "--report=none", f"--compilation_cache={cache}")
+    result = run_bound_by_permissions(*args) if bound else run_main(*args)
+    warned, errors = warnings_and_errors(result.stderr)
+    assert result.returncode == 0 and not errors, result.stderr
+    return warned
+
+
+def test_cache_entries_cut_short_are_one_line_and_saved_whole_again(tmp_path):
+    """What a kill while JAX writes an entry, or a full disk, leaves: JAX used to warn twice a
+    line and compile those programs again in every later run, never rewriting them. A cache
+    that cannot be written is one line too."""
+    cache = tmp_path / "jax"
+    assert cached_run(cache, tmp_path / "a") == []
+    for entry in cache.glob("*-cache"):
+        entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
+    [warned] = cached_run(cache, tmp_path / "b")
+    assert f"the compilation cache {cache} held entries cut short" in warned
+    assert cached_run(cache, tmp_path / "c") == []  # saved whole: read without a word
+    for path in cache.iterdir():  # another user's cache, say: every file read-only
+        path.chmod(0o444)
+    with permissions(cache, 0o555):
+        [warned] = cached_run(cache, tmp_path / "d", bound=True)
+    assert f"could not use the compilation cache {cache} (PermissionError: " in warned
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="mounting a tmpfs needs root; the test above covers it")
+def test_a_full_disk_under_the_cache_is_one_line_and_leaves_nothing_cut_short(tmp_path):
+    with small_disk(tmp_path / "disk", "size=120k") as disk:
+        cache = disk / "jax"
+        [warned] = cached_run(cache, tmp_path / "a")
+        assert f"could not save a compiled program in the compilation cache {cache} (" in warned
+        assert "No space left on device" in warned
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        assert cached_run(cache, tmp_path / "b") == []  # no entry cut short was left behind
+
+
 # --- Files that are not ours --------------------------------------------------------------------
 
 

@@ -1,0 +1,78 @@
+"""JAX's persistent compilation cache, safe to share between runs and mended when damaged.
+
+JAX writes an entry in place. A disk that fills or a process killed while writing leaves it
+cut short, and JAX then warns and compiles that program again in every later run, never
+rewriting the entry. Here the entry is deleted when JAX reports it, so the compile that
+follows saves it whole; a run says one line about the first fault.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import re
+import warnings
+
+import jax
+
+from fmnist_flax.errors import warning_line
+
+# A size limit turns on JAX's file lock (the filelock package): no run reads an entry another
+# is still writing. Least recently used entries go past it.
+MAX_BYTES = 2**30
+_FAULT = re.compile(r"Error (reading|writing) persistent compilation cache entry for '(.+?)': (.*)")
+# Reads that fail without damage: the disk or its permissions (JAX writes an access time on
+# every read), another run holding the lock or deleting the entry.
+_NOT_DAMAGE = ("OSError", "PermissionError", "FileNotFoundError", "Timeout")
+
+
+def use(directory: str | pathlib.Path) -> None:
+    """Keep every compiled program in `directory` (made if missing), shared with other runs."""
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+    shown, said = warnings.showwarning, []
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        found = _FAULT.match(str(message))
+        if found is None:
+            return shown(message, category, filename, lineno, file, line)
+        kind, name, why = found.groups()
+        if kind == "writing" or not why.startswith(_NOT_DAMAGE):
+            drop(pathlib.Path(directory), name)  # what is left of it, or what cannot be read
+        else:
+            kind = "using"
+        if not said:  # one line a run: the first fault's (one cause usually makes them all)
+            said.append(kind)
+            warning_line(fault_line(kind, pathlib.Path(directory), why[:200]))
+
+    warnings.showwarning = showwarning
+
+
+def drop(directory: pathlib.Path, name: str) -> None:
+    """Delete program `name`'s entries (and their access times): the next compile of each
+    saves it again."""
+    entry = re.compile(rf"{re.escape(name)}-[0-9a-f]{{64}}-(cache|atime)")
+    for path in directory.glob(f"{name}-*"):
+        if entry.fullmatch(path.name):
+            with contextlib.suppress(OSError):  # read-only: JAX's next read fails as this one
+                path.unlink()
+
+
+def fault_line(kind: str, directory: pathlib.Path, why: str) -> str:
+    """The one line a run says about a cache it could not read or write."""
+    if kind == "reading":
+        return (
+            f"the compilation cache {directory} held entries cut short (a full disk or a killed "
+            "run); deleted them: this run compiles those programs again and saves them whole"
+        )
+    if kind == "using":
+        return (
+            f"could not use the compilation cache {directory} ({why}); the run goes on and "
+            "compiles what it could not read"
+        )
+    return (
+        f"could not save a compiled program in the compilation cache {directory} ({why}); "
+        "the run goes on without saving it (--compilation_cache=DIR picks another directory, "
+        "'' none)"
+    )
