@@ -1,9 +1,13 @@
-"""JAX's persistent compilation cache, safe to share between runs and mended when damaged.
+"""JAX's persistent compilation cache, mended when an entry is damaged.
 
 JAX writes an entry in place. A disk that fills or a process killed while writing leaves it
 cut short, and JAX then warns and compiles that program again in every later run, never
 rewriting the entry. Here the entry is deleted when JAX reports it, so the compile that
 follows saves it whole; a run says one line about the first fault.
+
+JAX's file lock (`jax_compilation_cache_max_size`) is left off: with it, every write reads the
+size and access time of every entry (O(entries), under the lock), and fails outright on a
+cache written without it.
 """
 
 from __future__ import annotations
@@ -17,20 +21,16 @@ import jax
 
 from fmnist_flax.errors import warning_line
 
-# A size limit turns on JAX's file lock (the filelock package): no run reads an entry another
-# is still writing. Least recently used entries go past it.
-MAX_BYTES = 2**30
 _FAULT = re.compile(r"Error (reading|writing) persistent compilation cache entry for '(.+?)': (.*)")
-# Reads that fail without damage: the disk or its permissions (JAX writes an access time on
-# every read), another run holding the lock or deleting the entry.
+# Reads that fail without damage: the disk or its permissions, another run's lock (the tests
+# turn it on) or another run deleting the entry.
 _NOT_DAMAGE = ("OSError", "PermissionError", "FileNotFoundError", "Timeout")
 
 
 def use(directory: str | pathlib.Path) -> None:
-    """Keep every compiled program in `directory` (made if missing), shared with other runs."""
+    """Keep every compiled program in `directory` (made if missing) for later runs."""
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     shown, said = warnings.showwarning, []
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
@@ -63,8 +63,9 @@ def fault_line(kind: str, directory: pathlib.Path, why: str) -> str:
     """The one line a run says about a cache it could not read or write."""
     if kind == "reading":
         return (
-            f"the compilation cache {directory} held entries cut short (a full disk or a killed "
-            "run); deleted them: this run compiles those programs again and saves them whole"
+            f"the compilation cache {directory} held entries cut short (a full disk, a killed "
+            "run, or one still writing them); deleted them: this run compiles those programs "
+            "again and saves them whole"
         )
     if kind == "using":
         return (

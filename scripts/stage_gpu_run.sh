@@ -28,7 +28,6 @@ WHEELS=(
   packaging==26.4         # tensorboardX's and matplotlib's
   flatbuffers==25.12.19   # jax.export's serialization (--mode=export)
   absl-py==2.5.1          # flags and logging (optax's dependency too, so usually present)
-  filelock==4.3.2         # JAX's compilation cache locked (--compilation_cache)
   grain==0.2.18           # config.input_pipeline="grain"; imported by the training path
   array_record==0.8.6     # grain's
   cloudpickle==3.1.3      # grain's

@@ -36,6 +36,9 @@ def use_compilation_cache(directory: pathlib.Path) -> None:
     """Every compiled program kept in `directory`, shared by the test workers and the test
     processes that call this (mesh_worker.py)."""
     compilation_cache.use(directory)
+    # A size limit turns on JAX's file lock (the filelock package): no process reads an entry
+    # another is still writing. Least recently used entries go past it.
+    jax.config.update("jax_compilation_cache_max_size", 2**30)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
