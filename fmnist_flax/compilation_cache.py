@@ -13,6 +13,7 @@ cache written without it.
 from __future__ import annotations
 
 import contextlib
+import glob
 import pathlib
 import re
 import warnings
@@ -53,7 +54,7 @@ def drop(directory: pathlib.Path, name: str) -> None:
     """Delete program `name`'s entries (and their access times): the next compile of each
     saves it again."""
     entry = re.compile(rf"{re.escape(name)}-[0-9a-f]{{64}}-(cache|atime)")
-    for path in directory.glob(f"{name}-*"):
+    for path in directory.glob(f"{glob.escape(name)}-*"):
         if entry.fullmatch(path.name):
             with contextlib.suppress(OSError):  # read-only: JAX's next read fails as this one
                 path.unlink()
