@@ -30,22 +30,24 @@ _NOT_DAMAGE = ("OSError", "PermissionError", "FileNotFoundError", "Timeout")
 
 def use(directory: str | pathlib.Path) -> None:
     """Keep every compiled program in `directory` (made if missing) for later runs."""
+    directory = pathlib.Path(directory)
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    shown, said = warnings.showwarning, []
+    shown, said = warnings.showwarning, False
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
+        nonlocal said
         found = _FAULT.match(str(message))
         if found is None:
             return shown(message, category, filename, lineno, file, line)
         kind, name, why = found.groups()
         if kind == "writing" or not why.startswith(_NOT_DAMAGE):
-            drop(pathlib.Path(directory), name)  # what is left of it, or what cannot be read
+            drop(directory, name)  # what is left of it, or what cannot be read
         else:
             kind = "using"
         if not said:  # one line a run: the first fault's (one cause usually makes them all)
-            said.append(kind)
-            warning_line(fault_line(kind, pathlib.Path(directory), why[:200]))
+            said = True
+            warning_line(fault_line(kind, directory, why[:200]))
 
     warnings.showwarning = showwarning
 
