@@ -115,6 +115,11 @@ def ensemble_config() -> ml_collections.ConfigDict:
     # part split every batch over `data`). It must divide `size` and the device count. On a
     # CPU, main.py makes the devices: set it to the number of cores (faster than one device).
     ensemble.shards = 1
+    # Members trained side by side (one vmap) in each pass over a chunk's steps; the passes run
+    # in turn. A multiple of `shards` that divides `size`; 0: every member on a GPU or TPU, 2 per
+    # device on a CPU, whose cache eight members' optimizer state overflows. The rounding of
+    # a member's batched arithmetic may differ with it in the last bit.
+    ensemble.members_per_pass = 0
     return ensemble
 
 
@@ -179,6 +184,18 @@ def check_ensemble(config: ml_collections.ConfigDict) -> None:
             f"{flag}.shards={ens.shards!r} must be a whole number >= 1 that divides "
             f"{flag}.size={ens.size} (the members are split over that many devices)"
         )
+    per_pass = ens.members_per_pass
+    if (
+        isinstance(per_pass, bool)
+        or not isinstance(per_pass, int)
+        or per_pass < 0
+        or (per_pass and (ens.size % per_pass or per_pass % ens.shards))
+    ):
+        raise UserError(
+            f"{flag}.members_per_pass={per_pass!r} must be 0 (chosen for the device) or a whole "
+            f"number that divides {flag}.size={ens.size} and is a multiple of "
+            f"{flag}.shards={ens.shards}"
+        )
     if ens.size > MAX_MEMBERS or config.seed + ens.size - 1 > MAX_SEED:
         raise UserError(
             f"{flag}.size={ens.size} is too large: at most {MAX_MEMBERS} members, and "
@@ -216,8 +233,8 @@ def check_ensemble(config: ml_collections.ConfigDict) -> None:
 RESUMABLE_FIELDS = (
     "steps", "log_every", "checkpoint_every", "checkpoint_min_interval_secs", "eval_every",
     "keep_best", "max_to_keep", "report", "data_dir", "fused_steps", "param_sharding",
-    "eval_examples", "init_from", "ensemble.shards", "grain.workers", "grain.block_examples",
-    "grain.prefetch",
+    "eval_examples", "init_from", "ensemble.shards", "ensemble.members_per_pass", "grain.workers",
+    "grain.block_examples", "grain.prefetch",
 )  # fmt: skip
 
 

@@ -148,7 +148,8 @@ def ensemble_step(
     if config.ensemble.same_data:  # a copy per member: XLA then batches every layer's matmuls
         # (one wide matmul over the shared batch costs a transpose of each weight gradient:
         # 1.6x slower at batch 32 on a CPU, the same at 512)
-        x, y = (jnp.broadcast_to(a, (config.ensemble.size, *a.shape)) for a in (x, y))
+        size = len(jax.tree.leaves(nnx.state(model.members))[0])  # this pass's members
+        x, y = (jnp.broadcast_to(a, (size, *a.shape)) for a in (x, y))
     step = functools.partial(train_step, config=config, log=log)
     return nnx.vmap(step, in_axes=0)(model.members, optimizer, x, y)
 
@@ -211,32 +212,89 @@ def progress_of(step: int, num_batches: int, config: ml_collections.ConfigDict) 
     }
 
 
-@functools.lru_cache(maxsize=8)
-def make_train_chunk(
+# On a CPU an ensemble's step runs this many members per device side by side; the members'
+# passes run in turn. Eight members' weights, gradients and Adam moments (30 MB) overflow the
+# CPU's cache where two members' fit: 1.04-1.13x one member's speed at batch 32, against
+# 0.86-0.93x for all eight at once (docs/performance.md). Accelerators run every member at once.
+CPU_MEMBERS_PER_PASS = 2
+
+
+def members_per_pass(config: ml_collections.ConfigDict, platform: str) -> int:
+    """How many of an ensemble's members one pass of a chunk's steps trains side by side (one
+    `nnx.vmap`): `config.ensemble.members_per_pass`, or when 0, every member on an accelerator
+    and CPU_MEMBERS_PER_PASS per device (when that divides them) on a CPU."""
+    ens = config.ensemble
+    if ens.members_per_pass or platform != "cpu":
+        return ens.members_per_pass or ens.size
+    # A pass of one member is a vmap of one, 0.77x one model's speed: then all at once.
+    per_device = ens.size // ens.shards
+    return ens.shards * CPU_MEMBERS_PER_PASS if per_device % CPU_MEMBERS_PER_PASS == 0 else ens.size
+
+
+def in_passes(
+    run: Callable[..., tuple[Any, Metrics, Metrics]],
+    passes: int,
+    state: Any,
+    sums: Metrics,
+    order: jax.Array | None,
+    aug_key: jax.Array | None,
+    loop: bool,
+) -> tuple[Any, Metrics, Metrics]:
+    """`run(state, sums, order, aug_key)` for the stacked members in `passes` groups, one after
+    another. Member j * passes + p goes in pass p, so a pass takes as many members from each
+    device of a `member` mesh axis. `loop`: the passes as one `fori_loop` (else unrolled: XLA's
+    CPU backend runs convolutions 10x slower inside a loop body)."""
+
+    def grouped(tree):  # (members, ...) -> (members / passes, passes, ...)
+        return jax.tree.map(lambda a: a.reshape(-1, passes, *a.shape[1:]), tree)
+
+    def take(tree, p):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, p, 1, False), tree)
+
+    per_member = order is not None and order.ndim == 2
+    rows = grouped((order, aug_key)) if per_member else (order, aug_key)
+
+    def run_pass(p, state, sums):
+        return run(take(state, p), take(sums, p), *(take(rows, p) if per_member else rows))
+
+    state, sums = grouped(state), grouped(sums)
+    last = jax.eval_shape(lambda: run_pass(0, state, sums)[2])  # the last step's metrics
+    last = jax.tree.map(lambda s: jnp.zeros((s.shape[0], passes, *s.shape[1:]), s.dtype), last)
+
+    def one(p, carry):
+        done = run_pass(p, *carry[:2])
+        return jax.tree.map(
+            lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, p, 1), carry, done
+        )
+
+    carry = (state, sums, last)
+    if loop:
+        carry = jax.lax.fori_loop(0, passes, one, carry)
+    else:
+        for p in range(passes):
+            carry = one(p, carry)
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry)
+
+
+def chunk_steps(
     graphdef: nnx.GraphDef,
     config: Config,
     image_shape: tuple[int, int, int],
     mesh: jax.sharding.Mesh | None = None,
 ) -> Callable[..., tuple[Any, Metrics, Metrics]]:
-    """Compile `count` steps into one call: the default, fastest training path.
-
-    With `config.fused_steps=False` each call runs one step (the host loops): XLA's CPU backend
-    runs convolutions inside a loop body about 10x slower than at top level, so the CNN uses it.
-
-    Batches are picked from the epoch's order (no order: steps start.. of a host-fed block),
-    normalised (and augmented, when asked) on the device inside the loop; the state buffers
-    are donated (updated in place). `sums` (every metric summed since the last logged row)
-    goes in and comes out with this call's steps added, and so do the last step's metrics.
-    `count` is a traced loop bound, so chunks of any length share one compilation.
-    Augmentation draws from `fold_in(aug_key, step)`, so a resumed run repeats it. On a
-    `mesh`, each batch is split along its `data` axis and XLA adds the collectives.
-    """
+    """`steps(state, sums, order, aug_key, *, images, labels, start, count, first_step)`:
+    `count` steps of the model, or of the members whose stacked state is `state` (a
+    `fori_loop`; with `config.fused_steps=False`, exactly one step). Batches are picked from
+    the epoch's order (one per member, as rows, when members see their own data; no order:
+    steps start.. of a host-fed block), normalised (and augmented, when asked) on the device.
+    Augmentation draws from `fold_in(aug_key, step)`, so a resumed run repeats it."""
     batch_size, accumulate = config.batch_size, config.optimizer.accumulate
     max_shift, flip, fused = config.augment.max_shift, config.augment.flip, config.fused_steps
     step_fn = ensemble_step if config.ensemble.size > 1 else train_step
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def train_chunk(state, sums, images, labels, order, start, count, first_step=0, aug_key=None):
+    def steps(state, sums, order, aug_key, *, images, labels, start, count, first_step):
+        per_member = order is not None and order.ndim == 2
+
         def body(i, carry):
             state, sums, _ = carry
             model, opt = nnx.merge(graphdef, state)
@@ -255,8 +313,6 @@ def make_train_chunk(
                     x = input_pipeline.augment(x, key, max_shift, flip)
                 return x, y
 
-            # One order per member (rows) when members see their own data.
-            per_member = order is not None and order.ndim == 2
             x, y = jax.vmap(batch)(order, aug_key) if per_member else batch(order, aug_key)
             # Only the last step's metrics leave the chunk, so only it computes the gradient
             # norm (1.29x faster at batch 32).
@@ -270,6 +326,40 @@ def make_train_chunk(
         shapes = jax.eval_shape(lambda s: body(0, (s, sums, None))[2], state)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         return jax.lax.fori_loop(0, count, body, (state, sums, zeros))
+
+    return steps
+
+
+@functools.lru_cache(maxsize=8)
+def make_train_chunk(
+    graphdef: nnx.GraphDef,
+    config: Config,
+    image_shape: tuple[int, int, int],
+    mesh: jax.sharding.Mesh | None = None,
+) -> Callable[..., tuple[Any, Metrics, Metrics]]:
+    """Compile `count` steps (`chunk_steps`) into one call: the default, fastest training path.
+
+    With `config.fused_steps=False` each call runs one step (the host loops): XLA's CPU backend
+    runs convolutions inside a loop body about 10x slower than at top level, so the CNN uses it.
+    An ensemble's members run `members_per_pass` at a time, the passes in turn (`in_passes`).
+
+    The state buffers are donated (updated in place). `sums` (every metric summed since the
+    last logged row) goes in and comes out with this call's steps added, and so do the last
+    step's metrics. `count` is a traced loop bound, so chunks of any length share one
+    compilation. On a `mesh`, each batch is split along its `data` axis and XLA adds the
+    collectives.
+    """
+    steps = chunk_steps(graphdef, config, image_shape, mesh)
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    passes = config.ensemble.size // members_per_pass(config, platform)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_chunk(state, sums, images, labels, order, start, count, first_step=0, aug_key=None):
+        run = functools.partial(steps, images=images, labels=labels, start=start, count=count,
+                                first_step=first_step)  # fmt: skip
+        if passes == 1:
+            return run(state, sums, order, aug_key)
+        return in_passes(run, passes, state, sums, order, aug_key, loop=config.fused_steps)
 
     return train_chunk
 

@@ -176,6 +176,12 @@ def test_member_of_a_single_run_or_a_bad_value_is_one_line(ensemble, tmp_path):
         ({"size": 2, "weight_decay": (0.1, -1.0)}, "weight_decay: -1.0 must be a finite number"),
         ({"size": 2, "learning_rate": (1e-3, 0.0)}, "learning_rate: 0.0 must be a finite number"),
         ({"size": 2, "shards": 3}, "shards=3 must be a whole number >= 1 that divides"),
+        ({"size": 8, "members_per_pass": 3}, "members_per_pass=3 must be 0 (chosen for the"),
+        (
+            {"size": 8, "shards": 4, "members_per_pass": 2},
+            "a multiple of --config.ensemble.shards=4",
+        ),
+        ({"size": 4, "members_per_pass": -1}, "members_per_pass=-1 must be 0"),
     ],
 )
 def test_bad_ensemble_values_are_one_line(fields, expected):

@@ -78,6 +78,63 @@ def test_fused_chunks_equal_one_step_per_call(real_dataset, quick_config, comput
         assert float(sums[name]) == pytest.approx(total, rel=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("size", "shards", "per_pass", "platform", "expected"),
+    [
+        (8, 1, 0, "cpu", 2),  # a CPU: two per device, whose optimizer state fits its cache
+        (8, 2, 0, "cpu", 4),
+        (3, 1, 0, "cpu", 3),  # two do not divide three: all at once, not passes of one
+        (8, 1, 0, "gpu", 8),  # an accelerator: every member at once
+        (8, 1, 4, "cpu", 4),  # the config's own choice
+    ],
+)
+def test_members_per_pass_follows_the_config_or_the_device(
+    quick_config, size, shards, per_pass, platform, expected
+):
+    quick_config.ensemble.update(size=size, shards=shards, members_per_pass=per_pass)
+    assert train.members_per_pass(quick_config, platform) == expected
+
+
+def trained_members(quick_config, real_dataset, per_pass: int) -> tuple[list, dict, dict]:
+    """Four small members on their own data and augmentation, `per_pass` at a time: 6 steps in
+    two fused chunks, or with `fused_steps=False`, one step per call. Their state, sums, metrics."""
+    quick_config.batch_size, quick_config.augment.flip, quick_config.model.hidden = 64, True, (32,)
+    quick_config.ensemble.size, quick_config.ensemble.same_data = 4, False
+    quick_config.ensemble.members_per_pass = per_pass
+    task = train.Config(quick_config)
+    device_data = input_pipeline.to_device(real_dataset, 64, parallel.make_mesh())
+    model, optimizer = train.create_train_state(task, (28, 28, 1), 10, device_data.mesh)
+    graphdef, state = nnx.split((model, optimizer))
+    chunk = train.make_train_chunk(graphdef, task, (28, 28, 1), device_data.mesh)
+    zeros = train.zero_sums(model, task, (28, 28, 1))  # placed as the chunk returns them:
+    sums = jax.device_put(zeros, parallel.replicated(device_data.mesh))  # one compile
+    key = train.augment_key(task)
+    orders = input_pipeline.epoch_orders(train.member_seeds(task), 0, 60_000)
+    data = device_data.train_images, device_data.train_labels, orders
+    calls = [(0, 4), (4, 2)] if quick_config.fused_steps else [(i, 1) for i in range(6)]
+    for start, count in calls:
+        state, sums, metrics = chunk(state, sums, *data, start, count, start, key)
+    return jax.tree.leaves(state), sums, metrics
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_members_in_passes_train_as_all_members_at_once(real_dataset, quick_config, fused):
+    """An ensemble trained two members at a time (the CPU's passes, one after another inside
+    each call; unrolled when each call is one step) ends where all four at once do: the same
+    parameters, optimizer state, metric sums and last losses to the bit, every member in its
+    place. The gradient norm sums in its own order: within 1e-6."""
+    quick_config.fused_steps = fused
+    state, sums, metrics = trained_members(quick_config, real_dataset, per_pass=2)
+    at_once, at_once_sums, at_once_metrics = trained_members(quick_config, real_dataset, 4)
+    for a, b in zip(state, at_once, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for name in sums:
+        np.testing.assert_array_equal(sums[name], at_once_sums[name])
+        np.testing.assert_array_equal(metrics[name], at_once_metrics[name])
+    np.testing.assert_allclose(metrics["grad_norm"], at_once_metrics["grad_norm"], rtol=1e-6)
+    assert len(set(np.asarray(metrics["loss"]).tolist())) == 4  # four members, not one four times
+
+
 def test_chunks_stop_at_log_checkpoint_and_epoch_boundaries(quick_config):
     quick_config.log_every, quick_config.checkpoint_every, quick_config.steps = 25, 100, 400
     stops, step = [], 0
