@@ -37,6 +37,9 @@ def ensemble_config(**fields):
     config.augment.flip = True  # each member draws its own augmentation too
     config.ensemble.size, config.ensemble.same_data = 3, False
     config.ensemble.learning_rate = RATES
+    # One member a pass (the passes in turn inside each chunk, as a CPU runs 8 members two at
+    # a time): every test of this file, exact resume included, goes through the passes.
+    config.ensemble.members_per_pass = 1
     for name, value in fields.items():
         config[name] = value
     return config
