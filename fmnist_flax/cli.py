@@ -27,6 +27,7 @@ from fmnist_flax import (
     inference,
     parallel,
     records,
+    train,
 )
 from fmnist_flax import config as config_lib
 from fmnist_flax.errors import UserError, error_line
@@ -149,7 +150,9 @@ flags.DEFINE_string(
 )
 
 
-def fail(message: str, code: int) -> None:
+def fail(message: str, code: int, together: bool = False) -> None:
+    """Say `message` in one line and exit with `code`. `together`: every process of a
+    multi-process run stops here at once (a signal stops all at the same saved step)."""
     error_line(message)
     # Leave at once (1) in a multi-process run: the other processes may be waiting in a
     # collective this one will never join, and a normal exit would wait for them at JAX's
@@ -157,6 +160,10 @@ def fail(message: str, code: int) -> None:
     # a failed save: Orbax's threads may still be inside tensorstore finishing its abandoned
     # writes, and the interpreter's shutdown would kill them mid-call (an abort, exit -6).
     if jax.distributed.is_initialized() or checkpoint.abandoned_writes():
+        if together and jax.distributed.is_initialized():
+            # Leave through JAX's shutdown barrier: process 0 hosts the coordination service,
+            # and a peer still leaving when it goes aborts with a C++ stack trace (exit -6).
+            jax.distributed.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -251,7 +258,7 @@ def main(argv: Sequence[str]) -> None:
         )
         run_mode(_MODE.value, config)
     except UserError as exc:
-        fail(str(exc), getattr(exc, "exit_code", 1))
+        fail(str(exc), getattr(exc, "exit_code", 1), together=isinstance(exc, train.Interrupted))
     except KeyboardInterrupt:
         fail("interrupted; checkpoints saved so far are kept", 130)
     except BrokenPipeError:  # `main.py | head`: the reader left; stop as a pipe's writer does
