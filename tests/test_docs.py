@@ -1,0 +1,217 @@
+"""The README and docs/ stay true: the README is a short landing page, its test command is the
+one CI runs, every relative link (and #anchor) resolves, and every flag a command in them uses
+is one main.py takes, so a renamed flag or a moved page fails here rather than for a reader."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+from typing import Any
+
+import ml_collections
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+CI = REPO / ".ci" / "run"
+DOCS = sorted((REPO / "docs").glob("*.md"))
+PAGES = [README, *DOCS]
+MAX_README_LINES = 200
+TEST_COMMAND_START = ".venv/bin/ruff check"
+FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+INLINE_CODE = re.compile(r"`([^`\n]+)`")
+HELP_FLAG = re.compile(r"^\s+--(?:\[no\])?([\w.]+):", re.M)
+
+
+def code_blocks(text: str) -> list[str]:
+    """The contents of the fenced code blocks of a markdown text."""
+    return FENCE.findall(text)
+
+
+def prose(text: str) -> str:
+    """The text outside fenced code blocks (where links and headings are)."""
+    return FENCE.sub("", text)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    found: set[str] = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", prose(text), re.M):
+        base, n = slug(heading), 0
+        while (name := base if n == 0 else f"{base}-{n}") in found:
+            n += 1
+        found.add(name)
+    return found
+
+
+def broken_links(page: pathlib.Path, text: str) -> list[str]:
+    """Each relative link of `text` (written in `page`) whose file or #anchor does not exist."""
+    broken = []
+    for target in LINK.findall(prose(text)):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target} (no file {file.relative_to(REPO)})")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
+            broken.append(f"{target} (no heading #{anchor} in {file.relative_to(REPO)})")
+    return broken
+
+
+def main_commands(text: str) -> list[list[str]]:
+    """The arguments after `main.py` of every command in `text`'s code: fenced blocks line by
+    line (backslash continuations joined), and inline code spans."""
+    pieces = [
+        line for block in code_blocks(text) for line in block.replace("\\\n", " ").splitlines()
+    ]
+    pieces += INLINE_CODE.findall(prose(text))
+    commands = []
+    for piece in pieces:
+        try:
+            words = shlex.split(piece, comments=True)
+        except ValueError:  # an unbalanced quote in a prose span: not a command
+            continue
+        for i, word in enumerate(words):
+            if word.endswith("main.py"):
+                args = []
+                for arg in words[i + 1 :]:
+                    if arg in ("&&", "||", ";", "|", "&") or arg.endswith(";"):
+                        break
+                    args.append(arg)
+                commands.append(args)
+    return commands
+
+
+def has_field(config: Any, dotted: str) -> bool:
+    node = config
+    for part in dotted.split("."):
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+@functools.cache
+def config_of(path: str) -> Any:
+    """`get_config()` of a config file, as main.py would load it."""
+    spec = importlib.util.spec_from_file_location(f"_docs_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def unknown_flags(args: list[str], known: set[str]) -> list[str]:
+    """The flags of one main.py command that main.py does not take: a name `--help` does not
+    list, or a `--config.FIELD` that the command's config (default or `--config=FILE`) lacks."""
+    config_file = str(REPO / "fmnist_flax" / "config.py")
+    for arg in args:
+        if arg.startswith("--config="):
+            candidate = REPO / arg.split("=", 1)[1]
+            if not candidate.is_file():
+                return [arg]  # a config file that is gone: nothing else can be checked
+            config_file = str(candidate)
+    unknown = []
+    for arg in args:
+        if not arg.startswith("--"):
+            continue
+        name = arg[2:].split("=", 1)[0]
+        if name.startswith("config."):
+            if not has_field(config_of(config_file), name.removeprefix("config.")):
+                unknown.append(arg)
+        elif name not in known and not (name.startswith("no") and name[2:] in known):
+            unknown.append(arg)
+    return unknown
+
+
+@pytest.fixture(scope="module")
+def help_flags() -> set[str]:
+    """Every flag `main.py --help` lists (one process, about 2 s)."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "main.py"), "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    flags = set(HELP_FLAG.findall(out))
+    assert {"steps", "workdir", "mode", "config"} <= flags, out[:2000]
+    return flags
+
+
+def test_the_readme_is_a_landing_page() -> None:
+    lines = README.read_text().count("\n")
+    assert lines <= MAX_README_LINES, f"README.md has {lines} lines; reference goes in docs/"
+
+
+def test_the_readme_test_command_is_the_one_ci_runs() -> None:
+    ci = [line for line in CI.read_text().splitlines() if line.startswith(TEST_COMMAND_START)]
+    readme = [
+        line
+        for block in code_blocks(README.read_text())
+        for line in block.splitlines()
+        if line.startswith(TEST_COMMAND_START)
+    ]
+    assert len(ci) == 1, ci
+    assert readme == ci, f"README: {readme}\n.ci/run: {ci}"
+
+
+def test_the_readme_set_up_installs_what_ci_installs() -> None:
+    """The README's first command sets up what .ci/run sets up before the tests."""
+    setup = next(
+        block for block in code_blocks(README.read_text()) if "python3 -m venv .venv" in block
+    )
+    ci = CI.read_text()
+    for step in ("dataset-fashion-mnist", "python3 -m venv .venv", "-e '.[test]'"):
+        assert step in ci, f".ci/run no longer has {step!r}: update this test and the README"
+        assert step in setup, f"the README's set-up lacks .ci/run's {step!r}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_resolves(page: pathlib.Path) -> None:
+    assert broken_links(page, page.read_text()) == []
+
+
+# extending.md's recipes add the config fields their commands use; test_template.py runs them.
+COMMAND_PAGES = [page for page in PAGES if page.name != "extending.md"]
+
+
+@pytest.mark.parametrize("page", COMMAND_PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_flag_of_a_command_is_one_main_py_takes(
+    page: pathlib.Path, help_flags: set[str]
+) -> None:
+    commands = main_commands(page.read_text())
+    if page == README:
+        assert len(commands) >= 10, commands  # the parser still finds the README's commands
+    unknown = {arg for args in commands for arg in unknown_flags(args, help_flags)}
+    assert not unknown, f"{page.name} uses flags main.py does not take: {sorted(unknown)}"
+
+
+def test_the_checks_catch_rot(help_flags: set[str]) -> None:
+    """Each check above fails on a page that has rotted."""
+    page = REPO / "docs" / "running.md"
+    assert broken_links(page, "[x](missing.md)") != []
+    assert broken_links(page, "[x](configs.md#no-such-heading)") != []
+    assert broken_links(page, "[x](configs.md#fine-tuning---init_from)") == []
+    assert broken_links(page, "```\n[x](missing.md)\n```\n") == []  # code is not a link
+    rotted = "```bash\n.venv/bin/python main.py --stepz=4 --config.modle.hidden=1 # --x\n```\n"
+    (args,) = main_commands(rotted)
+    assert unknown_flags(args, help_flags) == ["--stepz=4", "--config.modle.hidden=1"]
+    (args,) = main_commands("run `python main.py --steps=4 --config.model.hidden='(8,)'`")
+    assert unknown_flags(args, help_flags) == []
+    (args,) = main_commands("`python main.py --config=configs/cnn.py --config.model.dense=8`")
+    assert unknown_flags(args, help_flags) == []
+    (args,) = main_commands("`python main.py --config=configs/gone.py --steps=4`")
+    assert unknown_flags(args, help_flags) == ["--config=configs/gone.py"]
+    assert slug("Fine-tuning: `--init_from`") == "fine-tuning---init_from"
