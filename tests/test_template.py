@@ -130,15 +130,22 @@ def summary_of(workdir: pathlib.Path) -> dict:
 
 
 QUICK = (
-    "--steps=20", "--log_every=10", "--checkpoint_every=10", "--batch_size=128", EVERY_DUE_SAVE,
-)  # fmt: skip
+    "--steps=20",
+    "--log_every=10",
+    "--checkpoint_every=10",
+    "--batch_size=128",
+    EVERY_DUE_SAVE,
+)
 
 
 # --- docs/extending.md, followed literally ---------------------------------------------------
 
 GUIDE = REPO / "docs" / "extending.md"
-STEP = re.compile(r"<!-- test: (?P<action>[\w-]+) (?P<path>\S+)(?: \| (?P<anchor>.*?))? -->\n"
-                  r"```\w*\n(?P<body>.*?)```", re.S)  # fmt: skip
+STEP = re.compile(
+    r"<!-- test: (?P<action>[\w-]+) (?P<path>\S+)(?: \| (?P<anchor>.*?))? -->\n"
+    r"```\w*\n(?P<body>.*?)```",
+    re.S,
+)
 
 
 def recipe(name: str) -> str:
@@ -164,8 +171,10 @@ def follow(section: str, root: pathlib.Path, **values: str) -> list[subprocess.C
                     assert words[0] == "rm", line
                     for name in words[1:]:
                         target = root / name
-                        shutil.rmtree(target) if name != "-r" and target.is_dir() else None
-                        target.unlink() if target.is_file() else None
+                        if name != "-r" and target.is_dir():
+                            shutil.rmtree(target)
+                        elif target.is_file():
+                            target.unlink()
                     continue
                 assert words[0] == "python" and (root / words[1]).is_file(), line
                 results.append(isolated(root, *words[1:]))
@@ -177,8 +186,11 @@ def follow(section: str, root: pathlib.Path, **values: str) -> list[subprocess.C
             continue
         lines = path.read_text().splitlines(keepends=True)
         [at] = [i for i, line in enumerate(lines) if anchor in line][:1]
-        new = {"insert-before": [body, lines[at]], "insert-after": [lines[at], body],
-               "replace": [body]}[action]  # fmt: skip
+        new = {
+            "insert-before": [body, lines[at]],
+            "insert-after": [lines[at], body],
+            "replace": [body],
+        }[action]
         path.write_text("".join(lines[:at] + new + lines[at + 1 :]))
     return results
 
@@ -321,8 +333,11 @@ def test_the_colour_recipe_trains_resumes_evaluates_predicts_and_exports(project
     np.testing.assert_allclose(got, predict(load_model(work), images), rtol=1e-6, atol=1e-7)
     # Killed after its step-40 save (not a logged step: the row in progress travels in the
     # checkpoint), the same command resumes and ends exactly where the uninterrupted run ends.
-    [command] = [line for line in recipe("Train on colour images").splitlines()
-                 if line.startswith("python main.py --config.dataset.name=arrays")]  # fmt: skip
+    [command] = [
+        line
+        for line in recipe("Train on colour images").splitlines()
+        if line.startswith("python main.py --config.dataset.name=arrays")
+    ]
     args = [a for a in command.format(**values).split()[2:] if not a.startswith("--workdir")]
     args += ["--checkpoint_every=20", EVERY_DUE_SAVE]
     direct, killed = root / "runs" / "direct", root / "runs" / "killed"
@@ -384,9 +399,7 @@ def test_deleting_the_demonstrations_leaves_a_working_trainer_and_a_passing_fast
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().startswith("error: ") and len(refused.stderr.splitlines()) == 1
     # The copy's own fast tier passes, sharing this run's compilation cache.
-    tier = isolated(
-        root, "-m", "pytest", "-q", "-m", "not slow", "-x", "-p", "no:randomly",
-        "-o", f"cache_dir={REPO / '.pytest_cache'}",
-    )  # fmt: skip
+    fast_tier = ["-m", "pytest", "-q", "-m", "not slow", "-x", "-p", "no:randomly"]
+    tier = isolated(root, *fast_tier, "-o", f"cache_dir={REPO / '.pytest_cache'}")
     assert tier.returncode == 0, tier.stdout[-3000:] + tier.stderr[-2000:]
     assert re.search(r"\d+ passed", tier.stdout) and " failed" not in tier.stdout
