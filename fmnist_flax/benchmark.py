@@ -75,9 +75,12 @@ def matmul_peak_gflops(repeats: int = 10) -> float:
 def fresh_state(config: ml_collections.ConfigDict, device_data: input_pipeline.DeviceData):
     """A new model and optimizer from COMPARISON_SEED for the dataset on the device."""
     return train.create_train_state(
-        config, device_data.image_shape, reference.NUM_CLASSES, device_data.mesh,
+        config,
+        device_data.image_shape,
+        reference.NUM_CLASSES,
+        device_data.mesh,
         seed=COMPARISON_SEED,
-    )  # fmt: skip
+    )
 
 
 Runner = Callable[[int], Any]  # run(steps) -> something to block on
@@ -145,8 +148,9 @@ def fused_runner(
         while steps:
             index = i % per_epoch
             count = min(config.log_every, steps, per_epoch - index)
-            state, _, metrics = chunk(state, sums, device_data.train_images,
-                                      device_data.train_labels, order, index, count)  # fmt: skip
+            state, _, metrics = chunk(
+                state, sums, device_data.train_images, device_data.train_labels, order, index, count
+            )
             i, steps = i + count, steps - count
             if checkpoints and i % config.checkpoint_every == 0 and checkpoints.due(i):
                 progress = train.progress_of(i, per_epoch, config)  # main.py's save, checks too
@@ -221,8 +225,9 @@ def member_mesh(members: int, shards: int) -> jax.sharding.Mesh | None:
         return None
     devices = jax.local_devices()
     if len(devices) < shards:
-        print(f"(no rows with {members} members over {shards} devices: "
-              f"{len(devices)} device(s) here)")  # fmt: skip
+        print(
+            f"(no rows with {members} members over {shards} devices: {len(devices)} device(s) here)"
+        )
         return None
     return parallel.make_mesh(devices[:shards], member_shards=shards)
 
@@ -298,14 +303,20 @@ def _time_paths(
         beside = None if beside_seconds is None else width * timed * batch_size / beside_seconds
         rate = width * timed * batch_size / result["seconds"]
         fused = rate if name == FUSED else fused
-        rows.append({
-            "path": name, "batch_size": batch_size, "dtype": dtype, **result,
-            "examples_per_sec": rate, "fused_beside_per_sec": beside,
-            "ratio_to_codelab": rate / (rows[0]["examples_per_sec"] if rows else rate),
-            "ratio_to_fused": pair_ratio or (rate / fused if fused else None),
-            **_compute(rate * flops / 1e9 if name != GRAIN_ALONE else None, peak),
-            **_peak_memory_mb(),
-        })  # fmt: skip
+        rows.append(
+            {
+                "path": name,
+                "batch_size": batch_size,
+                "dtype": dtype,
+                **result,
+                "examples_per_sec": rate,
+                "fused_beside_per_sec": beside,
+                "ratio_to_codelab": rate / (rows[0]["examples_per_sec"] if rows else rate),
+                "ratio_to_fused": pair_ratio or (rate / fused if fused else None),
+                **_compute(rate * flops / 1e9 if name != GRAIN_ALONE else None, peak),
+                **_peak_memory_mb(),
+            }
+        )
         print(f"  {name:<26} B={batch_size:<5} {dtype:<9} {rate:>12,.0f} examples/s", flush=True)
     return rows
 
@@ -399,12 +410,16 @@ def run_suite(
             )
             rows += _time_paths(runners, run_config, n_steps, repeats, members, flops, peak)
             fused = next(r for r in rows[::-1] if r["path"] == FUSED)
-            profiles.append({
-                "batch_size": batch_size, "dtype": dtype,
-                "wall_us_per_step": 1e6 * fused["seconds"] / fused["steps"],
-                "op_us_per_step": profiling.profile_fused(
-                    fresh_state(run_config, device_data), device_data, run_config),
-            })  # fmt: skip
+            profiles.append(
+                {
+                    "batch_size": batch_size,
+                    "dtype": dtype,
+                    "wall_us_per_step": 1e6 * fused["seconds"] / fused["steps"],
+                    "op_us_per_step": profiling.profile_fused(
+                        fresh_state(run_config, device_data), device_data, run_config
+                    ),
+                }
+            )
         del device_data, split_data, fixed
     print(benchmark_table(rows, peak))
     print(profiling.profile_table(profiles))
@@ -422,19 +437,34 @@ def run_suite(
 def benchmark_table(rows: Sequence[dict[str, Any]], peak: float) -> str:
     return Table.of(
         f"Training step throughput (median of repeats; matmul peak {peak:,.0f} GFLOP/s)",
-        ("Path", "Batch", "Dtype", "Examples/s", "vs codelab", "vs fused", "GFLOP/s",
-         "% of peak", "First call s", "Peak RSS MB"),
+        (
+            "Path",
+            "Batch",
+            "Dtype",
+            "Examples/s",
+            "vs codelab",
+            "vs fused",
+            "GFLOP/s",
+            "% of peak",
+            "First call s",
+            "Peak RSS MB",
+        ),
         [
-            (r["path"], r["batch_size"], r["dtype"], f"{r['examples_per_sec']:,.0f}",
-             f"{r['ratio_to_codelab']:.2f}x",
-             f"{r['ratio_to_fused']:.2f}x" if r["ratio_to_fused"] else "",
-             f"{r['gflops']:.1f}" if r["gflops"] is not None else "",
-             f"{100 * r['share_of_matmul_peak']:.0f}%" if r["gflops"] is not None else "",
-             f"{r['first_call_s']:.2f}",
-             f"{r['process_peak_rss_mb']:,.0f}")
+            (
+                r["path"],
+                r["batch_size"],
+                r["dtype"],
+                f"{r['examples_per_sec']:,.0f}",
+                f"{r['ratio_to_codelab']:.2f}x",
+                f"{r['ratio_to_fused']:.2f}x" if r["ratio_to_fused"] else "",
+                f"{r['gflops']:.1f}" if r["gflops"] is not None else "",
+                f"{100 * r['share_of_matmul_peak']:.0f}%" if r["gflops"] is not None else "",
+                f"{r['first_call_s']:.2f}",
+                f"{r['process_peak_rss_mb']:,.0f}",
+            )
             for r in rows
         ],
-    ).format()  # fmt: skip
+    ).format()
 
 
 def whole_run(steps: int, tmp: pathlib.Path, data_dir: str = "") -> dict[str, Any]:
@@ -448,9 +478,15 @@ def whole_run(steps: int, tmp: pathlib.Path, data_dir: str = "") -> dict[str, An
     main_py = pathlib.Path(__file__).resolve().parents[1] / "main.py"
 
     def main_command(name: str, cache: pathlib.Path | str = tmp / "cache") -> list[str]:
-        return [sys.executable, str(main_py), f"--steps={steps}", "--report=basic",
-                f"--workdir={tmp / name}", f"--compilation_cache={cache}",
-                f"--data_dir={data_dir}"]  # fmt: skip
+        return [
+            sys.executable,
+            str(main_py),
+            f"--steps={steps}",
+            "--report=basic",
+            f"--workdir={tmp / name}",
+            f"--compilation_cache={cache}",
+            f"--data_dir={data_dir}",
+        ]
 
     warm_up = [*main_command("files", cache=""), "--steps=1"]
     subprocess.run(warm_up, capture_output=True, check=False)
@@ -484,8 +520,12 @@ def whole_run(steps: int, tmp: pathlib.Path, data_dir: str = "") -> dict[str, An
             "train_examples_per_sec": summary.get("train_examples_per_sec"),  # main.py's own
         }
     cold, warm, plain = (r["wall_seconds"] for r in runs.values())
-    return {"steps": steps, "runs": runs, "wall_ratio_cold": cold / plain,
-            "wall_ratio_warm": warm / plain}  # fmt: skip
+    return {
+        "steps": steps,
+        "runs": runs,
+        "wall_ratio_cold": cold / plain,
+        "wall_ratio_warm": warm / plain,
+    }
 
 
 def fused_reference(
@@ -506,20 +546,31 @@ def whole_run_table(whole: dict[str, Any]) -> str:
         rate = r["train_examples_per_sec"]
         if rate and reference:
             r["vs_fused"] = rate / reference
-        rows.append((name, f"{r['wall_seconds']:.2f}", f"{r['peak_rss_mb']:,.0f}",
-                     f"{rate:,.0f}" if rate else "",
-                     f"{r['vs_fused']:.2f}x" if "vs_fused" in r else ""))  # fmt: skip
+        rows.append(
+            (
+                name,
+                f"{r['wall_seconds']:.2f}",
+                f"{r['peak_rss_mb']:,.0f}",
+                f"{rate:,.0f}" if rate else "",
+                f"{r['vs_fused']:.2f}x" if "vs_fused" in r else "",
+            )
+        )
     return (
         Table.of(
             f"Whole run, start to exit, {whole['steps']} steps",
-            ("Command", "Wall seconds", "Peak RSS MB", "Its training examples/s",
-             "vs fused, same minutes"),
+            (
+                "Command",
+                "Wall seconds",
+                "Peak RSS MB",
+                "Its training examples/s",
+                "vs fused, same minutes",
+            ),
             rows,
         ).format()
         + f"fused path around these runs: {reference:,.0f} examples/s; "
         f"main.py / plain JAX wall time: {whole['wall_ratio_cold']:.2f}x cold, "
         f"{whole['wall_ratio_warm']:.2f}x with a warm compilation cache"
-    )  # fmt: skip
+    )
 
 
 def _check_options(
@@ -577,10 +628,16 @@ def run_benchmark(
     with tempfile.TemporaryDirectory(prefix="bench-records-") as tmp:
         records.write(dataset, pathlib.Path(tmp) / "records")
         result = run_suite(
-            config, dataset, batch_sizes=batch_sizes, dtypes=dtypes, steps=steps,
-            repeats=repeats, members=members, member_shards=member_shards,
+            config,
+            dataset,
+            batch_sizes=batch_sizes,
+            dtypes=dtypes,
+            steps=steps,
+            repeats=repeats,
+            members=members,
+            member_shards=member_shards,
             record_set=datasets.load_records(pathlib.Path(tmp) / "records"),
-        )  # fmt: skip
+        )
     if whole_run_steps:
         mesh = parallel.make_mesh(jax.devices()[:1])
         device_data = input_pipeline.to_device(dataset, config.batch_size, mesh)

@@ -198,9 +198,11 @@ def with_train_set(run: Run) -> input_pipeline.DeviceData:
     (--report=full) pick their batches; a run fed by Grain gets it placed here, for them only."""
     if run.device_data.train_images is None:
         run.device_data = input_pipeline.to_device(
-            run.dataset, run.config.batch_size, run.device_data.mesh,
+            run.dataset,
+            run.config.batch_size,
+            run.device_data.mesh,
             accumulate=run.config.optimizer.accumulate,
-        )  # fmt: skip
+        )
     return run.device_data
 
 
@@ -216,10 +218,18 @@ def precision_comparison(run: Run) -> list[dict[str, Any]]:
     """Section 13: float32 and bfloat16 compute (params stay float32), fresh init each."""
     d, n = with_train_set(run), run.dataset.num_classes
     return [
-        {"dtype": dtype, **time_steps(train.jit_train_step, *fresh_state(run.config, d, n, dtype),
-                                      d, PRECISION_STEPS, run.config)}
+        {
+            "dtype": dtype,
+            **time_steps(
+                train.jit_train_step,
+                *fresh_state(run.config, d, n, dtype),
+                d,
+                PRECISION_STEPS,
+                run.config,
+            ),
+        }
         for dtype in ("float32", "bfloat16")
-    ]  # fmt: skip
+    ]
 
 
 def tokens_table(examples_per_sec: float) -> Table:
@@ -227,9 +237,14 @@ def tokens_table(examples_per_sec: float) -> Table:
     return Table.of(
         "Throughput in tokens (projection)",
         ("Measured examples/sec", "Assumed tokens/example", "Projected tokens/sec"),
-        [(f"{examples_per_sec:,.0f}", TOKENS_PER_EXAMPLE,
-          f"{examples_per_sec * TOKENS_PER_EXAMPLE:,.0f}")],
-    )  # fmt: skip
+        [
+            (
+                f"{examples_per_sec:,.0f}",
+                TOKENS_PER_EXAMPLE,
+                f"{examples_per_sec * TOKENS_PER_EXAMPLE:,.0f}",
+            )
+        ],
+    )
 
 
 def timing_table(title: str, key: str, rows: Sequence[dict[str, Any]]) -> Table:
@@ -238,11 +253,17 @@ def timing_table(title: str, key: str, rows: Sequence[dict[str, Any]]) -> Table:
         title,
         (key.capitalize(), "Steps", "Final loss", "Accuracy", "Seconds", "Examples/sec"),
         [
-            (r[key], r["steps"], f"{r['loss']:.4f}", f"{100 * r['accuracy']:.1f}%",
-             f"{r['seconds']:.3f}", f"{r['examples_per_sec']:,.0f}")
+            (
+                r[key],
+                r["steps"],
+                f"{r['loss']:.4f}",
+                f"{100 * r['accuracy']:.1f}%",
+                f"{r['seconds']:.3f}",
+                f"{r['examples_per_sec']:,.0f}",
+            )
             for r in rows
         ],
-    )  # fmt: skip
+    )
 
 
 EXTENSION = Codelab()  # what the CLI adds to every run

@@ -158,8 +158,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise UserError(f"--config.label_smoothing={config.label_smoothing} must be in [0, 1)")
     for name, least in (("workers", 0), ("block_examples", 1), ("prefetch", 1)):
         if not least <= config.grain[name] <= MAX_COUNT:
-            raise UserError(f"--config.grain.{name}={config.grain[name]} must be a whole "
-                            f"number >= {least}")  # fmt: skip
+            raise UserError(
+                f"--config.grain.{name}={config.grain[name]} must be a whole number >= {least}"
+            )
     if config.augment.max_shift < 0:
         raise UserError(f"--config.augment.max_shift={config.augment.max_shift} must be >= 0")
     check_ensemble(config)
@@ -231,18 +232,36 @@ def check_ensemble(config: ml_collections.ConfigDict) -> None:
 
 # Fields a resumed run may change without changing what it computes.
 RESUMABLE_FIELDS = (
-    "steps", "log_every", "checkpoint_every", "checkpoint_min_interval_secs", "eval_every",
-    "keep_best", "max_to_keep", "report", "data_dir", "fused_steps", "param_sharding",
-    "eval_examples", "init_from", "ensemble.shards", "ensemble.members_per_pass", "grain.workers",
-    "grain.block_examples", "grain.prefetch",
-)  # fmt: skip
+    "steps",
+    "log_every",
+    "checkpoint_every",
+    "checkpoint_min_interval_secs",
+    "eval_every",
+    "keep_best",
+    "max_to_keep",
+    "report",
+    "data_dir",
+    "fused_steps",
+    "param_sharding",
+    "eval_examples",
+    "init_from",
+    "ensemble.shards",
+    "ensemble.members_per_pass",
+    "grain.workers",
+    "grain.block_examples",
+    "grain.prefetch",
+)
 
 
 # Fields that move the data position a checkpoint saves: a resume cannot change them.
 POSITION_FIELDS = (
-    "batch_size", "seed", "optimizer.accumulate", "dataset.examples", "ensemble.size",
+    "batch_size",
+    "seed",
+    "optimizer.accumulate",
+    "dataset.examples",
+    "ensemble.size",
     "ensemble.same_data",
-)  # fmt: skip
+)
 # Fields that live in the optimizer's state: an accepted change starts the optimizer afresh.
 OPTIMIZER_FIELDS = ("optimizer.", "ensemble.learning_rate", "ensemble.weight_decay")
 

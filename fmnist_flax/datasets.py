@@ -87,8 +87,10 @@ class Dataset:
         """A hash of every label and of ~512 images spread over both splits (milliseconds):
         other files of the same shape give another one."""
         digest = hashlib.sha256()
-        for images, labels in ((self.train_images, self.train_labels),
-                               (self.test_images, self.test_labels)):  # fmt: skip
+        for images, labels in (
+            (self.train_images, self.train_labels),
+            (self.test_images, self.test_labels),
+        ):
             digest.update(np.ascontiguousarray(labels, np.int32).tobytes())
             digest.update(np.ascontiguousarray(images[:: max(1, len(images) // 256)]).tobytes())
         return digest.hexdigest()[:16]
@@ -188,9 +190,17 @@ def make_dataset(
             f"{test_x.shape[1:]}; train and test images must be the same shape"
         )
     return Dataset(
-        name, title, tuple(class_names), train_x, train_y, test_x, test_y, tuple(sources),
-        origin, checked,
-    )  # fmt: skip
+        name,
+        title,
+        tuple(class_names),
+        train_x,
+        train_y,
+        test_x,
+        test_y,
+        tuple(sources),
+        origin,
+        checked,
+    )
 
 
 def check_labels(labels: np.ndarray, name: str, num_classes: int) -> None:
@@ -577,8 +587,9 @@ def load_records(data_dir: pathlib.Path) -> Dataset:
 
     info, images, labels = records.read_splits(data_dir)
     for split in records.SPLITS:
-        check_labels(labels[split], f"{data_dir / records.LABELS_FILE}[{split}]",
-                     len(info["class_names"]))  # fmt: skip
+        check_labels(
+            labels[split], f"{data_dir / records.LABELS_FILE}[{split}]", len(info["class_names"])
+        )
     return Dataset(
         name="records",
         title=info["title"],

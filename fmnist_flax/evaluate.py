@@ -87,8 +87,10 @@ def evaluate(
     outputs = []
     for call in range(calls):
         first = call * per_call * batch_size
-        chunk = (images[first : first + per_call * batch_size],
-                 labels[first : first + per_call * batch_size])  # fmt: skip
+        chunk = (
+            images[first : first + per_call * batch_size],
+            labels[first : first + per_call * batch_size],
+        )
         x, y, mask = input_pipeline.padded_batches(*chunk, batch_size, per_call)
         if mesh is None:
             placed = (jnp.asarray(x), jnp.asarray(y), jnp.asarray(mask))
@@ -113,8 +115,10 @@ def means(batch_sums: dict[str, np.ndarray], num_batches: int | None = None) -> 
     the example count: the codelab's whole batches are the first ones of the padded set."""
     totals = {name: np.asarray(s, np.float64)[:num_batches].sum() for name, s in batch_sums.items()}
     count = int(totals.pop(COUNT))
-    return {**{name: total / count if count else float("nan") for name, total in totals.items()},
-            COUNT: count}  # fmt: skip
+    return {
+        **{name: total / count if count else float("nan") for name, total in totals.items()},
+        COUNT: count,
+    }
 
 
 def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> np.ndarray:

@@ -172,7 +172,15 @@ def from_config(
 ) -> GrainBatches:
     """The run's `GrainBatches`, as `config` (batch size, seed, accumulate, config.grain) says."""
     return GrainBatches(
-        source, config.batch_size, config.seed, mesh, state, step, config.optimizer.accumulate,
-        workers=config.grain.workers, steps_per_block=block_steps(config),
-        prefetch=config.grain.prefetch, fused=config.fused_steps,
-    )  # fmt: skip
+        source,
+        config.batch_size,
+        config.seed,
+        mesh,
+        state,
+        step,
+        config.optimizer.accumulate,
+        workers=config.grain.workers,
+        steps_per_block=block_steps(config),
+        prefetch=config.grain.prefetch,
+        fused=config.fused_steps,
+    )

@@ -62,10 +62,20 @@ GREY_MODES = ("L", "F", *SIXTEEN_BIT_MODES)  # read as they are, the channel cop
 FASHION_MNIST_INFO = {
     "name": "fashion_mnist",
     "title": "Fashion-MNIST",
-    "class_names": ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
-                    "Sneaker", "Bag", "Ankle boot"],
+    "class_names": [
+        "T-shirt/top",
+        "Trouser",
+        "Pullover",
+        "Dress",
+        "Coat",
+        "Sandal",
+        "Shirt",
+        "Sneaker",
+        "Bag",
+        "Ankle boot",
+    ],
     "image_shape": [28, 28],
-}  # fmt: skip
+}
 
 
 def restore_model(

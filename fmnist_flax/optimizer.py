@@ -19,9 +19,15 @@ from fmnist_flax.errors import UserError
 SCHEDULES = ("constant", "warmup_cosine")
 # Every field of config.optimizer that is not one optimizer's own.
 COMMON_FIELDS = (
-    "name", "learning_rate", "weight_decay", "clip_norm", "accumulate", "schedule",
-    "warmup_steps", "final_fraction",
-)  # fmt: skip
+    "name",
+    "learning_rate",
+    "weight_decay",
+    "clip_norm",
+    "accumulate",
+    "schedule",
+    "warmup_steps",
+    "final_fraction",
+)
 # Each optimizer's own fields, as Optax names them. None (or False for `nesterov`) in the
 # config leaves Optax's default, so setting a field the chosen optimizer lacks is an error.
 OWN_FIELDS = ("momentum", "nesterov", "b1", "b2")

@@ -106,8 +106,15 @@ def profile_table(profiles: Sequence[dict[str, Any]]) -> str:
     for p in profiles:
         ops = p["op_us_per_step"]
         share = ops[OP_KINDS[0]] / sum(ops.values()) if sum(ops.values()) else float("nan")
-        rows.append((p["batch_size"], p["dtype"], *(f"{ops[k]:,.0f}" for k in OP_KINDS),
-                     f"{p['wall_us_per_step']:,.0f}", f"{share:.0%}"))  # fmt: skip
+        rows.append(
+            (
+                p["batch_size"],
+                p["dtype"],
+                *(f"{ops[k]:,.0f}" for k in OP_KINDS),
+                f"{p['wall_us_per_step']:,.0f}",
+                f"{share:.0%}",
+            )
+        )
     return Table.of(
         "Where the fused step's time goes (jax.profiler trace: each op kind's time summed over "
         "threads, microseconds per step)",

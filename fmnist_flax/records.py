@@ -70,12 +70,16 @@ def write(dataset: Any, output: str | os.PathLike, shards: int = 4) -> dict[str,
         try:
             tmp.rename(out)  # over an empty directory too; not over a filled one
         except OSError:
-            raise UserError(f"--output {output} was filled by another process meanwhile; "
-                            "nothing of this prepare was kept") from None  # fmt: skip
+            raise UserError(
+                f"--output {output} was filled by another process meanwhile; "
+                "nothing of this prepare was kept"
+            ) from None
     except (OSError, RuntimeError, ValueError) as exc:  # the writer's errors are RuntimeErrors
-        raise UserError(f"--mode=prepare could not write {output} "
-                        f"({workdir_lib.disk_problem(out.parent, exc)}); nothing was "
-                        "kept") from None  # fmt: skip
+        raise UserError(
+            f"--mode=prepare could not write {output} "
+            f"({workdir_lib.disk_problem(out.parent, exc)}); nothing was "
+            "kept"
+        ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return info
@@ -120,13 +124,14 @@ def _write_files(dataset: Any, tmp: pathlib.Path, shards: int) -> dict[str, Any]
         "image_shape": list(dataset.image_shape),
         "splits": splits,
         "source": {
-            "dataset": dataset.name, "files": list(dataset.sources), "checked": dataset.checked
+            "dataset": dataset.name,
+            "files": list(dataset.sources),
+            "checked": dataset.checked,
         },
         "files": {
-            p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-            for p in sorted(tmp.iterdir())
+            p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())
         },
-    }  # fmt: skip
+    }
     (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return info
 
@@ -148,8 +153,10 @@ def read_info(directory: pathlib.Path) -> dict[str, Any]:
             if sum(entry["counts"]) != entry["examples"] or not set(entry["shards"]) <= set(files):
                 raise ValueError(f"split {split}'s shards and counts disagree")
     except (ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"{path} is not a record set's info ({errors.reason(exc)}); "
-                        "write the records again with --mode=prepare") from None  # fmt: skip
+        raise UserError(
+            f"{path} is not a record set's info ({errors.reason(exc)}); "
+            "write the records again with --mode=prepare"
+        ) from None
     if info.get("format") != FORMAT or len(shape) != 3 or not names:
         raise UserError(f"{path}: not a {FORMAT!r} info file; write it again with --mode=prepare")
     for name, size in files.items():
@@ -288,14 +295,18 @@ def read_splits(
         with np.load(directory / LABELS_FILE) as saved:
             labels = {split: np.asarray(saved[split]) for split in SPLITS}
     except (OSError, ValueError, KeyError) as exc:
-        raise UserError(f"{directory / LABELS_FILE} cannot be read ({errors.reason(exc)}); "
-                        "write the records again with --mode=prepare") from None  # fmt: skip
+        raise UserError(
+            f"{directory / LABELS_FILE} cannot be read ({errors.reason(exc)}); "
+            "write the records again with --mode=prepare"
+        ) from None
     images = {}
     for split in SPLITS:
         entry, name = info["splits"][split], f"{directory / LABELS_FILE}[{split}]"
         if labels[split].shape != (entry["examples"],) or labels[split].dtype.kind not in "iu":
-            raise UserError(f"{name}: not {entry['examples']:,} integer labels as {INFO_FILE} "
-                            "says; write the records again with --mode=prepare")  # fmt: skip
+            raise UserError(
+                f"{name}: not {entry['examples']:,} integer labels as {INFO_FILE} "
+                "says; write the records again with --mode=prepare"
+            )
         source = RecordSource(
             [directory / s for s in entry["shards"]], entry["counts"], int(np.prod(shape))
         )

@@ -110,7 +110,7 @@ def run_codelab(
     x_batches, y_batches = jax.device_put(pipeline.fixed_batches(flat_images(x), y, batch_size))
     test_x, test_y = jax.device_put(
         pipeline.fixed_batches(flat_images(dataset.test_images), dataset.test_labels, batch_size)
-    )  # fmt: skip
+    )
     tx = optax.adamw(3e-3, weight_decay=1e-4)
     params = init_mlp_params(jax.random.key(3))
     opt_state = tx.init(params)

@@ -30,9 +30,18 @@ PREDICTION_SEED = 7
 SUPTITLE_INCHES = 0.7  # room above a grid of images for the figure's title
 # Where known sections go in the report; any other section follows them in the order added.
 SECTION_ORDER = (
-    "Set-up", "Data", "Batches", "Model", "Gradients", "Python dispatch vs jit", "Training",
-    "Evaluation", "Precision", "Device placement", "Throughput in tokens",
-)  # fmt: skip
+    "Set-up",
+    "Data",
+    "Batches",
+    "Model",
+    "Gradients",
+    "Python dispatch vs jit",
+    "Training",
+    "Evaluation",
+    "Precision",
+    "Device placement",
+    "Throughput in tokens",
+)
 
 
 def new_figure(width: float, height: float) -> Figure:
@@ -127,10 +136,19 @@ def members_figure(
     accuracies = [m["test_accuracy"] for m in members]
     sweep.scatter(rates, accuracies, color=GREEN)
     for member, rate, accuracy in zip(members, rates, accuracies, strict=True):
-        sweep.annotate(str(member["member"]), (rate, accuracy), fontsize=7,
-                       xytext=(3, 3), textcoords="offset points")  # fmt: skip
-    sweep.set(xlabel="learning rate", ylabel="test accuracy", xscale="log",
-              title="test accuracy by learning rate")  # fmt: skip
+        sweep.annotate(
+            str(member["member"]),
+            (rate, accuracy),
+            fontsize=7,
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
+    sweep.set(
+        xlabel="learning rate",
+        ylabel="test accuracy",
+        xscale="log",
+        title="test accuracy by learning rate",
+    )
     for ax in (curves, sweep):
         ax.grid(True, alpha=0.25)
     fig.suptitle(f"{title}: {len(members)} ensemble members")
@@ -188,8 +206,9 @@ def confusion_figure(counts: np.ndarray, class_names: Sequence[str]) -> Figure:
             value = fractions[i, j]
             if value >= CONFUSION_LABEL_AT or i == j:
                 color = "white" if value > 0.45 else "black"
-                ax.text(j, i, f"{100 * value:.0f}%", ha="center", va="center", fontsize=8,
-                        color=color)  # fmt: skip
+                ax.text(
+                    j, i, f"{100 * value:.0f}%", ha="center", va="center", fontsize=8, color=color
+                )
     fig.tight_layout()
     return fig
 

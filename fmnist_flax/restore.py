@@ -84,10 +84,9 @@ def restore_step(checkpoints: Checkpoints, step: int, targets: dict[str, Any]) -
             raise ValueError(f"item {name} has no metadata")
         check_shapes(target, getattr(stored, "tree", stored), f"checkpoint {step}", name)
     args = {
-        name: ocp.args.StandardRestore(arrays[name]) if name in arrays
-        else ocp.args.JsonRestore()
+        name: ocp.args.StandardRestore(arrays[name]) if name in arrays else ocp.args.JsonRestore()
         for name in targets
-    }  # fmt: skip
+    }
     restored = checkpoints.manager.restore(step, args=ocp.args.Composite(**args))
     for name in targets:
         problem = None if name in arrays else item_problem(name, restored[name])
@@ -116,8 +115,10 @@ def set_aside(checkpoints: Checkpoints, step: int, reason: str) -> None:
     checkpoints.reload()
     logging.warning(
         "checkpoint %d is damaged (%s); moved it to %s and using an older one",
-        step, reason, damaged,
-    )  # fmt: skip
+        step,
+        reason,
+        damaged,
+    )
 
 
 def restore(

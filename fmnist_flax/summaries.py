@@ -64,8 +64,11 @@ class Summaries:
             self._fail(exc)
         first = start_step + 1  # what this run logs first; TensorBoard drops older events from it
         self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
-        self._write(Event(wall_time=time.time(), step=first,
-                          session_log=SessionLog(status=SessionLog.START)))  # fmt: skip
+        self._write(
+            Event(
+                wall_time=time.time(), step=first, session_log=SessionLog(status=SessionLog.START)
+            )
+        )
         text = json.dumps(config.to_dict(), indent=2, sort_keys=True)
         self._summary(summary.text("config", f"```\n{text}\n```"), first)
 

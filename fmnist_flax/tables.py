@@ -109,8 +109,10 @@ def setup_table(versions: dict[str, str], layout: str) -> Table:
 
 def splits_table(dataset: Dataset) -> Table:
     """Section 2: each split's counts, image shape and source, and whether MD5s were checked."""
-    splits = (("train", dataset.train_images, dataset.train_labels, dataset.sources[0]),
-              ("test", dataset.test_images, dataset.test_labels, dataset.sources[1]))  # fmt: skip
+    splits = (
+        ("train", dataset.train_images, dataset.train_labels, dataset.sources[0]),
+        ("test", dataset.test_images, dataset.test_labels, dataset.sources[1]),
+    )
     rows = [
         (split, f"{len(images):,}", images.shape[1:], f"{len(labels):,}", source)
         for split, images, labels, source in splits
@@ -158,12 +160,15 @@ def members_table(members: Sequence[dict[str, Any]], best: int) -> Table:
     names = [n for n in members[0] if n not in ("member", "seed")]
     rows = [
         (
-            f"{m['member']}{' (best)' if m['member'] == best else ''}", m["seed"],
-            *(metric_cell(n, m[n], 2) if n.startswith(("test_", "final_")) else f"{m[n]:g}"
-              for n in names),
+            f"{m['member']}{' (best)' if m['member'] == best else ''}",
+            m["seed"],
+            *(
+                metric_cell(n, m[n], 2) if n.startswith(("test_", "final_")) else f"{m[n]:g}"
+                for n in names
+            ),
         )
         for m in members
-    ]  # fmt: skip
+    ]
     headers = ("Member", "Seed", *(n.replace("_", " ").capitalize() for n in names))
     return Table.of(f"Ensemble members ({len(members)})", headers, rows)
 

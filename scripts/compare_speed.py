@@ -29,13 +29,19 @@ EXAMPLES_PER_WINDOW = 60_000  # one epoch of Fashion-MNIST per timed window
 def base_package(rev: str, into: pathlib.Path) -> None:
     """BASE_REV's fmnist_flax under `into` as `fmnist_flax_base`, its imports renamed."""
     tree = into / "tree"
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "-f", "--detach", str(tree), rev],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "add", "-f", "--detach", str(tree), rev],
+        check=True,
+        capture_output=True,
+    )
     try:
         shutil.copytree(tree / "fmnist_flax", into / "fmnist_flax_base")
     finally:
-        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
-                       check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
+            check=True,
+            capture_output=True,
+        )
     for path in (into / "fmnist_flax_base").glob("*.py"):
         path.write_text(re.sub(r"\bfmnist_flax\b", "fmnist_flax_base", path.read_text()))
 
@@ -46,8 +52,10 @@ def runner(package: str, batch_size: int):
 
     import jax
 
-    modules = {n: importlib.import_module(f"{package}.{n}") for n in
-               ("benchmark", "config", "datasets", "input_pipeline", "parallel")}  # fmt: skip
+    modules = {
+        n: importlib.import_module(f"{package}.{n}")
+        for n in ("benchmark", "config", "datasets", "input_pipeline", "parallel")
+    }
     config = modules["config"].get_config()
     config.batch_size = batch_size
     dataset = modules["datasets"].load_dataset(download=False)
@@ -76,9 +84,12 @@ def compare(batch_size: int, pairs: int) -> None:
             times[name].append(time.perf_counter() - start)
     ratios = [b / n for b, n in zip(times["base"], times["now"], strict=True)]
     base, now = (statistics.median(times[name]) for name in ("base", "now"))
-    print(f"batch {batch_size}: {steps} steps per window, base {base:.3f} s, now {now:.3f} s; "
-          f"now's speed / base's: median of {pairs} pairs {statistics.median(ratios):.3f} "
-          f"(range {min(ratios):.3f} to {max(ratios):.3f})", flush=True)  # fmt: skip
+    print(
+        f"batch {batch_size}: {steps} steps per window, base {base:.3f} s, now {now:.3f} s; "
+        f"now's speed / base's: median of {pairs} pairs {statistics.median(ratios):.3f} "
+        f"(range {min(ratios):.3f} to {max(ratios):.3f})",
+        flush=True,
+    )
 
 
 def main() -> None:
