@@ -110,7 +110,8 @@ def per_step_runner(step_fn, config, device_data, fixed) -> Runner:
     """One call of `step_fn` (the nnx.jit step, or the same step dispatched op by op) a batch."""
     fixed_x, fixed_y = fixed
     model, optimizer = fresh_state(config, device_data)
-    frozen, counter = ml_collections.FrozenConfigDict(config), [0]
+    frozen = ml_collections.FrozenConfigDict(config)
+    counter = [0]
 
     def run(steps):
         for _ in range(steps):
@@ -151,7 +152,8 @@ def fused_runner(
             state, _, metrics = chunk(
                 state, sums, device_data.train_images, device_data.train_labels, order, index, count
             )
-            i, steps = i + count, steps - count
+            i += count
+            steps -= count
             if checkpoints and i % config.checkpoint_every == 0 and checkpoints.due(i):
                 progress = train.progress_of(i, per_epoch, config)  # main.py's save, checks too
                 train.Guard(checkpoints, i).save(i, (model, optimizer), state, progress)
@@ -213,7 +215,8 @@ def ensemble_config(
     """`config` as an ensemble of `members` on shared batches or each on its own, split over
     `shards` devices."""
     ensemble = ml_collections.ConfigDict(config.to_dict())
-    ensemble.ensemble.size, ensemble.ensemble.same_data = members, same_data
+    ensemble.ensemble.size = members
+    ensemble.ensemble.same_data = same_data
     ensemble.ensemble.shards = shards
     return ensemble
 
@@ -284,7 +287,10 @@ def _time_paths(
     ensemble is timed alternating with a fused member that trains as many examples
     (`fused_beside_per_sec`); its ratio is the median over the pairs of their times: windows
     of one length, side by side, see the same minutes of a shared machine."""
-    rows, batch_size, dtype, fused = [], config.batch_size, config.compute_dtype, None
+    rows = []
+    batch_size = config.batch_size
+    dtype = config.compute_dtype
+    fused = None
     fused_beside = None  # one fused member, built once, timed beside every ensemble
     for name, make in runners.items():
         timed = steps if name != "Python dispatch" else min(steps, BENCH_EAGER_STEPS)
@@ -299,7 +305,8 @@ def _time_paths(
             beside=fused_beside if ensemble else None,
             beside_steps=width * timed,
         )
-        beside_seconds, pair_ratio = result.pop("beside_seconds"), result.pop("pair_ratio")
+        beside_seconds = result.pop("beside_seconds")
+        pair_ratio = result.pop("pair_ratio")
         beside = None if beside_seconds is None else width * timed * batch_size / beside_seconds
         rate = width * timed * batch_size / result["seconds"]
         fused = rate if name == FUSED else fused
@@ -394,7 +401,8 @@ def run_suite(
     device = jax.devices()[0]
     peak = matmul_peak_gflops()
     flops = flops_per_example((reference.INPUT_DIM, *config.model.hidden, reference.NUM_CLASSES))
-    rows, profiles = [], []
+    rows = []
+    profiles = []
     for batch_size in batch_sizes:
         device_data = input_pipeline.to_device(dataset, batch_size, mesh)
         split_data = None if split is None else input_pipeline.to_device(dataset, batch_size, split)
@@ -404,7 +412,8 @@ def run_suite(
         n_steps = steps or max(8, BENCH_EXAMPLES // batch_size)
         for dtype in dtypes:
             run_config = ml_collections.ConfigDict(config.to_dict())
-            run_config.batch_size, run_config.compute_dtype = batch_size, dtype
+            run_config.batch_size = batch_size
+            run_config.compute_dtype = dtype
             runners = _runners(
                 run_config, device_data, fixed, dataset, members, record_set, split_data
             )

@@ -51,7 +51,9 @@ class Codelab(Extension):
     def before_training(self, run: Run) -> None:
         # The first batch of epoch 0, picked on the host: with Grain the train set is not on
         # the device. Host and device preprocessing agree to the bit.
-        d, images, labels = run.device_data, run.dataset.train_images, run.dataset.train_labels
+        d = run.device_data
+        images = run.dataset.train_images
+        labels = run.dataset.train_labels
         order = input_pipeline.epoch_order(run.config.seed, 0, len(labels))
         picks = np.asarray(order[: d.batch_size])
         first_batch = [
@@ -77,7 +79,8 @@ class Codelab(Extension):
         run.summary[name] = rows
         run.show(heading, timing_table(TITLES[heading], key, rows))
         rates = [r["examples_per_sec"] for r in rows]
-        labels, title = [r[key] for r in rows], f"{heading}: examples per second"
+        labels = [r[key] for r in rows]
+        title = f"{heading}: examples per second"
         run.figure(heading, f"{name}.png", lambda: report.bars(labels, rates, title, "examples/s"))
 
 
@@ -151,7 +154,8 @@ def time_steps(
     codelab's `batch_at(step)` does; that per-step dispatch is part of what a loop of jitted
     steps costs, and what the fused training path removes.
     """
-    d, frozen = device_data, ml_collections.FrozenConfigDict(config)
+    d = device_data
+    frozen = ml_collections.FrozenConfigDict(config)
     order = input_pipeline.epoch_order(COMPARISON_SEED, 0, len(d.train_labels))
     shape = (d.batch_size, d.image_shape, d.mesh, d.accumulate)
     batches = (
@@ -208,7 +212,9 @@ def with_train_set(run: Run) -> input_pipeline.DeviceData:
 
 def dispatch_vs_jit(run: Run) -> list[dict[str, Any]]:
     """Section 7: the same AdamW step run op by op from Python, and compiled with nnx.jit."""
-    d, n, config = with_train_set(run), run.dataset.num_classes, run.config
+    d = with_train_set(run)
+    n = run.dataset.num_classes
+    config = run.config
     eager = time_steps(train.train_step, *fresh_state(config, d, n), d, EAGER_STEPS, config)
     jitted = time_steps(train.jit_train_step, *fresh_state(config, d, n), d, JIT_STEPS, config)
     return [{"mode": "Python dispatch", **eager}, {"mode": "jitted step", **jitted}]
@@ -216,7 +222,8 @@ def dispatch_vs_jit(run: Run) -> list[dict[str, Any]]:
 
 def precision_comparison(run: Run) -> list[dict[str, Any]]:
     """Section 13: float32 and bfloat16 compute (params stay float32), fresh init each."""
-    d, n = with_train_set(run), run.dataset.num_classes
+    d = with_train_set(run)
+    n = run.dataset.num_classes
     return [
         {
             "dtype": dtype,

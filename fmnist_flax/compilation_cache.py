@@ -33,7 +33,8 @@ def use(directory: str | pathlib.Path) -> None:
     directory = pathlib.Path(directory)
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    shown, said = warnings.showwarning, False
+    shown = warnings.showwarning
+    said = False
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
         nonlocal said

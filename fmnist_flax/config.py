@@ -39,7 +39,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.batch_size = 512  # train and evaluation batches; every step has this shape
     # device: the train set on every device, batches gathered in the step (fastest when it
     # fits); grain: read on the host by Grain (config.grain), each process reading its share
-    config.input_pipeline, config.grain = "device", grain_config()
+    config.input_pipeline = "device"
+    config.grain = grain_config()
     config.steps = 400  # optimizer updates; every epoch visits the train set in a fresh order
     config.log_every = 25  # metrics reach the host only at these steps (and the first and last)
     config.compute_dtype = "float32"  # float32 | bfloat16; params always stay float32
@@ -172,7 +173,8 @@ MAX_MEMBERS = 1024
 def check_ensemble(config: ml_collections.ConfigDict) -> None:
     """`config.ensemble`: a size, per-member values of that length, a data rule that the input
     pipeline can follow."""
-    ens, flag = config.ensemble, "--config.ensemble"
+    ens = config.ensemble
+    flag = "--config.ensemble"
     if isinstance(ens.size, bool) or not isinstance(ens.size, int) or ens.size < 1:
         raise UserError(f"{flag}.size={ens.size!r} must be a whole number of members >= 1")
     if (

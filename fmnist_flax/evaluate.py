@@ -46,9 +46,11 @@ def evaluate_batches(
         x = input_pipeline.normalize(x)
         if isinstance(model, model_lib.Ensemble):  # the members' logits, computed once
             each = model.member_logits(x)
-            logits, members = model_lib.combine(each), jax.vmap(sums, (0, None, None))(each, y, m)
+            logits = model_lib.combine(each)
+            members = jax.vmap(sums, (0, None, None))(each, y, m)
         else:
-            logits, members = model(x), {}
+            logits = model(x)
+            members = {}
         return sums(logits, y, m), members, jnp.argmax(logits, axis=-1)
 
     totals, members, predictions = one_batch(model, images, labels, mask)
@@ -87,10 +89,8 @@ def evaluate(
     outputs = []
     for call in range(calls):
         first = call * per_call * batch_size
-        chunk = (
-            images[first : first + per_call * batch_size],
-            labels[first : first + per_call * batch_size],
-        )
+        end = first + per_call * batch_size
+        chunk = (images[first:end], labels[first:end])
         x, y, mask = input_pipeline.padded_batches(*chunk, batch_size, per_call)
         if mesh is None:
             placed = (jnp.asarray(x), jnp.asarray(y), jnp.asarray(mask))

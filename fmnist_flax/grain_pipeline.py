@@ -108,7 +108,8 @@ class GrainBatches:
         the batch after `step` (a checkpoint the device pipeline wrote)."""
         import grain
 
-        self.per_block, self.fused = steps_per_block, fused
+        self.per_block = steps_per_block
+        self.fused = fused
         self.next = (state or {"next_index": step})["next_index"]
         block = self.next // steps_per_block  # read from the block that holds the next step
         blocks = process_batches(source, batch_size, seed, accumulate, steps_per_block, block)

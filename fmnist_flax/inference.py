@@ -197,7 +197,8 @@ def _restore_model(
             f"--compute_dtype={config.compute_dtype!r} is not supported; "
             f"use one of {', '.join(model_lib.COMPUTE_DTYPES)}"
         )
-    shape, classes = datasets.as_hwc(info["image_shape"]), len(info["class_names"])
+    shape = datasets.as_hwc(info["image_shape"])
+    classes = len(info["class_names"])
     model = model_lib.create_model(config, shape, classes)
     if mesh is not None:
         stacked = isinstance(model, model_lib.Ensemble)
@@ -299,7 +300,8 @@ def read_images(
     """(name, (H, W, C) float32 in [0, 1]) for each image in a picture or a .npy file, and
     notes. The module docstring's rule decides what is accepted; anything else raises a
     one-line UserError that names the file."""
-    name, shape = str(path), tuple(int(side) for side in image_shape)
+    name = str(path)
+    shape = tuple(int(side) for side in image_shape)
     if path.exists() and not path.is_file():  # reading a FIFO or a device could wait for ever
         raise UserError(f"{name}: not a regular file (a directory, a FIFO or a device)")
     if path.suffix.lower() == ".npy":
@@ -410,7 +412,8 @@ def run_predict(
     mesh = parallel.make_mesh()
     model, _, _, info = restore_model(workdir, step, compute_dtype, mesh, member=member)
     names = info["class_names"]
-    named, failures = [], []
+    named = []
+    failures = []
     for path in paths:
         try:
             images, notes = read_images(pathlib.Path(path), info["image_shape"])

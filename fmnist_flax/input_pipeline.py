@@ -200,7 +200,9 @@ class DeviceBatches:
     fused)."""
 
     def __init__(self, data: DeviceData, seeds: Sequence[int], fused: bool):
-        self.data, self.seeds, self.fused = data, list(seeds), fused
+        self.data = data
+        self.seeds = list(seeds)
+        self.fused = fused
         self._epoch, self._order = None, None
 
     def chunks(self, step: int, stop: int) -> Iterator[tuple[Any, ...]]:

@@ -90,7 +90,8 @@ def own_fields(opt: ml_collections.ConfigDict) -> dict[str, Any]:
 def member_values(config: ml_collections.ConfigDict, member: int) -> dict[str, float]:
     """Ensemble member `member`'s learning rate and weight decay: its own where
     `config.ensemble` lists them, config.optimizer's otherwise."""
-    ens, opt = config.ensemble, config.optimizer
+    ens = config.ensemble
+    opt = config.optimizer
     return {
         field: float(ens[field][member] if ens[field] else opt[field])
         for field in ("learning_rate", "weight_decay")

@@ -35,7 +35,9 @@ def op_kinds(hlo_text: str, kernel_shapes: set[tuple[int, ...]]) -> dict[str, st
     """Each instruction of a compiled module -> its kind: a matmul (a dot or convolution, or a
     fusion around one), elementwise work shaped like a weight matrix (AdamW's moments and
     update, the gradient norm: it scales with the parameters, not the batch), or the rest."""
-    calls_matmul, instructions, current = collections.defaultdict(bool), {}, ""
+    calls_matmul = collections.defaultdict(bool)
+    instructions = {}
+    current = ""
     for line in hlo_text.splitlines():
         if header := _COMPUTATION.match(line):
             current = header.group(1)

@@ -77,8 +77,7 @@ def write(dataset: Any, output: str | os.PathLike, shards: int = 4) -> dict[str,
     except (OSError, RuntimeError, ValueError) as exc:  # the writer's errors are RuntimeErrors
         raise UserError(
             f"--mode=prepare could not write {output} "
-            f"({workdir_lib.disk_problem(out.parent, exc)}); nothing was "
-            "kept"
+            f"({workdir_lib.disk_problem(out.parent, exc)}); nothing was kept"
         ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -101,11 +100,13 @@ def _write_files(dataset: Any, tmp: pathlib.Path, shards: int) -> dict[str, Any]
     """Every file of the record set in `tmp`; returns its info."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
-    splits, labels = {}, {}
+    splits = {}
+    labels = {}
     for split in SPLITS:
         images = getattr(dataset, f"{split}_images")
         labels[split] = np.asarray(getattr(dataset, f"{split}_labels"), np.int32)
-        names, counts = shard_names(split, shards), []
+        names = shard_names(split, shards)
+        counts = []
         parts = np.array_split(np.arange(len(images)), shards)
         for name, rows in zip(names, parts, strict=True):
             writer = ArrayRecordWriter(str(tmp / name), WRITER_OPTIONS)
@@ -146,7 +147,8 @@ def read_info(directory: pathlib.Path) -> dict[str, Any]:
         )
     try:
         info = json.loads(path.read_text())
-        shape, names = [int(s) for s in info["image_shape"]], info["class_names"]
+        shape = [int(s) for s in info["image_shape"]]
+        names = info["class_names"]
         files = {name: int(f["bytes"]) for name, f in info["files"].items()}
         for split in SPLITS:
             entry = info["splits"][split]
@@ -178,7 +180,8 @@ class RecordSource:
     safe to call from several threads (the readers are opened once, on first use)."""
 
     def __init__(self, paths: Sequence[pathlib.Path], counts: Sequence[int], pixels: int):
-        self.paths, self.pixels = [pathlib.Path(p) for p in paths], int(pixels)
+        self.paths = [pathlib.Path(p) for p in paths]
+        self.pixels = int(pixels)
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._readers: list[Any] | None = None
         self._lock = threading.Lock()
@@ -218,7 +221,8 @@ class RecordSource:
         """(pixels (n, H*W*C), labels (n,)) of the records `keys` (n,), in that order."""
         if len(keys) and (keys.min() < 0 or keys.max() >= len(self)):
             raise IndexError(f"record keys out of range 0..{len(self) - 1}")
-        readers, size = self._open(), LABEL_BYTES + self.pixels
+        readers = self._open()
+        size = LABEL_BYTES + self.pixels
         rows = np.empty((len(keys), size), np.uint8)
         shard = np.searchsorted(self.offsets, keys, side="right") - 1
         for k in np.unique(shard):
@@ -254,7 +258,8 @@ class RecordImages:
     ndim = 4
 
     def __init__(self, source: RecordSource, shape: Sequence[int], keys: Any = None):
-        self.source, self.image_shape = source, tuple(int(s) for s in shape)
+        self.source = source
+        self.image_shape = tuple(int(s) for s in shape)
         self.keys = range(len(source)) if keys is None else keys
 
     @property
@@ -301,7 +306,8 @@ def read_splits(
         ) from None
     images = {}
     for split in SPLITS:
-        entry, name = info["splits"][split], f"{directory / LABELS_FILE}[{split}]"
+        entry = info["splits"][split]
+        name = f"{directory / LABELS_FILE}[{split}]"
         if labels[split].shape != (entry["examples"],) or labels[split].dtype.kind not in "iu":
             raise UserError(
                 f"{name}: not {entry['examples']:,} integer labels as {INFO_FILE} "

@@ -22,7 +22,9 @@ if TYPE_CHECKING:  # matplotlib is imported by the first figure drawn (0.7 s a p
 
 Item = Table | tuple[str, "Figure"] | str  # a table, (PNG file name, figure) or a note
 
-BLUE, GREEN, RED = "#0969da", "#1a7f37", "#d1242f"
+BLUE = "#0969da"
+GREEN = "#1a7f37"
+RED = "#d1242f"
 DPI = 100
 CONFUSION_LABEL_AT = 0.08  # cells at or above this fraction (and the diagonal) show a percentage
 PREDICTION_SAMPLES = 25

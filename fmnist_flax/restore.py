@@ -135,7 +135,8 @@ def restore(
     """
     parallel.sync("restore")  # every process lists the same steps
     checkpoints.reload()
-    directory, steps = checkpoints.directory, checkpoints.steps()
+    directory = checkpoints.directory
+    steps = checkpoints.steps()
     candidates = [step] if step is not None else [s for s in steps[::-1] if s <= (at_most or s)]
     if step is not None and step not in steps:
         raise UserError(f"no checkpoint for step {step} in {directory}; it has {steps}")

@@ -148,7 +148,8 @@ def metric_names(row: dict[str, float]) -> list[str]:
 
 def spread_cell(row: dict[str, Any], name: str) -> str:
     """A row's `name`, with the members' range after it for an ensemble."""
-    cell, values = metric_cell(name, row[name]), member_values(row, name)
+    cell = metric_cell(name, row[name])
+    values = member_values(row, name)
     if not values:
         return cell
     return f"{cell} ({metric_cell(name, min(values))}-{metric_cell(name, max(values))})"
