@@ -43,7 +43,7 @@ COMPARISON_SEED = 10  # fresh models, never a trained one
 # --- The benchmark suite: `python main.py --mode=benchmark` --------------------------------
 
 BENCH_EXAMPLES = 2**17  # examples per timed run; steps = this / batch size
-BENCH_EAGER_STEPS = 10  # Python dispatch is ~100x slower; fewer steps tell the same story
+BENCH_EAGER_STEPS = 10  # Python dispatch is far slower; fewer steps tell the same story
 MATMUL_SIZE = 2048
 FUSED = "fused (default)"  # the path main.py trains on: the ratios' second reference
 GRAIN_RECORDS = "grain, record files"
@@ -482,8 +482,8 @@ def whole_run(steps: int, tmp: pathlib.Path, data_dir: str = "") -> dict[str, An
     script doing the same training, as subprocesses side by side.
 
     An untimed run goes first (one step, no compilation cache): the first process after a
-    pause reads the libraries and the data from disk again, 2-3 s here, which would otherwise
-    fall on whichever command is timed first."""
+    pause reads the libraries and the data from disk again, which would otherwise fall on
+    whichever command is timed first."""
     main_py = pathlib.Path(__file__).resolve().parents[1] / "main.py"
 
     def main_command(name: str, cache: pathlib.Path | str = tmp / "cache") -> list[str]:

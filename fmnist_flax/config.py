@@ -95,7 +95,7 @@ def grain_config() -> ml_collections.ConfigDict:
     grain = ml_collections.ConfigDict()
     grain.workers = 0  # host threads reading batches (0: one per core, at most 8)
     # Examples read in one bulk read, as a block of whole steps that trains in compiled calls
-    # of up to that many steps: larger blocks spread the reader's cost per call (~0.5 ms).
+    # of up to that many steps: larger blocks spread the reader's fixed cost per call.
     grain.block_examples = 16_384
     grain.prefetch = 2  # such blocks read ahead of the step that needs them (>= 1 per worker)
     return grain

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from fmnist_flax import parallel
 
-if TYPE_CHECKING:  # imported by the runs that read with Grain (0.25 s a process)
+if TYPE_CHECKING:  # imported only by the runs that read with Grain: a slow import
     import grain
 
 UNBOUNDED_STEPS = 2**62  # the batches never run out: epochs repeat

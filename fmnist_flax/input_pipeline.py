@@ -151,8 +151,7 @@ def _sort_keys(seed: int, epoch: int, num_examples: int) -> jax.Array:
 def epoch_order(seed: int, epoch: int, num_examples: int) -> jax.Array:
     """The permutation of the train set for one epoch, from (seed, epoch): exactly
     `jax.random.permutation`'s (a test checks), its keys drawn by JAX but sorted by NumPy on
-    the host, since XLA's CPU sort took 35 ms an epoch (a tenth of a default run's training)
-    where this takes 10 ms."""
+    the host, since XLA's CPU sort is several times slower (docs/performance.md)."""
     order = np.arange(num_examples, dtype=np.int32)
     # Drawn on the host's CPU device: reading them back never waits for a GPU's queued steps.
     with jax.default_device(jax.local_devices(backend="cpu")[0]):

@@ -17,7 +17,7 @@ import numpy as np
 
 from fmnist_flax.tables import Table
 
-if TYPE_CHECKING:  # matplotlib is imported by the first figure drawn (0.7 s a process)
+if TYPE_CHECKING:  # matplotlib, a slow import, is imported by the first figure drawn
     from matplotlib.figure import Figure
 
 Item = Table | tuple[str, "Figure"] | str  # a table, (PNG file name, figure) or a note
@@ -55,7 +55,7 @@ def new_figure(width: float, height: float) -> Figure:
 
 def image_grid(fig: Figure, rows: int, cols: int, hspace: float) -> list[Any]:
     """rows x cols axes for titled images under the figure's suptitle, laid out by fixed
-    margins: `tight_layout` draws the whole figure once more to measure it (0.3 s for 25)."""
+    margins: `tight_layout` would draw the whole figure once more to measure it."""
     height = fig.get_figheight()
     margins = {"left": 0.015, "right": 0.985, "wspace": 0.08, "hspace": hspace}
     spec = {"bottom": 0.15 / height, "top": 1 - SUPTITLE_INCHES / height, **margins}

@@ -2,12 +2,12 @@
 
     .venv/bin/python scripts/compare_speed.py BASE_REV [--batch_sizes=512,32] [--pairs=15]
 
-On a shared machine the load moves whole runs by 1.4x within minutes, so two processes timed
-one after the other cannot tell 3% apart. This loads the package of BASE_REV (a git worktree,
-renamed `fmnist_flax_base`) beside this checkout's, builds each one's `benchmark.fused_runner`
-(the compiled chunk main.py trains with) on the same data, and alternates timed epochs of the
-two, printing the median ratio of the pairs. Both commits need `benchmark.fused_runner(config,
-device_data)`.
+On a shared machine the load moves whole runs within minutes by far more than the differences
+worth measuring, so two processes timed one after the other cannot tell them apart. This loads
+the package of BASE_REV (a git worktree, renamed `fmnist_flax_base`) beside this checkout's,
+builds each one's `benchmark.fused_runner` (the compiled chunk main.py trains with) on the same
+data, and alternates timed epochs of the two, printing the median ratio of the pairs. Both
+commits need `benchmark.fused_runner(config, device_data)`.
 """
 
 from __future__ import annotations
