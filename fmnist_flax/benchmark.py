@@ -83,7 +83,7 @@ def fresh_state(config: ml_collections.ConfigDict, device_data: input_pipeline.D
     )
 
 
-Runner = Callable[[int], Any]  # run(steps) -> something to block on
+Runner = Callable[[int], Any]  # run_steps(steps) -> something to block on
 
 
 def codelab_runner(config: ml_collections.ConfigDict, fixed: tuple[jax.Array, jax.Array]) -> Runner:
@@ -94,7 +94,7 @@ def codelab_runner(config: ml_collections.ConfigDict, fixed: tuple[jax.Array, ja
     params = reference.init_mlp_params(jax.random.key(COMPARISON_SEED), *config.model.hidden)
     carry = [params, tx.init(params), 0]
 
-    def run(steps):
+    def run_steps(steps):
         params, opt_state, i = carry
         for _ in range(steps):
             j = i % fixed_x.shape[0]
@@ -103,7 +103,7 @@ def codelab_runner(config: ml_collections.ConfigDict, fixed: tuple[jax.Array, ja
         carry[:] = params, opt_state, i
         return params, metrics
 
-    return run
+    return run_steps
 
 
 def per_step_runner(step_fn, config, device_data, fixed) -> Runner:
@@ -113,14 +113,14 @@ def per_step_runner(step_fn, config, device_data, fixed) -> Runner:
     frozen = ml_collections.FrozenConfigDict(config)
     counter = [0]
 
-    def run(steps):
+    def run_steps(steps):
         for _ in range(steps):
             j = counter[0] % fixed_x.shape[0]
             metrics = step_fn(model, optimizer, fixed_x[j], fixed_y[j], frozen)
             counter[0] += 1
         return metrics, nnx.state(model)
 
-    return run
+    return run_steps
 
 
 def fused_runner(
@@ -144,7 +144,7 @@ def fused_runner(
     per_epoch = device_data.batches_per_epoch
     carry = [state, 0]
 
-    def run(steps):
+    def run_steps(steps):
         state, i = carry
         while steps:
             index = i % per_epoch
@@ -162,8 +162,8 @@ def fused_runner(
             checkpoints.wait()
         return state, metrics
 
-    run.scratch = scratch  # the checkpoints' directory lives as long as the runner
-    return run
+    run_steps.scratch = scratch  # the checkpoints' directory lives as long as the runner
+    return run_steps
 
 
 def grain_runner(config, device_data: input_pipeline.DeviceData, dataset) -> Runner:
@@ -176,14 +176,14 @@ def grain_runner(config, device_data: input_pipeline.DeviceData, dataset) -> Run
     batches = grain_pipeline.from_config(config, source, device_data.mesh)
     carry = [state, 0]
 
-    def run(steps):
+    def run_steps(steps):
         state, i = carry
         for images, labels, order, index, count, _ in batches.chunks(i, i + steps):
             state, _, metrics = chunk(state, sums, images, labels, order, index, count)
         carry[:] = state, i + steps
         return state, metrics
 
-    return run
+    return run_steps
 
 
 def grain_alone_runner(config, device_data: input_pipeline.DeviceData, dataset) -> Runner:
@@ -194,12 +194,12 @@ def grain_alone_runner(config, device_data: input_pipeline.DeviceData, dataset) 
     )
     done = [0]
 
-    def run(steps):
+    def run_steps(steps):
         placed = [(x, y) for x, y, *_ in batches.chunks(done[0], done[0] + steps)]
         done[0] += steps
         return placed[-1]
 
-    return run
+    return run_steps
 
 
 def chunk_for(config, device_data, graphdef, model) -> tuple[Callable[..., Any], train.Metrics]:
@@ -209,9 +209,7 @@ def chunk_for(config, device_data, graphdef, model) -> tuple[Callable[..., Any],
     return chunk, train.zero_sums(model, frozen, device_data.image_shape)
 
 
-def ensemble_config(
-    config: ml_collections.ConfigDict, members: int, same_data: bool, shards: int = 1
-):
+def as_ensemble(config: ml_collections.ConfigDict, members: int, same_data: bool, shards: int = 1):
     """`config` as an ensemble of `members` on shared batches or each on its own, split over
     `shards` devices."""
     ensemble = ml_collections.ConfigDict(config.to_dict())
@@ -252,7 +250,7 @@ def _runners(
         layouts.append((f", {shards} devices", shards, split_data))
     ensembles = {
         f"ensemble of {members}, {data}{where}": functools.partial(
-            fused_runner, ensemble_config(config, members, data == "shared data", shards), on
+            fused_runner, as_ensemble(config, members, data == "shared data", shards), on
         )
         for where, shards, on in layouts
         for data in ("shared data", "own data")
@@ -635,7 +633,7 @@ def run_benchmark(
     _check_options(config, batch_sizes, dtypes, steps, repeats, members, member_shards, output)
     dataset = datasets.load(config)
     with tempfile.TemporaryDirectory(prefix="bench-records-") as tmp:
-        records.write(dataset, pathlib.Path(tmp) / "records")
+        records.write_dataset(dataset, pathlib.Path(tmp) / "records")
         result = run_suite(
             config,
             dataset,

@@ -74,13 +74,13 @@ def process_batches(
         epoch, index = divmod(step, per_epoch)
         return permutation(epoch)[index * examples : (index + 1) * examples]
 
-    def read(block: int) -> tuple[np.ndarray, np.ndarray]:
+    def read_block(block: int) -> tuple[np.ndarray, np.ndarray]:
         steps = range(block * steps_per_block, (block + 1) * steps_per_block)
         mine = np.stack([picks(step) for step in steps])
         mine = mine.reshape(steps_per_block, accumulate, batch_size)[..., first : first + share]
         return source[mine[:, 0] if accumulate == 1 else mine]
 
-    return grain.MapDataset.range(first_block, UNBOUNDED_STEPS).map(read)
+    return grain.MapDataset.range(first_block, UNBOUNDED_STEPS).map(read_block)
 
 
 class GrainBatches:

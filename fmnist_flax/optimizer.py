@@ -87,7 +87,7 @@ def own_fields(opt: ml_collections.ConfigDict) -> dict[str, Any]:
     return {f: opt[f] for f in OWN_FIELDS if opt.get(f) not in (None, False)}
 
 
-def member_values(config: ml_collections.ConfigDict, member: int) -> dict[str, float]:
+def member_hyperparams(config: ml_collections.ConfigDict, member: int) -> dict[str, float]:
     """Ensemble member `member`'s learning rate and weight decay: its own where
     `config.ensemble` lists them, config.optimizer's otherwise."""
     ens = config.ensemble
@@ -114,7 +114,7 @@ def create(
     if member is None:
         tx = build(learning_rate(config), weight_decay=opt.weight_decay, **own)
     else:  # only these two injected: the others stay Python floats, bit-exact with one run
-        values = member_values(config, member)
+        values = member_hyperparams(config, member)
         if opt.schedule != "constant":  # one schedule for every member (its peak is shared)
             values["learning_rate"] = learning_rate(config)
 

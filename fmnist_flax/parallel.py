@@ -328,7 +328,7 @@ def sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def describe(mesh: Mesh, batch_size: int, param_sharding: str) -> str:
+def layout(mesh: Mesh, batch_size: int, param_sharding: str) -> str:
     """One line on how the run is laid out, for the terminal and summary.json."""
     kinds = sorted({d.platform for d in mesh.devices.flat})
     processes = jax.process_count()

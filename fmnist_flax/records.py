@@ -48,7 +48,7 @@ def _sha256(path: pathlib.Path) -> str:
     return digest.hexdigest()
 
 
-def write(dataset: Any, output: str | os.PathLike, shards: int = 4) -> dict[str, Any]:
+def write_dataset(dataset: Any, output: str | os.PathLike, shards: int = 4) -> dict[str, Any]:
     """Write `dataset` (a datasets.Dataset) as record files in `output`, which must not exist
     or be empty; returns its info. Written into a sibling temporary directory and renamed at
     the end, so a stopped or failed prepare never leaves a half-written record set behind

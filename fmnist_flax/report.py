@@ -294,11 +294,11 @@ def write_report(
     """Every figure as a PNG and report.html with every section, known ones in SECTION_ORDER."""
     report_dir.mkdir(exist_ok=True)
 
-    def place(heading: str) -> int:
+    def section_rank(heading: str) -> int:
         return SECTION_ORDER.index(heading) if heading in SECTION_ORDER else len(SECTION_ORDER)
 
     numbered = []
-    for number, heading in enumerate(sorted(sections, key=place), start=1):
+    for number, heading in enumerate(sorted(sections, key=section_rank), start=1):
         items = [
             save_png(item[1], report_dir / item[0]) if isinstance(item, tuple) else item
             for item in sections[heading]

@@ -30,7 +30,7 @@ def small_set(tmp_path: pathlib.Path, shards: int = 2, name: str = "small") -> p
         "small", "Small", [str(k) for k in range(10)], (train_x, train_y), (test_x, test_y),
         sources=("a", "b"), origin="arrays",
     )  # fmt: skip
-    records.write(dataset, tmp_path / name, shards)
+    records.write_dataset(dataset, tmp_path / name, shards)
     return tmp_path / name
 
 
@@ -196,7 +196,7 @@ def test_ten_times_the_records_train_in_the_same_memory(tmp_path, real_dataset, 
         train_images=ShiftedCopies(real_dataset.train_images, 10),
         train_labels=np.tile(real_dataset.train_labels, 10),
     )
-    records.write(big, tmp_path / "big")
+    records.write_dataset(big, tmp_path / "big")
     try:
         peaks = {}
         for name, data in (("small", fmnist_records), ("big", tmp_path / "big")):
