@@ -156,7 +156,7 @@ def fused_runner(
             steps -= count
             if checkpoints and i % config.checkpoint_every == 0 and checkpoints.due(i):
                 progress = train.progress_of(i, per_epoch, config)  # main.py's save, checks too
-                train.Guard(checkpoints, i).save(i, (model, optimizer), state, progress)
+                train.save_if_finite(checkpoints, i, model, optimizer, state, progress, i)
         carry[:] = state, i
         if checkpoints:
             checkpoints.wait()

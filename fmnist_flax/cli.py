@@ -256,7 +256,15 @@ def main(argv: Sequence[str]) -> None:
             auto=_DISTRIBUTED.value,
             timeout_s=_DISTRIBUTED_TIMEOUT.value,
         )
-        run_mode(_MODE.value, config)
+        if _MODE.value == "train":
+            train.train_and_evaluate(
+                config,
+                _WORKDIR.value,
+                extensions(),
+                accept_config_change=_ACCEPT_CONFIG_CHANGE.value,
+            )
+        else:
+            run_mode(_MODE.value, config)
     except UserError as exc:
         fail(str(exc), getattr(exc, "exit_code", 1), together=isinstance(exc, train.Interrupted))
     except KeyboardInterrupt:
@@ -292,12 +300,8 @@ def step_flag() -> int | str | None:
 
 
 def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
-    """Train, benchmark, evaluate, predict or export, as --mode says."""
-    if mode == "train":
-        experiment.train_and_evaluate(
-            config, _WORKDIR.value, extensions(), accept_config_change=_ACCEPT_CONFIG_CHANGE.value
-        )
-    elif mode == "benchmark":
+    """Every mode but training: benchmark, prepare, evaluate, predict or export."""
+    if mode == "benchmark":
         run_benchmark(config)
     elif mode == "prepare":
         prepare(config)

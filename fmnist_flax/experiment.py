@@ -1,6 +1,7 @@
-"""One training run, stage by stage: set up, describe, fit, evaluate, write the outputs.
+"""What a training run holds and the stages around its loop: the set-up checks, the tables,
+the final evaluation and the outputs (summary.json, report/).
 
-`train_and_evaluate` is what `main.py` runs. Extensions (the codelab's demonstrations in
+The loop itself is `train.train_and_evaluate`. Extensions (the codelab's demonstrations in
 `codelab.py`) add tables, figures and summary entries before and after training; nothing on
 the training path imports them, so deleting one leaves a working trainer.
 """
@@ -10,8 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pathlib
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,15 +24,12 @@ from fmnist_flax import config as config_lib
 from fmnist_flax import (
     datasets,
     evaluate,
-    grain_pipeline,
     inference,
     input_pipeline,
     parallel,
     report,
-    restore,
     summaries,
     tables,
-    train,
 )
 from fmnist_flax import model as model_lib
 from fmnist_flax import optimizer as optimizer_lib
@@ -49,13 +46,10 @@ class Run:
     workdir: pathlib.Path
     dataset: datasets.Dataset
     device_data: input_pipeline.DeviceData
-    batches: Any  # what feeds training: input_pipeline.DeviceBatches or GrainBatches
     checkpoints: checkpoint_lib.Checkpoints
     model: nnx.Module
     optimizer: nnx.Optimizer
     start_step: int
-    resumed: dict[str, Any]  # the progress item of the checkpoint resumed from ({}: none)
-    signals: train.StopSignals
     sections: dict[str, list[report.Item]] = dataclasses.field(default_factory=dict)
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)  # extensions' entries
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
@@ -92,64 +86,14 @@ class Extension:
         """After the evaluation, before the summary and report are written."""
 
 
-def train_and_evaluate(
+def prepare(
     config: ml_collections.ConfigDict,
     workdir: str | pathlib.Path | None,
-    extensions: Sequence[Extension] = (),
-    *,
-    accept_config_change: bool = False,
-) -> dict[str, Any]:
-    """Train (resuming from the workdir's checkpoints), evaluate and write every output.
-
-    Writes summary.json, metrics.jsonl, checkpoints/ and report/ in the workdir and returns
-    the summary. SIGINT and SIGTERM stop it with a saved checkpoint and one line, whenever they
-    come; resuming with values that change the computation needs `accept_config_change`.
-    """
-    wall_start = time.perf_counter()
-    with contextlib.ExitStack() as cleanup:
-        signals = cleanup.enter_context(train.StopSignals())
-        run = set_up(config, workdir, signals, cleanup, accept_config_change)
-        # An unreadable summary.json (a kill while it was replaced is not one: it is written
-        # atomically) is written again from the final checkpoint.
-        summary = workdir_lib.read_json(run.workdir / workdir_lib.SUMMARY_FILE)
-        if run.start_step > config.steps or (run.start_step == config.steps and summary):
-            parallel.say(
-                f"workdir {run.workdir} already holds step {run.start_step}; nothing to do for "
-                f"--steps={config.steps} (pass a larger --steps to continue)"
-            )
-            return summary or {}
-        describe(run)
-        for extension in extensions:
-            extension.before_training(run)
-        fit(run)
-        stop_if_signalled(run)
-        evaluation = evaluate_model(run)
-        for extension in extensions:
-            extension.after_training(run)
-            stop_if_signalled(run)
-        return write_outputs(run, evaluation, time.perf_counter() - wall_start)
-
-
-def stop_if_signalled(run: Run) -> None:
-    """After training, a signal still stops the run with its line and exit code; the final
-    checkpoint is on disk and the same command finishes the outputs."""
-    signum = max(parallel.from_every_process(run.signals.signum))
-    if signum:
-        raise train.interrupted(
-            signum, run.config.steps, run.checkpoints,
-            "; the summary and report were not written",
-        )  # fmt: skip
-
-
-def set_up(
-    config: ml_collections.ConfigDict,
-    workdir: str | pathlib.Path | None,
-    signals: train.StopSignals,
     cleanup: contextlib.ExitStack,
-    accept_config_change: bool = False,
-) -> Run:
-    """Check everything a user can get wrong, claim the workdir, load the data, build the
-    state and resume; what needs closing is registered on `cleanup`."""
+    devices: list[jax.Device] | None = None,
+) -> tuple[pathlib.Path, datasets.Dataset, input_pipeline.DeviceData]:
+    """Check everything a user can get wrong, claim the workdir (released on `cleanup`), load
+    the data and place it on a mesh over `devices` (default: all)."""
     config_lib.validate(config)
     datasets.get(config)  # an unknown dataset or a missing --data_dir, before any I/O
     if jax.process_count() > 1 and not workdir:
@@ -161,89 +105,12 @@ def set_up(
         cleanup.callback(workdir_lib.Lock(workdir).release)
     dataset = datasets.load(config)
     model_lib.check_config(config.model, dataset.image_shape)
-    mesh = parallel.make_mesh(member_shards=config.ensemble.shards)
+    mesh = parallel.make_mesh(devices, member_shards=config.ensemble.shards)
     on_host = config.input_pipeline == "grain"
     device_data = input_pipeline.to_device(
         dataset, config.batch_size, mesh, not on_host, config.optimizer.accumulate
     )
-    model, optimizer = train.create_train_state(
-        config, dataset.image_shape, dataset.num_classes, mesh
-    )
-    checkpoints = checkpoint_lib.Checkpoints(
-        workdir,
-        max_to_keep=config.max_to_keep,
-        keep_best=config.keep_best,
-        metadata={"config": config.to_dict(), "dataset": dataset.info()},
-        min_interval_secs=config.checkpoint_min_interval_secs,
-    )
-    cleanup.callback(checkpoints.close)
-    cleanup.callback(checkpoints.wait)  # runs first: the last save is on disk before closing
-    changes = check_config_changes(checkpoints, config, dataset, accept_config_change)
-    checkpoints.metadata["changes"] = {"changes": changes}
-    expected = train.progress_of(0, device_data.batches_per_epoch, config)
-    optimizer_changed = any(c["field"].startswith(config_lib.OPTIMIZER_FIELDS) for c in changes)
-    start_step, resumed = restore.resume(checkpoints, model, optimizer, expected, optimizer_changed)
-    if config.keep_best and jax.process_count() == 1:  # processes could not agree to move it
-        restore.check_best(checkpoints, model, start_step)
-    if not start_step and config.init_from:
-        optimizer = warm_start(model, config, mesh)
-    batches = training_batches(config, dataset, device_data, resumed, start_step)
-    run = Run(
-        config, workdir, dataset, device_data, batches, checkpoints, model, optimizer,
-        start_step, resumed, signals,
-    )  # fmt: skip
-    run.summary["config_changes"] = changes
-    if config.init_from:
-        run.summary["init_from"] = config.init_from
-    return run
-
-
-def training_batches(
-    config: ml_collections.ConfigDict,
-    dataset: datasets.Dataset,
-    device_data: input_pipeline.DeviceData,
-    resumed: dict[str, Any],
-    start_step: int,
-) -> Any:
-    """What feeds training from `start_step` on: the Grain pipeline (its iterator where the
-    checkpoint left it) or the device pipeline."""
-    if config.input_pipeline != "grain":
-        return input_pipeline.DeviceBatches(
-            device_data, train.member_seeds(config), config.fused_steps
-        )
-    source = grain_pipeline.train_source(dataset)
-    return grain_pipeline.from_config(
-        config, source, device_data.mesh, resumed.get("data_iterator"), start_step
-    )
-
-
-def warm_start(
-    model: nnx.Module, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
-) -> nnx.Optimizer:
-    """Load the model of `config.init_from` (WORKDIR or WORKDIR:STEP) into `model`: its
-    parameters and BatchNorm statistics, shapes checked in one line; returns a fresh
-    optimizer for it."""
-    workdir, step, member = parse_init_from(config.init_from)
-    source = inference.restore_model(workdir, step, flag="--init_from", member=member)[0]
-    ensembles = isinstance(source, model_lib.Ensemble), isinstance(model, model_lib.Ensemble)
-    if ensembles == (True, False):
-        raise UserError(
-            f"--init_from={config.init_from}: {workdir} is an ensemble of {source.size}; start "
-            f"from one member: --init_from={config.init_from}@K (or @best)"
-        )
-    if ensembles == (False, True):  # every member starts from the one model
-        source = model_lib.Ensemble(model_lib.stack([source] * model.size), model.size)
-    learned = nnx.Any(nnx.Param, nnx.BatchStat)
-    wanted, loaded = nnx.state(model, learned), nnx.state(source, learned)
-    restore.check_shapes(
-        wanted, loaded, f"--init_from={config.init_from}",
-        advice="a warm start needs the same model fields and number of classes",
-    )  # fmt: skip
-    nnx.update(model, loaded)
-    optimizer = train.create_optimizer(model, config)
-    train.place_state(model, optimizer, mesh, config.param_sharding)
-    parallel.say(f"initialised from {workdir} (step {step or 'newest'}): its parameters")
-    return optimizer
+    return workdir, dataset, device_data
 
 
 def parse_init_from(value: str) -> tuple[str, int | str | None, int | str | None]:
@@ -289,13 +156,13 @@ def check_config_changes(
     return earlier["changes"] + [{"step": step, **c} for c in changes]
 
 
-def describe(run: Run) -> None:
+def show_setup(run: Run) -> None:
     """The set-up tables: versions and layout, the data, the arrays on the device, the model."""
     parallel.say(f"workdir: {run.workdir}")
     if run.start_step:
         parallel.say(f"resuming from checkpoint {run.start_step} in {run.checkpoints.directory}")
     mesh, d = run.device_data.mesh, run.dataset
-    layout = parallel.describe(mesh, run.config.batch_size, run.config.param_sharding)
+    layout = parallel.layout(mesh, run.config.batch_size, run.config.param_sharding)
     versions = {name.capitalize(): v for name, v in workdir_lib.versions().items()}
     run.show("Set-up", tables.setup_table(versions, layout))
     if parallel.is_primary() and jax.default_backend() != "gpu":
@@ -303,13 +170,19 @@ def describe(run: Run) -> None:
             "No GPU found: running on %s. Install '.[cuda12]' on a GPU host.", jax.devices()[0]
         )
     run.show("Data", tables.splits_table(d))
-    run.figure("Data", "examples_per_class.png", lambda: report.examples_per_class(
-        d.train_images, d.train_labels, d.class_names, d.title))  # fmt: skip
+    run.figure(
+        "Data",
+        "examples_per_class.png",
+        lambda: report.examples_per_class(d.train_images, d.train_labels, d.class_names, d.title),
+    )
     arrays = {k: v for k, v in vars(run.device_data).items() if isinstance(v, jax.Array)}
     run.show("Batches", tables.arrays_table("Data arrays on the device", arrays))
     images, _ = test_set(run)
-    run.note("Batches", f"The test set ({len(images):,} uint8 images) stays on the host; "
-             "evaluation streams it to the devices in fixed-size calls.")  # fmt: skip
+    run.note(
+        "Batches",
+        f"The test set ({len(images):,} uint8 images) stays on the host; "
+        "evaluation streams it to the devices in fixed-size calls.",
+    )
     run.show("Model", tables.params_table(run.model))
 
 
@@ -324,64 +197,43 @@ def evaluate_test(run: Run, model: nnx.Module) -> dict[str, Any]:
     return evaluate.evaluate(model, *test_set(run), run.config, run.device_data.mesh)
 
 
-def fit(run: Run) -> None:
-    """Train to `config.steps`, evaluating on the test set every `eval_every` steps (each
-    epoch by default) and logging to metrics.jsonl, TensorBoard and the progress bar
-    (process 0)."""
-    metrics_path = run.workdir / workdir_lib.METRICS_FILE
-    primary = parallel.is_primary()
-    last = {"step": run.start_step, "time": time.perf_counter(), "eval": 0.0}
-    with contextlib.ExitStack() as outputs:
-        if primary:
-            metrics_log = workdir_lib.MetricsLog(metrics_path, keep_until=run.start_step)
-            progress = tables.ProgressBar(run.config.steps)
-            board = summaries.Summaries(run.workdir, run.config, run.start_step)
-            for closing in (metrics_log, progress, board):
-                outputs.callback(closing.close)
-
-        def on_eval(step: int, model: nnx.Module) -> dict[str, float]:
-            began = time.perf_counter()
-            model.eval()
-            full = evaluate_test(run, model)
-            run.evaluation = step, full
-            run.eval_seconds += time.perf_counter() - began
-            return {f"test_{k}": v for k, v in metrics_of(full).items() if k != evaluate.COUNT}
-
-        def on_log(row: dict[str, float]) -> None:
-            now = time.perf_counter()
-            seconds = now - last["time"] - (run.eval_seconds - last["eval"])
-            per_step = train.member_examples_per_step(run.device_data, run.config)
-            rate = (row["step"] - last["step"]) * per_step / seconds
-            first = last["step"] == run.start_step  # its interval includes the compilation
-            last.update(step=row["step"], time=now, eval=run.eval_seconds)
-            if primary:
-                metrics_log.write(row)
-                board.write(row, None if first else rate)
-                progress.update(row)
-
-        run.examples_per_sec = train.fit(
-            run.model, run.optimizer, run.device_data, run.config,
-            start_step=run.start_step, checkpoints=run.checkpoints, on_log=on_log,
-            on_eval=on_eval, signals=run.signals, batches=run.batches, resumed=run.resumed,
-        )  # fmt: skip
+def show_training(run: Run) -> None:
+    """After the last step: the replicas compared, then (process 0) the training log's table and
+    curve, read back from metrics.jsonl (every logged step, resumes included)."""
     compared = parallel.check_replicas(nnx.state(run.model, nnx.Param), "the trained parameters")
     if jax.process_count() > 1:
         parallel.say(
             f"the {compared} replicated parameter arrays are identical in all "
             f"{jax.process_count()} processes"
         )
-    if not primary:
+    if not parallel.is_primary():
         return
-    run.history = workdir_lib.read_jsonl(metrics_path)  # every logged step, resumes included
+    run.history = workdir_lib.read_jsonl(run.workdir / workdir_lib.METRICS_FILE)
     run.show("Training", tables.training_log_table(run.history, run.examples_per_sec))
     steps = [h["step"] for h in run.history]
     tested = [h for h in run.history if "test_accuracy" in h]
     test = tuple([h[k] for h in tested] for k in ("step", "test_loss", "test_accuracy"))
-    run.figure("Training", "training_curve.png", lambda: report.training_curve(
-        steps, [h["loss"] for h in run.history], [h["accuracy"] for h in run.history],
-        run.dataset.title, test))  # fmt: skip
-    run.note("Training", f"{len(tested)} test-set evaluations during training took "
-             f"{run.eval_seconds:.1f} s, not counted in the examples/sec above.")  # fmt: skip
+    run.figure(
+        "Training",
+        "training_curve.png",
+        lambda: report.training_curve(
+            steps,
+            [h["loss"] for h in run.history],
+            [h["accuracy"] for h in run.history],
+            run.dataset.title,
+            test,
+        ),
+    )
+    run.note(
+        "Training",
+        f"{len(tested)} test-set evaluations during training took {run.eval_seconds:.1f} s, "
+        "not counted in the examples/sec above.",
+    )
+
+
+def test_metrics(evaluation: dict[str, Any]) -> dict[str, float]:
+    """An evaluation's metrics as a logged row's columns: test_loss, test_accuracy, ..."""
+    return {f"test_{k}": v for k, v in metrics_of(evaluation).items() if k != evaluate.COUNT}
 
 
 def metrics_of(evaluation: dict[str, Any]) -> dict[str, Any]:
@@ -412,8 +264,10 @@ def evaluate_model(run: Run) -> dict[str, Any]:
         since = run.history[-2]["step"] if len(run.history) > 1 else 0
         examples = (last["step"] - since) * run.device_data.examples_per_step
         train_row = {k: v for k, v in last.items() if not k.startswith("test_") and k != "step"}
-        rows = {f"train, steps {since + 1}-{last['step']}": {**train_row, "examples": examples},
-                **rows}  # fmt: skip
+        rows = {
+            f"train, steps {since + 1}-{last['step']}": {**train_row, "examples": examples},
+            **rows,
+        }
     run.show("Evaluation", tables.evaluation_table(rows))
     members = ensemble_members(run.config, result["full"], last)
     if members:
@@ -422,22 +276,39 @@ def evaluate_model(run: Run) -> dict[str, Any]:
         run.show("Evaluation", tables.members_table(members, best))
         summaries.write_members(run.workdir, members, run.config.steps)
         losses = [model_lib.member_values(h, "loss") for h in run.history]
-        run.figure("Evaluation", "members.png", lambda: report.members_figure(
-            [h["step"] for h in run.history], list(zip(*losses, strict=True)), members,
-            d.title))  # fmt: skip
+        run.figure(
+            "Evaluation",
+            "members.png",
+            lambda: report.members_figure(
+                [h["step"] for h in run.history], list(zip(*losses, strict=True)), members, d.title
+            ),
+        )
     picks = report.sample_indices(len(labels))
-    run.figure("Evaluation", "predictions.png", lambda: report.prediction_grid(
-        d.test_images[picks], labels[picks], full["predictions"][picks],
-        d.class_names))  # fmt: skip
-    run.figure("Evaluation", "confusion_matrix.png",
-               lambda: report.confusion_figure(counts, d.class_names))  # fmt: skip
+    run.figure(
+        "Evaluation",
+        "predictions.png",
+        lambda: report.prediction_grid(
+            d.test_images[picks], labels[picks], full["predictions"][picks], d.class_names
+        ),
+    )
+    run.figure(
+        "Evaluation", "confusion_matrix.png", lambda: report.confusion_figure(counts, d.class_names)
+    )
     data = run.device_data
-    run.show("Device placement", tables.placement_table({
-        "params": nnx.state(run.model, nnx.Param),
-        "optimizer state": nnx.state(run.optimizer, nnx.OptState),
-        **({"train data": (data.train_images, data.train_labels)}
-           if data.train_images is not None else {}),
-    }))  # fmt: skip
+    run.show(
+        "Device placement",
+        tables.placement_table(
+            {
+                "params": nnx.state(run.model, nnx.Param),
+                "optimizer state": nnx.state(run.optimizer, nnx.OptState),
+                **(
+                    {"train data": (data.train_images, data.train_labels)}
+                    if data.train_images is not None
+                    else {}
+                ),
+            }
+        ),
+    )
     return result
 
 
@@ -456,14 +327,15 @@ def ensemble_members(
     column = model_lib.member_column
     names = [n for n in full if model_lib.MEMBER_SEPARATOR not in n and n != evaluate.COUNT]
     train = [
-        n for n in last
+        n
+        for n in last
         if model_lib.MEMBER_SEPARATOR not in n and n != "step" and not n.startswith("test_")
-    ]  # fmt: skip
+    ]
     return [
         {
             "member": k,
             "seed": config.seed + k,
-            **optimizer_lib.member_values(config, k),
+            **optimizer_lib.member_hyperparams(config, k),
             **{f"final_train_{n}": last[column(n, k)] for n in train if column(n, k) in last},
             **{f"test_{n}": full[column(n, k)] for n in names},
         }
@@ -515,7 +387,7 @@ def write_outputs(run: Run, evaluation: dict[str, Any], wall_seconds: float) -> 
         "num_processes": jax.process_count(),
         "mesh": dict(mesh.shape),
         "param_sharding": config.param_sharding,
-        "layout": parallel.describe(mesh, config.batch_size, config.param_sharding),
+        "layout": parallel.layout(mesh, config.batch_size, config.param_sharding),
         "confusion_matrix": evaluation["confusion"].tolist(),
         "report": str(report_path) if report_path else None,
         "wall_seconds": wall_seconds,

@@ -1,19 +1,22 @@
-"""The loss, the train step and the loop that runs it (sections 8 and 9).
+"""The loss, the train step and the training loop (sections 8 and 9).
 
-`train_step` is the one place a step is defined: `jit_train_step` compiles it as the codelab's
-`nnx.jit` step, and `make_train_chunk` runs it K times inside one compiled `fori_loop` (the
-default path). The loss and every metric come from `task.per_example`; hyperparameters reach
-the step once, as the run's (frozen) config. Each logged row is the mean of every metric over
-the steps since the row before, summed on the device inside the chunks.
+`train_and_evaluate` (at the end) is the run `main.py` starts: set-up, the loop, the final
+evaluation and the outputs, top to bottom. `train_step` is the one place a step is defined:
+`jit_train_step` compiles it as the codelab's `nnx.jit` step, and `make_train_chunk` runs it K
+times inside one compiled `fori_loop` (the default path). The loss and every metric come from
+`task.per_example`; hyperparameters reach the step once, as the run's (frozen) config. Each
+logged row is the mean of every metric over the steps since the row before, summed on the
+device inside the chunks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import pathlib
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -24,8 +27,21 @@ import optax
 from flax import nnx
 
 from fmnist_flax import checkpoint as checkpoint_lib
-from fmnist_flax import input_pipeline, parallel, task
+from fmnist_flax import config as config_lib
+from fmnist_flax import (
+    datasets,
+    experiment,
+    grain_pipeline,
+    inference,
+    input_pipeline,
+    parallel,
+    restore,
+    summaries,
+    tables,
+    task,
+)
 from fmnist_flax import optimizer as optimizer_lib
+from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
 from fmnist_flax.model import Ensemble, create_model, member_column, stack
 
@@ -38,10 +54,12 @@ def create_optimizer(model: nnx.Module, config: ml_collections.ConfigDict) -> nn
     """The config's Optax optimizer (AdamW by default, the codelab's) over the parameters; for
     an Ensemble, each member's own (its learning rate and weight decay), stacked."""
     if isinstance(model, Ensemble):
-        return stack([
-            nnx.Optimizer(model.member(k), optimizer_lib.create(config, k), wrt=nnx.Param)
-            for k in range(model.size)
-        ])  # fmt: skip
+        return stack(
+            [
+                nnx.Optimizer(model.member(k), optimizer_lib.create(config, k), wrt=nnx.Param)
+                for k in range(model.size)
+            ]
+        )
     return nnx.Optimizer(model, optimizer_lib.create(config), wrt=nnx.Param)
 
 
@@ -305,9 +323,15 @@ def chunk_steps(
                     x = input_pipeline.normalize(x).reshape(*y.shape, *image_shape)
                 else:
                     x, y = input_pipeline.batch_at(
-                        images, labels, order, start + i, batch_size, image_shape, mesh,
+                        images,
+                        labels,
+                        order,
+                        start + i,
+                        batch_size,
+                        image_shape,
+                        mesh,
                         accumulate,
-                    )  # fmt: skip
+                    )
                 if max_shift or flip:
                     key = jax.random.fold_in(aug_key, first_step + i)
                     x = input_pipeline.augment(x, key, max_shift, flip)
@@ -355,8 +379,9 @@ def make_train_chunk(
 
     @functools.partial(jax.jit, donate_argnums=0)
     def train_chunk(state, sums, images, labels, order, start, count, first_step=0, aug_key=None):
-        run = functools.partial(steps, images=images, labels=labels, start=start, count=count,
-                                first_step=first_step)  # fmt: skip
+        run = functools.partial(
+            steps, images=images, labels=labels, start=start, count=count, first_step=first_step
+        )
         if passes == 1:
             return run(state, sums, order, aug_key)
         return in_passes(run, passes, state, sums, order, aug_key, loop=config.fused_steps)
@@ -423,9 +448,11 @@ def next_stop(step: int, config: ml_collections.ConfigDict, batches_per_epoch: i
     if step == 0:
         return 1  # step 1 is logged (and compiles the chunk)
     periods = (
-        config.log_every, config.checkpoint_every, batches_per_epoch,
+        config.log_every,
+        config.checkpoint_every,
+        batches_per_epoch,
         eval_period(config, batches_per_epoch),
-    )  # fmt: skip
+    )
     return min(*[(step // every + 1) * every for every in periods], config.steps)
 
 
@@ -455,47 +482,6 @@ def member_seeds(config: ml_collections.ConfigDict) -> list[int]:
     return [config.seed]
 
 
-class Guard:
-    """Stops training with one line when the loss or the parameters stop being finite."""
-
-    def __init__(self, checkpoints: checkpoint_lib.Checkpoints, last_finite: int):
-        self.checkpoints, self.last_finite = checkpoints, last_finite
-
-    def stop(self, what: str, step: int) -> None:
-        self.checkpoints.wait()
-        kept = self.checkpoints.steps()
-        raise UserError(
-            f"{what} between steps {self.last_finite} and {step}; training stopped, the last "
-            f"good checkpoint is {kept[-1] if kept else 'none'}; lower --learning_rate and retry"
-        )
-
-    def row(self, step: int, sums: Metrics, count: int, grad_norm: jax.Array) -> dict[str, float]:
-        """The row logged at `step` on the host, JSON-ready: every metric's mean over the
-        `count` steps since the row before (their `sums`), and the last step's `grad_norm`."""
-        values = parallel.to_host({"sums": sums, "grad_norm": grad_norm})
-        means = {k: np.asarray(v, np.float64) / count for k, v in values["sums"].items()}
-        row = {"step": step}
-        for name, value in {**means, "grad_norm": values["grad_norm"]}.items():
-            row |= member_columns(name, value)
-        if not np.isfinite(row["loss"]):
-            self.stop(f"the loss became {row['loss']}", step)
-        self.last_finite = step
-        return row
-
-    def warm_up(self, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
-        """Compile the finiteness check and the save's state copy before training's clock."""
-        all_finite(nnx.state(model, nnx.Param))
-        checkpoint_lib.warm_up(model, optimizer)
-
-    def save(self, step: int, pair: tuple[nnx.Module, nnx.Optimizer], state, progress) -> None:
-        """Checkpoint the newest (donated-into) buffers, unless the parameters are no longer
-        finite: then stop, the last good checkpoint kept."""
-        nnx.update(pair, state)
-        if not all_finite(nnx.state(pair[0], nnx.Param)):
-            self.stop("the parameters became non-finite", step)
-        self.checkpoints.save(step, *pair, progress)
-
-
 def member_columns(name: str, value: Any) -> dict[str, float]:
     """A metric as metrics.jsonl columns: `name` alone for one model; for an ensemble's
     members (one value each) their mean as `name` and member k's as `name/k`."""
@@ -504,6 +490,58 @@ def member_columns(name: str, value: Any) -> dict[str, float]:
         return {name: float(value)}
     members = {member_column(name, k): float(v) for k, v in enumerate(value)}
     return {name: float(value.mean()), **members}
+
+
+def host_row(step: int, sums: Metrics, count: int, grad_norm: jax.Array) -> dict[str, float]:
+    """The row logged at `step`, on the host and JSON-ready: every metric's mean over the
+    `count` steps since the row before (their `sums`), and the last step's `grad_norm`."""
+    values = parallel.to_host({"sums": sums, "grad_norm": grad_norm})
+    means = {k: np.asarray(v, np.float64) / count for k, v in values["sums"].items()}
+    row = {"step": step}
+    for name, value in {**means, "grad_norm": values["grad_norm"]}.items():
+        row |= member_columns(name, value)
+    return row
+
+
+def checked_row(
+    parts: tuple[int, Metrics, int, jax.Array],
+    last_finite: int,
+    checkpoints: checkpoint_lib.Checkpoints,
+) -> dict[str, float]:
+    """`host_row` of `parts` (`RunningRow.take`); a loss that is not finite stops the run."""
+    row = host_row(*parts)
+    if not np.isfinite(row["loss"]):
+        raise diverged(f"the loss became {row['loss']}", last_finite, parts[0], checkpoints)
+    return row
+
+
+def save_if_finite(
+    checkpoints: checkpoint_lib.Checkpoints,
+    step: int,
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    state: Any,
+    progress: dict[str, Any],
+    last_finite: int,
+) -> None:
+    """Checkpoint the newest (donated-into) buffers `state`, unless the parameters are no
+    longer finite: then stop, the last good checkpoint kept."""
+    nnx.update((model, optimizer), state)
+    if not all_finite(nnx.state(model, nnx.Param)):
+        raise diverged("the parameters became non-finite", last_finite, step, checkpoints)
+    checkpoints.save(step, model, optimizer, progress)
+
+
+def diverged(
+    what: str, last_finite: int, step: int, checkpoints: checkpoint_lib.Checkpoints
+) -> UserError:
+    """The one line a run stops with when the loss or the parameters stop being finite."""
+    checkpoints.wait()
+    kept = checkpoints.steps()
+    return UserError(
+        f"{what} between steps {last_finite} and {step}; training stopped, the last good "
+        f"checkpoint is {kept[-1] if kept else 'none'}; lower --learning_rate and retry"
+    )
 
 
 def interrupted(
@@ -519,82 +557,12 @@ def interrupted(
     )
 
 
-def fit(
-    model: nnx.Module,
-    optimizer: nnx.Optimizer,
-    device_data: input_pipeline.DeviceData,
-    config: ml_collections.ConfigDict,
-    *,
-    start_step: int,
-    checkpoints: checkpoint_lib.Checkpoints,
-    on_log: Callable[[dict[str, float]], None],
-    on_eval: Callable[[int, nnx.Module], dict[str, float]] | None = None,
-    signals: StopSignals | None = None,
-    batches: Any = None,
-    resumed: dict[str, Any] | None = None,
-) -> float:
-    """Run updates start_step+1..config.steps in fused chunks; returns examples/sec.
-
-    Rows (each metric's mean since the row before) reach the host only at step 1, every
-    `log_every` steps, each evaluation step (`on_eval(step, model)` adds the test metrics to
-    its row) and the last step. The clock starts after the first (compiling) step and stops at
-    `block_until_ready` on the final state; evaluations are not counted. Checkpoints: see
-    `must_save`; on SIGINT/SIGTERM (`signals`) too. `batches` feeds the calls (default
-    `DeviceBatches`); `resumed` is the restored checkpoint's progress item.
-    """
-    d, per_epoch, pair = device_data, device_data.batches_per_epoch, (model, optimizer)
-    model.train()  # dropout on, BatchNorm on batch statistics (no-ops for the MLP)
-    graphdef, state = nnx.split(pair)
-    train_chunk, row = _compiled(graphdef, model, d, config, start_step, resumed)
-    aug_key, guard = augment_key(config), Guard(checkpoints, start_step)
-    batches = batches or input_pipeline.DeviceBatches(d, member_seeds(config), config.fused_steps)
-    guard.warm_up(model, optimizer)
-    clock, step, evaluating, deferred = None, start_step, 0.0, None
-    with contextlib.ExitStack() as stack:
-        signals = signals or stack.enter_context(StopSignals())
-        while step < config.steps:
-            stop = next_stop(step, config, per_epoch)
-            for call in batches.chunks(step, stop):  # images, labels, order, index, count, first
-                state, row.sums, metrics = train_chunk(state, row.sums, *call, aug_key)
-            if deferred:  # the last stop's row, read while this chunk runs: no pipeline drain
-                on_log(guard.row(*deferred))
-            step, deferred = stop, None
-            clock = clock or _clock_start(metrics, step)
-            # A signal to any process stops all of them at the same step (saving is collective).
-            signum = max(parallel.from_every_process(signals.signum))
-            saving = must_save(step, signum, config, checkpoints)
-            testing = on_eval is not None and is_eval_step(step, config, per_epoch)
-            parts = row.take(step, metrics) if testing or is_log_step(step, config) else None
-            if not (saving or testing):
-                deferred = parts
-                continue
-            seconds, tested = _log(parts, state, pair, testing, guard, on_log, on_eval)
-            evaluating += seconds
-            if saving or (tested and config.keep_best):  # each evaluated step may be the best
-                progress = progress_of(step, per_epoch, config) | batches.state() | row.state()
-                guard.save(step, pair, state, progress | tested)
-            if signum:
-                raise interrupted(signum, step, checkpoints, "")
-    jax.block_until_ready(state)
-    nnx.update(pair, state)
-    model.eval()
-    return _rate(clock, evaluating, config.steps, member_examples_per_step(d, config))
-
-
-def _compiled(graphdef, model, d, config, start_step, resumed) -> tuple[Callable, RunningRow]:
-    """The chunk this run compiles, and its running row (carried on from a checkpoint's)."""
-    frozen = Config(config)
-    row = RunningRow(
-        zero_sums(model, frozen, d.image_shape), start_step, (resumed or {}).get("row")
-    )
-    return make_train_chunk(graphdef, frozen, d.image_shape, d.mesh), row
-
-
-def _rate(clock: tuple[float, int] | None, evaluating: float, steps: int, per_step: int) -> float:
-    """Training examples/sec from the clock's start to now, evaluations left out."""
-    if clock is None or clock[1] == steps:  # nothing timed (e.g. killed after its end)
-        return float("nan")
-    return (steps - clock[1]) * per_step / (time.perf_counter() - clock[0] - evaluating)
+def stop_if_signalled(signals: StopSignals, step: int, checkpoints) -> None:
+    """After training, a signal still stops the run with its line and exit code; the final
+    checkpoint is on disk and the same command finishes the outputs."""
+    signum = max(parallel.from_every_process(signals.signum))
+    if signum:
+        raise interrupted(signum, step, checkpoints, "; the summary and report were not written")
 
 
 def must_save(step: int, signum: int, config, checkpoints: checkpoint_lib.Checkpoints) -> bool:
@@ -605,26 +573,240 @@ def must_save(step: int, signum: int, config, checkpoints: checkpoint_lib.Checkp
     return step % config.checkpoint_every == 0 and checkpoints.due(step)
 
 
-def _clock_start(metrics: Metrics, step: int) -> tuple[float, int]:
-    """The first call compiled: the clock starts once it is done."""
-    jax.block_until_ready(metrics)
-    return time.perf_counter(), step
+class RowLog:
+    """Where process 0 writes each logged row: metrics.jsonl, TensorBoard (with the examples/sec
+    since the row before, evaluations left out) and the progress bar."""
+
+    def __init__(self, workdir, config: ml_collections.ConfigDict, start_step: int, per_step: int):
+        self.primary = parallel.is_primary()
+        self.start_step, self.per_step = start_step, per_step
+        self.last_step, self.last_time, self.last_eval = start_step, time.perf_counter(), 0.0
+        if self.primary:
+            path = workdir / workdir_lib.METRICS_FILE
+            self.metrics = workdir_lib.MetricsLog(path, keep_until=start_step)
+            self.progress = tables.ProgressBar(config.steps)
+            self.board = summaries.Summaries(workdir, config, start_step)
+
+    def write(self, row: dict[str, float], eval_seconds: float) -> None:
+        """Log `row`; `eval_seconds`: the run's time spent evaluating so far."""
+        now = time.perf_counter()
+        seconds = now - self.last_time - (eval_seconds - self.last_eval)
+        rate = (row["step"] - self.last_step) * self.per_step / seconds
+        first = self.last_step == self.start_step  # its interval includes the compilation
+        self.last_step, self.last_time, self.last_eval = row["step"], now, eval_seconds
+        if self.primary:
+            self.metrics.write(row)
+            self.board.write(row, None if first else rate)
+            self.progress.update(row)
+
+    def __enter__(self) -> RowLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.primary:
+            for output in (self.metrics, self.progress, self.board):
+                output.close()
 
 
-def _log(parts, state, pair, testing, guard, on_log, on_eval) -> tuple[float, dict[str, float]]:
-    """Log the row `parts` (RunningRow.take) when there is one, with the test metrics when
-    `testing` (after training's own asynchronous work is done); returns the seconds spent
-    evaluating and the test metrics (empty when not evaluated)."""
-    if parts is None:
-        return 0.0, {}
-    row = guard.row(*parts)
-    if not testing:
-        on_log(row)
-        return 0.0, {}
-    jax.block_until_ready(state)
-    began = time.perf_counter()
-    nnx.update(pair, state)
-    row |= on_eval(parts[0], pair[0])
-    pair[0].train()
-    on_log(row)
-    return time.perf_counter() - began, {k: v for k, v in row.items() if k.startswith("test_")}
+def training_batches(
+    config: ml_collections.ConfigDict,
+    dataset: datasets.Dataset,
+    device_data: input_pipeline.DeviceData,
+    resumed: dict[str, Any],
+    start_step: int,
+) -> Any:
+    """What feeds training from `start_step` on: the Grain pipeline (its iterator where the
+    checkpoint left it) or the device pipeline."""
+    if config.input_pipeline != "grain":
+        return input_pipeline.DeviceBatches(device_data, member_seeds(config), config.fused_steps)
+    source = grain_pipeline.train_source(dataset)
+    return grain_pipeline.from_config(
+        config, source, device_data.mesh, resumed.get("data_iterator"), start_step
+    )
+
+
+def warm_start(
+    model: nnx.Module, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
+) -> nnx.Optimizer:
+    """Load the model of `config.init_from` (WORKDIR or WORKDIR:STEP) into `model`: its
+    parameters and BatchNorm statistics, shapes checked in one line; returns a fresh
+    optimizer for it."""
+    workdir, step, member = experiment.parse_init_from(config.init_from)
+    source = inference.restore_model(workdir, step, flag="--init_from", member=member)[0]
+    ensembles = isinstance(source, Ensemble), isinstance(model, Ensemble)
+    if ensembles == (True, False):
+        raise UserError(
+            f"--init_from={config.init_from}: {workdir} is an ensemble of {source.size}; start "
+            f"from one member: --init_from={config.init_from}@K (or @best)"
+        )
+    if ensembles == (False, True):  # every member starts from the one model
+        source = Ensemble(stack([source] * model.size), model.size)
+    learned = nnx.Any(nnx.Param, nnx.BatchStat)
+    wanted, loaded = nnx.state(model, learned), nnx.state(source, learned)
+    restore.check_shapes(
+        wanted,
+        loaded,
+        f"--init_from={config.init_from}",
+        advice="a warm start needs the same model fields and number of classes",
+    )
+    nnx.update(model, loaded)
+    optimizer = create_optimizer(model, config)
+    place_state(model, optimizer, mesh, config.param_sharding)
+    parallel.say(f"initialised from {workdir} (step {step or 'newest'}): its parameters")
+    return optimizer
+
+
+def train_and_evaluate(
+    config: ml_collections.ConfigDict,
+    workdir: str | pathlib.Path | None,
+    extensions: Sequence[experiment.Extension] = (),
+    *,
+    accept_config_change: bool = False,
+    devices: list[jax.Device] | None = None,
+) -> dict[str, Any]:
+    """Train (resuming from the workdir's checkpoints), evaluate and write every output.
+
+    Writes summary.json, metrics.jsonl, tensorboard/, checkpoints/ and report/ in the workdir
+    and returns the summary. SIGINT and SIGTERM stop it with a saved checkpoint and one line,
+    whenever they come; resuming with values that change the computation needs
+    `accept_config_change`. `devices`: what to train on (default: every device).
+    """
+    wall_start = time.perf_counter()
+    with contextlib.ExitStack() as cleanup:
+        signals = cleanup.enter_context(StopSignals())
+        workdir, dataset, device_data = experiment.prepare(config, workdir, cleanup, devices)
+        mesh, per_epoch = device_data.mesh, device_data.batches_per_epoch
+
+        # The state: a fresh model and optimizer, then the newest intact checkpoint (or the
+        # model of --init_from) restored into them.
+        model, optimizer = create_train_state(
+            config, dataset.image_shape, dataset.num_classes, mesh
+        )
+        checkpoints = checkpoint_lib.Checkpoints(
+            workdir,
+            max_to_keep=config.max_to_keep,
+            keep_best=config.keep_best,
+            metadata={"config": config.to_dict(), "dataset": dataset.info()},
+            min_interval_secs=config.checkpoint_min_interval_secs,
+        )
+        cleanup.callback(checkpoints.close)
+        cleanup.callback(checkpoints.wait)  # runs first: the last save is on disk before closing
+        changes = experiment.check_config_changes(
+            checkpoints, config, dataset, accept_config_change
+        )
+        checkpoints.metadata["changes"] = {"changes": changes}
+        optimizer_changed = any(c["field"].startswith(config_lib.OPTIMIZER_FIELDS) for c in changes)
+        start_step, resumed = restore.resume(
+            checkpoints, model, optimizer, progress_of(0, per_epoch, config), optimizer_changed
+        )
+        if config.keep_best and jax.process_count() == 1:  # processes could not agree to move it
+            restore.check_best(checkpoints, model, start_step)
+        if not start_step and config.init_from:
+            optimizer = warm_start(model, config, mesh)
+        batches = training_batches(config, dataset, device_data, resumed, start_step)
+        run = experiment.Run(
+            config, workdir, dataset, device_data, checkpoints, model, optimizer, start_step
+        )
+        run.summary["config_changes"] = changes
+        if config.init_from:
+            run.summary["init_from"] = config.init_from
+
+        # An unreadable summary.json (a kill while it was replaced is not one: it is written
+        # atomically) is written again from the final checkpoint.
+        summary = workdir_lib.read_json(workdir / workdir_lib.SUMMARY_FILE)
+        if start_step > config.steps or (start_step == config.steps and summary):
+            parallel.say(
+                f"workdir {workdir} already holds step {start_step}; nothing to do for "
+                f"--steps={config.steps} (pass a larger --steps to continue)"
+            )
+            return summary or {}
+        experiment.show_setup(run)
+        for extension in extensions:
+            extension.before_training(run)
+
+        # The loop: compiled chunks of steps (`make_train_chunk`) between the steps where the
+        # host looks (`next_stop`). The state lives in `state` (donated, updated in place);
+        # `model` and `optimizer` are brought up to date only to evaluate or save.
+        model.train()  # dropout on, BatchNorm on batch statistics (no-ops for the MLP)
+        graphdef, state = nnx.split((model, optimizer))
+        frozen = Config(config)
+        train_chunk = make_train_chunk(graphdef, frozen, dataset.image_shape, mesh)
+        zeros = zero_sums(model, frozen, dataset.image_shape)
+        row = RunningRow(zeros, start_step, resumed.get("row"))
+        aug_key = augment_key(config)
+        # Compile the finiteness check and the save's state copy before training's clock.
+        all_finite(nnx.state(model, nnx.Param))
+        checkpoint_lib.warm_up(model, optimizer)
+        step = start_step
+        last_finite = start_step  # the last step whose row had a finite loss
+        clock = None  # (time, step) once the first call, which compiles, is done
+        pending = None  # the last stop's row, read while the next chunk runs
+        per_step = member_examples_per_step(device_data, config)
+        with RowLog(workdir, config, start_step, per_step) as log:
+            while step < config.steps:
+                stop = next_stop(step, config, per_epoch)
+                for call in batches.chunks(
+                    step, stop
+                ):  # images, labels, order, index, count, first
+                    state, row.sums, metrics = train_chunk(state, row.sums, *call, aug_key)
+                if pending:  # read while this chunk runs: the device's queue never drains
+                    log.write(checked_row(pending, last_finite, checkpoints), run.eval_seconds)
+                    last_finite = pending[0]
+                    pending = None
+                step = stop
+                if clock is None:  # the first call compiled: the clock starts once it is done
+                    jax.block_until_ready(metrics)
+                    clock = (time.perf_counter(), step)
+
+                # A signal to any process stops all of them at the same step (saving is
+                # collective).
+                signum = max(parallel.from_every_process(signals.signum))
+                saving = must_save(step, signum, config, checkpoints)
+                testing = is_eval_step(step, config, per_epoch)
+                parts = row.take(step, metrics) if testing or is_log_step(step, config) else None
+                if not (saving or testing):
+                    pending = parts  # logged after the next chunk is queued
+                    continue
+
+                # Log this step's row now, with the test metrics when it is an evaluation step.
+                tested = {}
+                if parts:
+                    values = checked_row(parts, last_finite, checkpoints)
+                    last_finite = step
+                    if testing:
+                        jax.block_until_ready(state)  # training's own asynchronous work is done
+                        began = time.perf_counter()
+                        nnx.update((model, optimizer), state)
+                        model.eval()
+                        full = experiment.evaluate_test(run, model)
+                        model.train()
+                        run.evaluation = (step, full)
+                        run.eval_seconds += time.perf_counter() - began
+                        tested = experiment.test_metrics(full)
+                        values |= tested
+                    log.write(values, run.eval_seconds)
+
+                # Save: at the end, on a signal, when due; with keep_best, at each evaluation.
+                if saving or (tested and config.keep_best):
+                    progress = progress_of(step, per_epoch, config) | batches.state() | row.state()
+                    save_if_finite(
+                        checkpoints, step, model, optimizer, state, progress | tested, last_finite
+                    )
+                if signum:
+                    raise interrupted(signum, step, checkpoints, "")
+
+        jax.block_until_ready(state)
+        nnx.update((model, optimizer), state)
+        model.eval()
+        if clock is not None and clock[1] < config.steps:  # else nothing was timed
+            seconds = time.perf_counter() - clock[0] - run.eval_seconds
+            run.examples_per_sec = (config.steps - clock[1]) * per_step / seconds
+        experiment.show_training(run)
+
+        # The final evaluation, the extensions' tables and figures, summary.json and report/.
+        stop_if_signalled(signals, config.steps, checkpoints)
+        evaluation = experiment.evaluate_model(run)
+        for extension in extensions:
+            extension.after_training(run)
+            stop_if_signalled(signals, config.steps, checkpoints)
+        return experiment.write_outputs(run, evaluation, time.perf_counter() - wall_start)

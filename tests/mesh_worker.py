@@ -8,6 +8,7 @@ predictions and the `.sharding` of its arrays.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import sys
@@ -16,7 +17,17 @@ import jax
 from conftest import load_config, use_compilation_cache
 from flax import nnx
 
-from fmnist_flax import checkpoint, datasets, evaluate, input_pipeline, parallel, restore, train
+from fmnist_flax import (
+    checkpoint,
+    datasets,
+    evaluate,
+    experiment,
+    input_pipeline,
+    parallel,
+    restore,
+    train,
+)
+from fmnist_flax import workdir as workdir_lib
 
 PREDICTED = 5  # does not divide by 8: predict pads and unpads
 
@@ -25,27 +36,36 @@ def spec(array: jax.Array) -> str:
     return "replicated" if array.sharding.is_fully_replicated else str(array.sharding.spec)
 
 
+class Trained(experiment.Extension):
+    """Keeps the run's trained state, as the training loop leaves it."""
+
+    def after_training(self, run: experiment.Run) -> None:
+        self.run = run
+
+
 def run(dataset, config, devices, param_sharding: str, workdir: pathlib.Path) -> dict:
     config.param_sharding = param_sharding
-    mesh = parallel.make_mesh(devices)
-    device_data = input_pipeline.to_device(dataset, config.batch_size, mesh)
-    model, optimizer = train.create_train_state(config, (28, 28, 1), 10, mesh)
-    rows = []
+    trained = Trained()
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON results
+        train.train_and_evaluate(config, workdir, [trained], devices=devices)
+    model, optimizer = trained.run.model, trained.run.optimizer
+    device_data, mesh = trained.run.device_data, trained.run.device_data.mesh
+    rows = workdir_lib.read_jsonl(workdir / workdir_lib.METRICS_FILE)
     checkpoints = checkpoint.Checkpoints(workdir, max_to_keep=1)
     try:
-        train.fit(
-            model, optimizer, device_data, config,
-            start_step=0, checkpoints=checkpoints, on_log=rows.append,
-        )  # fmt: skip
-        checkpoints.wait()
         restored = restore.restore(checkpoints, {"model": nnx.state(model)})["model"]
     finally:
         checkpoints.close()
     order = input_pipeline.epoch_order(config.seed, 0, len(device_data.train_labels))
     x, _ = input_pipeline.batch_at(
-        device_data.train_images, device_data.train_labels, order, 0, config.batch_size,
-        (28, 28, 1), mesh,
-    )  # fmt: skip
+        device_data.train_images,
+        device_data.train_labels,
+        order,
+        0,
+        config.batch_size,
+        (28, 28, 1),
+        mesh,
+    )
     params = nnx.state(model, nnx.Param)
     some = input_pipeline.padded_batches(dataset.test_images[:300], dataset.test_labels[:300], 128)
     test_batches = input_pipeline.shard_batches(some, mesh)[0]  # as evaluate places them
@@ -80,7 +100,10 @@ def main(workdir: str, cache: str) -> None:
     use_compilation_cache(pathlib.Path(cache))
     dataset = datasets.load_dataset(download=False)
     config = load_config("default")
-    config.batch_size, config.steps, config.log_every = 128, 50, 5
+    config.batch_size = 128
+    config.steps = 50
+    config.log_every = 5
+    config.report = "none"
     devices = jax.devices()
     results = [
         run(dataset, config, devices[:1], "replicated", pathlib.Path(workdir, "one")),

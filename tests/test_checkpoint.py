@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import EVERY_DUE_SAVE, REPO, load_config
 
-from fmnist_flax import checkpoint, experiment, inference, load_model, parallel, restore, train
+from fmnist_flax import checkpoint, inference, load_model, parallel, restore, train
 from fmnist_flax.errors import UserError
 
 
@@ -37,18 +37,18 @@ def trained(tmp_path_factory):
     config.report = "none"
     config.checkpoint_min_interval_secs = 0.0  # a save at each checkpoint_every step
     workdir = tmp_path_factory.mktemp("trained") / "w"
-    summary = experiment.train_and_evaluate(config, workdir)
+    summary = train.train_and_evaluate(config, workdir)
     return workdir, summary
 
 
 @pytest.mark.slow
 def test_400_steps_equal_200_then_resume_to_400_bit_for_bit(quick_config, tmp_path):
     quick_config.steps = 400
-    experiment.train_and_evaluate(quick_config, tmp_path / "one")
+    train.train_and_evaluate(quick_config, tmp_path / "one")
     quick_config.steps = 200
-    experiment.train_and_evaluate(quick_config, tmp_path / "two")
+    train.train_and_evaluate(quick_config, tmp_path / "two")
     quick_config.steps = 400
-    resumed = experiment.train_and_evaluate(quick_config, tmp_path / "two")
+    resumed = train.train_and_evaluate(quick_config, tmp_path / "two")
     assert resumed["resumed_from_step"] == 200
     for a, b in zip(params_of(tmp_path / "one"), params_of(tmp_path / "two"), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -72,7 +72,7 @@ def test_steps_not_beyond_the_saved_step_is_nothing_to_do(trained, capsys):
     config.steps = 150
     config.report = "none"
     before = (workdir / "metrics.jsonl").read_bytes()
-    result = experiment.train_and_evaluate(config, workdir)
+    result = train.train_and_evaluate(config, workdir)
     assert result == json.loads((workdir / "summary.json").read_text())
     assert result["test_accuracy"] == summary["test_accuracy"]
     assert "nothing to do" in capsys.readouterr().out
@@ -143,7 +143,7 @@ def test_deleted_data_file_is_detected_too(trained, tmp_path):
     config = load_config("default")
     config.steps = 210
     config.report = "none"
-    summary = experiment.train_and_evaluate(config, workdir)
+    summary = train.train_and_evaluate(config, workdir)
     assert summary["resumed_from_step"] == 100
 
 
@@ -181,13 +181,13 @@ def test_restoring_into_another_architecture_names_the_parameter(trained):
     config.steps = 300
     config.model.hidden = (512, 128)
     with pytest.raises(UserError) as exc:
-        experiment.train_and_evaluate(config, trained[0], accept_config_change=True)
+        train.train_and_evaluate(config, trained[0], accept_config_change=True)
     message = str(exc.value)
     assert "\n" not in message
     assert "parameter layers.0.bias has shape (256,) in the checkpoint but (512,)" in message
     config.model.hidden = (256,)  # a missing layer
     with pytest.raises(UserError, match=r"layers\.1\.bias has shape \(128,\) .* but \(10,\)"):
-        experiment.train_and_evaluate(config, trained[0], accept_config_change=True)
+        train.train_and_evaluate(config, trained[0], accept_config_change=True)
 
 
 @pytest.mark.parametrize(
@@ -205,7 +205,7 @@ def test_eval_workdir_problems_are_one_line(make, expected, tmp_path):
 def test_unwritable_training_workdir_is_one_line(quick_config, tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(UserError, match="is not writable"):
-        experiment.train_and_evaluate(quick_config, tmp_path / "file" / "run")
+        train.train_and_evaluate(quick_config, tmp_path / "file" / "run")
 
 
 def start_training(workdir, *flags):
@@ -324,9 +324,9 @@ def test_the_time_floor_spaces_saves_and_bounds_what_a_kill_loses(tmp_path):
 
 def test_a_run_killed_after_its_last_checkpoint_finishes_its_outputs(quick_config, tmp_path):
     quick_config.steps = 10
-    experiment.train_and_evaluate(quick_config, tmp_path / "w")
+    train.train_and_evaluate(quick_config, tmp_path / "w")
     (tmp_path / "w" / "summary.json").unlink()  # as if killed before evaluation
-    summary = experiment.train_and_evaluate(quick_config, tmp_path / "w")
+    summary = train.train_and_evaluate(quick_config, tmp_path / "w")
     assert summary["resumed_from_step"] == 10
     assert summary["test_examples"] == 10_000
     assert (tmp_path / "w" / "summary.json").exists()

@@ -10,7 +10,7 @@ from conftest import load_config
 from flax import nnx
 from PIL import Image
 
-from fmnist_flax import codelab, experiment
+from fmnist_flax import codelab, train
 from fmnist_flax.model import MLP
 
 TABLE_TITLES = (  # what the codelab adds to the report's tables
@@ -36,7 +36,7 @@ def test_gradient_check_reports_matching_trees(quick_config):
 def test_a_full_run_with_the_codelab_adds_its_tables_figures_and_summary(tmp_path):
     config = load_config("default")
     config.steps, config.log_every = 30, 10
-    summary = experiment.train_and_evaluate(config, tmp_path / "w", [codelab.Codelab()])
+    summary = train.train_and_evaluate(config, tmp_path / "w", [codelab.Codelab()])
     assert summary["gradient_check"]["trees_match"]
     assert summary["gradient_check"]["grad_vs_value_and_grad"] == 0.0
     assert [r["mode"] for r in summary["dispatch_vs_jit"]] == ["Python dispatch", "jitted step"]
@@ -54,7 +54,7 @@ def test_a_full_run_with_the_codelab_adds_its_tables_figures_and_summary(tmp_pat
 def test_basic_report_skips_the_timing_comparisons(quick_config, tmp_path):
     quick_config.steps = 5
     quick_config.report = "basic"
-    summary = experiment.train_and_evaluate(quick_config, tmp_path / "w", [codelab.Codelab()])
+    summary = train.train_and_evaluate(quick_config, tmp_path / "w", [codelab.Codelab()])
     names = {p.name for p in (tmp_path / "w" / "report").iterdir()}
     assert names == {
         "examples_per_class.png", "training_curve.png", "predictions.png",

@@ -15,7 +15,6 @@ from flax import nnx
 
 from fmnist_flax import (
     checkpoint,
-    experiment,
     input_pipeline,
     load_model,
     optimizer,
@@ -66,11 +65,9 @@ def cnn_smoke(steps):
 @pytest.mark.slow
 def test_cnn_trains_resumes_exactly_and_restores_for_predict(tmp_path, real_dataset):
     """Dropout's RNG state and BatchNorm's statistics travel in the checkpoint."""
-    experiment.train_and_evaluate(cnn_smoke(6), tmp_path / "one")
-    experiment.train_and_evaluate(cnn_smoke(3), tmp_path / "two")
-    resumed = experiment.train_and_evaluate(
-        cnn_smoke(6), tmp_path / "two", accept_config_change=True
-    )
+    train.train_and_evaluate(cnn_smoke(6), tmp_path / "one")
+    train.train_and_evaluate(cnn_smoke(3), tmp_path / "two")
+    resumed = train.train_and_evaluate(cnn_smoke(6), tmp_path / "two", accept_config_change=True)
     assert resumed["resumed_from_step"] == 3
     one, two = load_model(tmp_path / "one"), load_model(tmp_path / "two")
     assert isinstance(one, CNN)
@@ -100,11 +97,11 @@ def test_the_same_command_resumed_is_bit_exact(name, tmp_path):
     """A run killed after its step-3 save and started again with the same command ends where
     the uninterrupted run ends: every array of model and optimizer, every metrics row."""
     direct, killed = tmp_path / "direct", tmp_path / "killed"
-    experiment.train_and_evaluate(shortened(name), direct)
+    train.train_and_evaluate(shortened(name), direct)
     shutil.copytree(direct, killed)
     shutil.rmtree(killed / "checkpoints" / "6")  # what a kill before the last save leaves
     (killed / "summary.json").unlink()
-    resumed = experiment.train_and_evaluate(shortened(name), killed)
+    resumed = train.train_and_evaluate(shortened(name), killed)
     assert resumed["resumed_from_step"] == 3
 
     def saved_arrays(workdir):

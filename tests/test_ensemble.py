@@ -16,13 +16,13 @@ from flax import nnx
 from fmnist_flax import config as config_lib
 from fmnist_flax import (
     evaluate,
-    experiment,
     export,
     inference,
     load_model,
     parallel,
     report,
     tables,
+    train,
 )
 from fmnist_flax import model as model_lib
 from fmnist_flax.errors import UserError
@@ -54,7 +54,7 @@ def ensemble(tmp_path_factory):
     """Three members on their own data, member 2 at its own rate: 100 steps, saves at 45, 90
     and 100. Shared read-only."""
     workdir = tmp_path_factory.mktemp("ensemble") / "w"
-    return workdir, experiment.train_and_evaluate(ensemble_config(), workdir)
+    return workdir, train.train_and_evaluate(ensemble_config(), workdir)
 
 
 def test_member_k_is_the_single_run_with_seed_plus_k(ensemble, tmp_path):
@@ -65,7 +65,7 @@ def test_member_k_is_the_single_run_with_seed_plus_k(ensemble, tmp_path):
     workdir, summary = ensemble
     single = ensemble_config(seed=1)
     single.ensemble.size, single.ensemble.learning_rate = 1, ()
-    alone = experiment.train_and_evaluate(single, tmp_path / "alone")
+    alone = train.train_and_evaluate(single, tmp_path / "alone")
     members, solo = rows_of(workdir), rows_of(tmp_path / "alone")
     assert [r["step"] for r in members] == [r["step"] for r in solo]
     np.testing.assert_allclose([r["loss/1"] for r in members], [r["loss"] for r in solo], rtol=1e-5)
@@ -115,7 +115,7 @@ def test_a_kill_after_a_non_logged_save_resumes_the_ensemble_exactly(ensemble, t
     for step in ("90", "100"):
         shutil.rmtree(killed / "checkpoints" / step)
     (killed / "summary.json").unlink()
-    resumed = experiment.train_and_evaluate(ensemble_config(), killed)
+    resumed = train.train_and_evaluate(ensemble_config(), killed)
     assert resumed["resumed_from_step"] == 45
     assert rows_of(killed) == rows_of(workdir)
     assert_same_models(workdir, killed)
@@ -245,7 +245,7 @@ def test_init_from_takes_one_member_or_starts_every_member_from_one_model(ensemb
     config = load_config("default")
     config.init_from = f"{workdir}:100@best"
     model = model_lib.create_model(config, (28, 28, 1), 10)
-    experiment.warm_start(model, config, mesh)
+    train.warm_start(model, config, mesh)
     best = load_model(workdir, member=summary["best_member"])
     for a, b in zip(
         jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(best)), strict=True
@@ -253,10 +253,10 @@ def test_init_from_takes_one_member_or_starts_every_member_from_one_model(ensemb
         np.testing.assert_array_equal(a, b)
     config.init_from = str(workdir)
     with pytest.raises(UserError, match=r"is an ensemble of 3; start from one member: --init_"):
-        experiment.warm_start(model, config, mesh)
+        train.warm_start(model, config, mesh)
     config.init_from, config.ensemble.size = f"{workdir}@1", 2
     members = model_lib.create_model(config, (28, 28, 1), 10)
-    experiment.warm_start(members, config, mesh)
+    train.warm_start(members, config, mesh)
     one = jax.tree.leaves(nnx.state(load_model(workdir, member=1), nnx.Param))
     for k in range(2):
         for a, b in zip(jax.tree.leaves(nnx.state(members.member(k), nnx.Param)), one, strict=True):
@@ -300,7 +300,7 @@ def test_an_ensemble_run_writes_the_full_report(tmp_path):
 
     config = ensemble_config(steps=10, report="full")
     config.ensemble.size, config.ensemble.learning_rate = 2, (1e-3, 3e-3)
-    summary = experiment.train_and_evaluate(config, tmp_path / "w", cli.extensions())
+    summary = train.train_and_evaluate(config, tmp_path / "w", cli.extensions())
     names = {p.name for p in (tmp_path / "w" / "report").iterdir()}
     assert {"members.png", "dispatch_vs_jit.png", "precision.png"} <= names
     assert [row["mode"] for row in summary["dispatch_vs_jit"]] == ["Python dispatch", "jitted step"]

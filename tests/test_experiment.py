@@ -12,7 +12,7 @@ import pytest
 from conftest import load_config
 from flax import nnx
 
-from fmnist_flax import checkpoint, experiment, load_model
+from fmnist_flax import checkpoint, load_model, train
 from fmnist_flax.errors import UserError
 
 
@@ -21,7 +21,7 @@ def read_metrics(workdir):
 
 
 def test_a_100_step_real_data_run_learns_and_writes_its_outputs(quick_config, tmp_path):
-    summary = experiment.train_and_evaluate(quick_config, tmp_path / "run")
+    summary = train.train_and_evaluate(quick_config, tmp_path / "run")
     assert summary["test_accuracy"] >= 0.80
     assert summary["test_examples"] == 10_000
     assert summary["codelab_test_examples"] == 9_728
@@ -43,24 +43,24 @@ def test_a_100_step_real_data_run_learns_and_writes_its_outputs(quick_config, tm
 def test_same_seed_gives_bitwise_identical_runs(quick_config, tmp_path):
     quick_config.steps = 30
     quick_config.log_every = 10
-    first = experiment.train_and_evaluate(quick_config, tmp_path / "a")
-    second = experiment.train_and_evaluate(quick_config, tmp_path / "b")
+    first = train.train_and_evaluate(quick_config, tmp_path / "a")
+    second = train.train_and_evaluate(quick_config, tmp_path / "b")
     assert first["final_train_loss"] == second["final_train_loss"]
     assert read_metrics(tmp_path / "a") == read_metrics(tmp_path / "b")
     quick_config.seed = 1
-    other = experiment.train_and_evaluate(quick_config, tmp_path / "c")
+    other = train.train_and_evaluate(quick_config, tmp_path / "c")
     assert other["final_train_loss"] != first["final_train_loss"]
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(quick_config, tmp_path):
     quick_config.steps = 10
     quick_config.checkpoint_every = 10
-    experiment.train_and_evaluate(quick_config, tmp_path / "run")
+    train.train_and_evaluate(quick_config, tmp_path / "run")
     quick_config.steps = 30
     quick_config.log_every = 1
     quick_config.optimizer.learning_rate = 1e30  # diverges at once
     with pytest.raises(UserError, match=r"the loss became nan between steps 1\d and 1\d") as exc:
-        experiment.train_and_evaluate(quick_config, tmp_path / "run", accept_config_change=True)
+        train.train_and_evaluate(quick_config, tmp_path / "run", accept_config_change=True)
     assert "\n" not in str(exc.value)
     assert "the last good checkpoint is 10" in str(exc.value)
     assert checkpoint.Checkpoints(tmp_path / "run").steps() == [10]
@@ -72,7 +72,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(quick_config, 
 def test_the_default_run_keeps_the_codelabs_result(tmp_path):
     """`python main.py --steps=400`'s config: the template's changes leave its result as it
     was (0.8728 on all 10,000 test images, 0.8721 on the codelab's 9,728)."""
-    summary = experiment.train_and_evaluate(load_config("default"), tmp_path / "run")
+    summary = train.train_and_evaluate(load_config("default"), tmp_path / "run")
     assert summary["test_accuracy"] == pytest.approx(0.8728, abs=5e-4)
     assert summary["codelab_test_accuracy"] == pytest.approx(0.8721, abs=5e-4)
 
@@ -82,14 +82,14 @@ def test_init_from_starts_from_another_runs_parameters_with_a_fresh_optimizer(
 ):
     quick_config.steps, quick_config.log_every, quick_config.checkpoint_every = 20, 10, 10
     quick_config.eval_examples = 500  # the test set is not what this test is about
-    experiment.train_and_evaluate(quick_config, tmp_path / "base")
+    train.train_and_evaluate(quick_config, tmp_path / "base")
     tuned_config = load_config("default")
     tuned_config.update_from_flattened_dict({
         "steps": 10, "log_every": 5, "report": "none", "checkpoint_min_interval_secs": 0.0,
         "init_from": f"{tmp_path / 'base'}:10", "optimizer.name": "sgd",
         "optimizer.learning_rate": 0.01, "eval_examples": 500,
     })  # fmt: skip
-    experiment.train_and_evaluate(tuned_config, tmp_path / "tuned")
+    train.train_and_evaluate(tuned_config, tmp_path / "tuned")
     summary = json.loads((tmp_path / "tuned" / "summary.json").read_text())
     assert summary["init_from"] == f"{tmp_path / 'base'}:10"
     # Its first step starts from the source's step 10, far below a fresh model's first loss.
@@ -101,13 +101,13 @@ def test_init_from_starts_from_another_runs_parameters_with_a_fresh_optimizer(
     # A resumed run goes on from its own checkpoint: the source may be gone.
     shutil.rmtree(tmp_path / "base")
     tuned_config.steps = 15
-    resumed = experiment.train_and_evaluate(tuned_config, tmp_path / "tuned")
+    resumed = train.train_and_evaluate(tuned_config, tmp_path / "tuned")
     assert resumed["resumed_from_step"] == 10
 
 
 def test_init_from_mistakes_are_one_line(quick_config, tmp_path):
     quick_config.steps, quick_config.eval_examples = 5, 500
-    experiment.train_and_evaluate(quick_config, tmp_path / "base")
+    train.train_and_evaluate(quick_config, tmp_path / "base")
     (tmp_path / "empty").mkdir()
     cases = {
         str(tmp_path / "missing"): f"--init_from {tmp_path / 'missing'} does not exist",
@@ -117,37 +117,37 @@ def test_init_from_mistakes_are_one_line(quick_config, tmp_path):
     for value, message in cases.items():
         quick_config.init_from = value
         with pytest.raises(UserError, match=re.escape(message)) as exc:
-            experiment.train_and_evaluate(quick_config, tmp_path / f"w{len(value)}")
+            train.train_and_evaluate(quick_config, tmp_path / f"w{len(value)}")
         assert "\n" not in str(exc.value)
     quick_config.init_from = str(tmp_path / "base")
     quick_config.model.hidden = (64, 32)
     with pytest.raises(UserError, match=r"--init_from=.*: parameter layers\.0\.bias has shape"):
-        experiment.train_and_evaluate(quick_config, tmp_path / "other")
+        train.train_and_evaluate(quick_config, tmp_path / "other")
 
 
 def test_an_accepted_optimizer_change_starts_the_optimizer_afresh(quick_config, tmp_path, capsys):
     quick_config.steps, quick_config.checkpoint_every, quick_config.eval_examples = 10, 10, 500
-    experiment.train_and_evaluate(quick_config, tmp_path / "w")
+    train.train_and_evaluate(quick_config, tmp_path / "w")
     quick_config.steps = 20
     quick_config.optimizer.name = "sgd"
     quick_config.optimizer.momentum = 0.9
     with pytest.raises(UserError, match=r"optimizer\.name 'adamw' -> 'sgd'") as exc:
-        experiment.train_and_evaluate(quick_config, tmp_path / "w")
+        train.train_and_evaluate(quick_config, tmp_path / "w")
     assert "--accept_config_change" in str(exc.value)
-    summary = experiment.train_and_evaluate(quick_config, tmp_path / "w", accept_config_change=True)
+    summary = train.train_and_evaluate(quick_config, tmp_path / "w", accept_config_change=True)
     assert summary["resumed_from_step"] == 10
     assert "the optimizer starts afresh" in capsys.readouterr().out
     changed = {c["field"] for c in summary["config_changes"]}
     assert {"optimizer.name", "optimizer.momentum"} <= changed
     # A rate change keeps the optimizer's state: it still fits.
     quick_config.steps, quick_config.optimizer.learning_rate = 30, 1e-3
-    experiment.train_and_evaluate(quick_config, tmp_path / "w", accept_config_change=True)
+    train.train_and_evaluate(quick_config, tmp_path / "w", accept_config_change=True)
     assert "starts afresh" not in capsys.readouterr().out
 
 
 def test_eval_examples_evaluates_a_prefix_of_the_test_set(quick_config, tmp_path):
     quick_config.steps, quick_config.eval_examples = 5, 1_000
-    summary = experiment.train_and_evaluate(quick_config, tmp_path / "w")
+    summary = train.train_and_evaluate(quick_config, tmp_path / "w")
     assert summary["test_examples"] == 1_000 and summary["codelab_test_examples"] == 512
     assert np.array(summary["confusion_matrix"]).sum() == 1_000
 
@@ -169,22 +169,22 @@ def test_a_resume_on_other_data_is_refused_like_a_config_change(quick_config, tm
         "dataset.name": "arrays", "data_dir": str(tmp_path / "a"), "batch_size": 16,
         "steps": 4, "checkpoint_every": 2,
     })  # fmt: skip
-    experiment.train_and_evaluate(quick_config, tmp_path / "w")
+    train.train_and_evaluate(quick_config, tmp_path / "w")
     quick_config.steps = 8
     quick_config.data_dir = str(tmp_path / "b")
     with pytest.raises(UserError, match=r"dataset\.fingerprint '[0-9a-f]+' -> '[0-9a-f]+'") as exc:
-        experiment.train_and_evaluate(quick_config, tmp_path / "w")
+        train.train_and_evaluate(quick_config, tmp_path / "w")
     assert "--accept_config_change" in str(exc.value) and "\n" not in str(exc.value)
     # Another train set size moves the data position: not even accepted.
     quick_config.data_dir = str(tmp_path / "c")
     with pytest.raises(UserError, match=r"dataset\.examples \[64, 16\] -> \[80, 16\]") as exc:
-        experiment.train_and_evaluate(quick_config, tmp_path / "w", accept_config_change=True)
+        train.train_and_evaluate(quick_config, tmp_path / "w", accept_config_change=True)
     assert "--accept_config_change" not in str(exc.value)
     quick_config.data_dir, quick_config.batch_size = str(tmp_path / "a"), 32
     with pytest.raises(UserError, match="batch_size 16 -> 32; resume with the saved values") as exc:
-        experiment.train_and_evaluate(quick_config, tmp_path / "w", accept_config_change=True)
+        train.train_and_evaluate(quick_config, tmp_path / "w", accept_config_change=True)
     assert "--accept_config_change" not in str(exc.value)
     quick_config.batch_size = 16  # the same data, moved: resumes
     shutil.copytree(tmp_path / "a", tmp_path / "moved")
     quick_config.data_dir = str(tmp_path / "moved")
-    assert experiment.train_and_evaluate(quick_config, tmp_path / "w")["resumed_from_step"] == 4
+    assert train.train_and_evaluate(quick_config, tmp_path / "w")["resumed_from_step"] == 4

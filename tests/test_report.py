@@ -10,7 +10,7 @@ from conftest import load_config
 from flax import nnx
 from PIL import Image
 
-from fmnist_flax import datasets, evaluate, experiment, report
+from fmnist_flax import datasets, evaluate, report, train
 from fmnist_flax.model import MLP
 
 TABLE_TITLES = (  # every table of a run without the codelab's demonstrations
@@ -37,7 +37,7 @@ def full_run(tmp_path_factory):
     config.steps = 30
     config.log_every = 10
     workdir = tmp_path_factory.mktemp("report") / "w"
-    return workdir, experiment.train_and_evaluate(config, workdir)
+    return workdir, train.train_and_evaluate(config, workdir)
 
 
 def blank(path) -> bool:

@@ -9,7 +9,7 @@ import pytest
 from conftest import load_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fmnist_flax import experiment, optimizer, summaries
+from fmnist_flax import optimizer, summaries, train
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def assert_matches_metrics_log(workdir, config) -> None:
 
 def test_a_run_writes_its_metrics_and_evaluations_to_tensorboard(tmp_path):
     config = short_config(30)
-    experiment.train_and_evaluate(config, tmp_path / "w")
+    train.train_and_evaluate(config, tmp_path / "w")
     assert_matches_metrics_log(tmp_path / "w", config)
     tested = scalars(events(tmp_path / "w"), "test/accuracy")
     assert sorted(tested) == [10, 20, 30] and all(0.1 < a < 1 for a in tested.values())
@@ -64,9 +64,9 @@ def test_a_resumed_run_drops_the_events_past_its_checkpoint(tmp_path):
     """Killed after the step-20 save (its step-30 events written): the resumed run's events
     replace them, one value per step, as metrics.jsonl has them."""
     config = short_config(30)
-    experiment.train_and_evaluate(config, tmp_path / "w")
+    train.train_and_evaluate(config, tmp_path / "w")
     shutil.rmtree(tmp_path / "w" / "checkpoints" / "30")
     (tmp_path / "w" / "summary.json").unlink()
-    resumed = experiment.train_and_evaluate(config, tmp_path / "w")
+    resumed = train.train_and_evaluate(config, tmp_path / "w")
     assert resumed["resumed_from_step"] == 20
     assert_matches_metrics_log(tmp_path / "w", config)

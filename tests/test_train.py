@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fmnist_flax import experiment, input_pipeline, parallel, train
+from fmnist_flax import input_pipeline, parallel, train
 from fmnist_flax.model import MLP, create_model
 
 
@@ -167,7 +167,7 @@ def short_run(quick_config, workdir, fields=None):
     """50 steps, a row every 25, with `fields` ({"optimizer.accumulate": 4, ...}) changed."""
     quick_config.steps, quick_config.log_every, quick_config.eval_examples = 50, 25, 2_000
     quick_config.update_from_flattened_dict(fields or {})
-    return experiment.train_and_evaluate(quick_config, workdir)
+    return train.train_and_evaluate(quick_config, workdir)
 
 
 def test_a_row_is_the_mean_of_the_steps_since_the_row_before(quick_config, tmp_path):
