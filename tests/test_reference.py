@@ -67,7 +67,8 @@ def test_one_adamw_step_gives_the_same_params_and_metrics(batch):
     ref_params, _, ref_metrics = ref_step(params, tx.init(params), (x, y))
     metrics = train.jit_train_step(model, train.create_optimizer(model, config), x, y, TASK)
     assert_trees_close(reference.params_from_model(model), ref_params, atol=1e-7)
-    assert_trees_close(metrics, ref_metrics)
+    # Every metric the codelab's step reports; the task may define more (docs/extending.md).
+    assert_trees_close({name: metrics[name] for name in ref_metrics}, ref_metrics)
     # The step really moved the weights (by about the learning rate: Adam's first step is ~lr).
     moved = np.abs(np.asarray(ref_params["w1"] - params["w1"])).max()
     assert 0.5 * config.optimizer.learning_rate < moved < 2.0 * config.optimizer.learning_rate
