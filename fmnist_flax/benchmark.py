@@ -24,6 +24,7 @@ from flax import nnx
 from fmnist_flax import (
     checkpoint,
     datasets,
+    ensemble,
     grain_pipeline,
     input_pipeline,
     parallel,
@@ -139,7 +140,7 @@ def fused_runner(
         scratch.name, metadata={"config": config.to_dict()}, min_interval_secs=save_floor
     )
     chunk, sums = chunk_for(config, device_data, graphdef, model)
-    seeds = [COMPARISON_SEED + k for k in range(len(train.member_seeds(config)))]
+    seeds = [COMPARISON_SEED + k for k in range(len(ensemble.data_seeds(config)))]
     order = input_pipeline.epoch_orders(seeds, 0, len(device_data.train_labels))
     per_epoch = device_data.batches_per_epoch
     carry = [state, 0]
@@ -212,11 +213,11 @@ def chunk_for(config, device_data, graphdef, model) -> tuple[Callable[..., Any],
 def as_ensemble(config: ml_collections.ConfigDict, members: int, same_data: bool, shards: int = 1):
     """`config` as an ensemble of `members` on shared batches or each on its own, split over
     `shards` devices."""
-    ensemble = ml_collections.ConfigDict(config.to_dict())
-    ensemble.ensemble.size = members
-    ensemble.ensemble.same_data = same_data
-    ensemble.ensemble.shards = shards
-    return ensemble
+    changed = ml_collections.ConfigDict(config.to_dict())
+    changed.ensemble.size = members
+    changed.ensemble.same_data = same_data
+    changed.ensemble.shards = shards
+    return changed
 
 
 def member_mesh(members: int, shards: int) -> jax.sharding.Mesh | None:
@@ -292,15 +293,15 @@ def _time_paths(
     fused_beside = None  # one fused member, built once, timed beside every ensemble
     for name, make in runners.items():
         timed = steps if name != "Python dispatch" else min(steps, BENCH_EAGER_STEPS)
-        ensemble = name.startswith("ensemble")
-        if ensemble and fused_beside is None:
+        is_ensemble = name.startswith("ensemble")
+        if is_ensemble and fused_beside is None:
             fused_beside = runners[FUSED]()
-        width = members if ensemble else 1
+        width = members if is_ensemble else 1
         result = _measure(
             make(),
             timed,
             repeats,
-            beside=fused_beside if ensemble else None,
+            beside=fused_beside if is_ensemble else None,
             beside_steps=width * timed,
         )
         beside_seconds = result.pop("beside_seconds")

@@ -13,8 +13,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from fmnist_flax import datasets, errors, input_pipeline, parallel, task
-from fmnist_flax import model as model_lib
+from fmnist_flax import datasets, ensemble, errors, input_pipeline, parallel, task
 from fmnist_flax.errors import UserError
 from fmnist_flax.input_pipeline import PIXEL_SCALE
 
@@ -44,9 +43,9 @@ def evaluate_batches(
     @nnx.vmap(in_axes=(None, 0, 0, 0))
     def one_batch(model, x, y, m):
         x = input_pipeline.normalize(x)
-        if isinstance(model, model_lib.Ensemble):  # the members' logits, computed once
+        if isinstance(model, ensemble.Ensemble):  # the members' logits, computed once
             each = model.member_logits(x)
-            logits = model_lib.combine(each)
+            logits = ensemble.combine(each)
             members = jax.vmap(sums, (0, None, None))(each, y, m)
         else:
             logits = model(x)
@@ -55,7 +54,7 @@ def evaluate_batches(
 
     totals, members, predictions = one_batch(model, images, labels, mask)
     for name, values in members.items():  # (K, members)
-        totals |= {model_lib.member_column(name, k): values[:, k] for k in range(values.shape[1])}
+        totals |= {ensemble.member_column(name, k): values[:, k] for k in range(values.shape[1])}
     return {**totals, COUNT: jnp.sum(mask, axis=1)}, predictions
 
 

@@ -23,6 +23,7 @@ from fmnist_flax import checkpoint as checkpoint_lib
 from fmnist_flax import config as config_lib
 from fmnist_flax import (
     datasets,
+    ensemble,
     evaluate,
     inference,
     input_pipeline,
@@ -32,7 +33,6 @@ from fmnist_flax import (
     tables,
 )
 from fmnist_flax import model as model_lib
-from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError, warning_line
 from fmnist_flax.tables import Table
@@ -269,13 +269,13 @@ def evaluate_model(run: Run) -> dict[str, Any]:
             **rows,
         }
     run.show("Evaluation", tables.evaluation_table(rows))
-    members = ensemble_members(run.config, result["full"], last)
+    members = ensemble.members_table_rows(run.config, result["full"], last, evaluate.COUNT)
     if members:
-        best = model_lib.best_member(prefixed("test_", result["full"]))
+        best = ensemble.best_member(prefixed("test_", result["full"]))
         run.summary |= {"members": members, "best_member": best}
         run.show("Evaluation", tables.members_table(members, best))
         summaries.write_members(run.workdir, members, run.config.steps)
-        losses = [model_lib.member_values(h, "loss") for h in run.history]
+        losses = [ensemble.member_values(h, "loss") for h in run.history]
         run.figure(
             "Evaluation",
             "members.png",
@@ -314,33 +314,6 @@ def evaluate_model(run: Run) -> dict[str, Any]:
 
 def prefixed(prefix: str, metrics: dict[str, Any]) -> dict[str, Any]:
     return {f"{prefix}{k}": v for k, v in metrics.items()}
-
-
-def ensemble_members(
-    config: ml_collections.ConfigDict, full: dict[str, Any], last: dict[str, Any]
-) -> list[dict[str, Any]]:
-    """Each ensemble member's seed, learning rate, weight decay, final training row and test
-    metrics (empty for one model)."""
-    size = config.ensemble.size
-    if size == 1:
-        return []
-    column = model_lib.member_column
-    names = [n for n in full if model_lib.MEMBER_SEPARATOR not in n and n != evaluate.COUNT]
-    train = [
-        n
-        for n in last
-        if model_lib.MEMBER_SEPARATOR not in n and n != "step" and not n.startswith("test_")
-    ]
-    return [
-        {
-            "member": k,
-            "seed": config.seed + k,
-            **optimizer_lib.member_hyperparams(config, k),
-            **{f"final_train_{n}": last[column(n, k)] for n in train if column(n, k) in last},
-            **{f"test_{n}": full[column(n, k)] for n in names},
-        }
-        for k in range(size)
-    ]
 
 
 def write_report(run: Run) -> pathlib.Path | None:

@@ -37,7 +37,7 @@ from flax import nnx
 from PIL import Image
 
 from fmnist_flax import config as config_lib
-from fmnist_flax import datasets, errors, evaluate, parallel, restore, tables
+from fmnist_flax import datasets, ensemble, errors, evaluate, parallel, restore, tables
 from fmnist_flax import model as model_lib
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.checkpoint import (
@@ -139,14 +139,14 @@ def select_member(restored: tuple, member: int | str | None, checkpoints, flag: 
     member K, the best member by its test accuracy at that step, or the ensemble (default)."""
     model, step, config, info = restored
     where = f"{flag} {checkpoints.directory.parent}"
-    if not isinstance(model, model_lib.Ensemble):
+    if not isinstance(model, ensemble.Ensemble):
         if member is None:
             return restored
         raise UserError(f"--member={member}: {where} trained one model, not an ensemble")
     if member in (None, ENSEMBLE):
         return model, step, config, {**info, "member": ENSEMBLE}
     if member == BEST:
-        member = model_lib.best_member(checkpoints.saved("progress", step)[1] or {})
+        member = ensemble.best_member(checkpoints.saved("progress", step)[1] or {})
         if member is None:
             raise UserError(
                 f"--member=best: checkpoint {step} in {where} was not evaluated, so no member "
@@ -201,7 +201,7 @@ def _restore_model(
     classes = len(info["class_names"])
     model = model_lib.create_model(config, shape, classes)
     if mesh is not None:
-        stacked = isinstance(model, model_lib.Ensemble)
+        stacked = isinstance(model, ensemble.Ensemble)
         parallel.place_module(model, mesh, config.param_sharding, stacked)
     restored = restore.restore(checkpoints, {"model": nnx.state(model)}, step, at_most=chosen)
     if restored is None:

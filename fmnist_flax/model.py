@@ -22,6 +22,7 @@ import ml_collections
 from flax import nnx
 
 from fmnist_flax import errors
+from fmnist_flax.ensemble import Ensemble, stack
 from fmnist_flax.errors import UserError
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -191,73 +192,6 @@ def create_model(
         raise UserError(
             f"model {static[0]!r} cannot be built from --config.model: {message}"
         ) from None
-
-
-def stack(objects: Sequence[Any]) -> Any:
-    """NNX objects of one structure (members, or their optimizers) as one object whose arrays
-    have a leading member axis, in the order given."""
-    graphdef = nnx.graphdef(objects[0])
-    states = [nnx.state(o) for o in objects]
-    return nnx.merge(graphdef, jax.tree.map(lambda *a: jnp.stack(a), *states))
-
-
-def unstack(obj: Any, k: int) -> Any:
-    """Member `k` of a `stack`ed object, as an object of its own."""
-    graphdef, state = nnx.split(obj)
-    return nnx.merge(graphdef, jax.tree.map(lambda a: a[k], state))
-
-
-MEMBER_SEPARATOR = "/"  # the column of member k's metric `name` (metrics.jsonl, evaluations)
-
-
-def member_column(name: str, k: int) -> str:
-    return f"{name}{MEMBER_SEPARATOR}{k}"
-
-
-def member_values(row: dict[str, Any], name: str) -> list[float]:
-    """An ensemble's per-member values of metric `name` in a row (`name/0`, `name/1`...), in
-    member order; [] for one model."""
-    values: list[float] = []
-    while member_column(name, len(values)) in row:
-        values.append(row[member_column(name, len(values))])
-    return values
-
-
-def best_member(row: dict[str, Any], metric: str = "test_accuracy") -> int | None:
-    """The member with the highest `metric` in a row (the first on a tie); None without
-    per-member values."""
-    values = member_values(row, metric)
-    return max(range(len(values)), key=values.__getitem__) if values else None
-
-
-def combine(member_logits: jax.Array) -> jax.Array:
-    """The ensemble's logits from its members' (leading axis): log of the mean probability."""
-    log_probs = jax.nn.log_softmax(member_logits, axis=-1)
-    return jax.nn.logsumexp(log_probs, axis=0) - jnp.log(len(member_logits))
-
-
-class Ensemble(nnx.Module):
-    """`size` members of one model, their arrays stacked on a leading axis, run with
-    `nnx.vmap`. Called, it gives the ensemble's logits: the log of the members' mean
-    probabilities (so its softmax and argmax are the ensemble's)."""
-
-    def __init__(self, members: nnx.Module, size: int):
-        self.members, self.size = members, size
-        self.image_shape = getattr(members, "image_shape", None)
-
-    def member_logits(self, x: jax.Array) -> jax.Array:
-        """Every member's logits, (size, B, classes), for inference (a vmap over the members'
-        state: any trace can call it, e.g. a `jax.export`; BatchNorm statistics and dropout
-        streams are read, not advanced: training goes through `train.ensemble_step`)."""
-        graphdef, state = nnx.split(self.members)
-        return jax.vmap(lambda s: nnx.merge(graphdef, s)(x))(state)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return combine(self.member_logits(x))
-
-    def member(self, k: int) -> nnx.Module:
-        """Member `k` as a model of its own."""
-        return unstack(self.members, k)
 
 
 def static_args(

@@ -30,6 +30,7 @@ from fmnist_flax import checkpoint as checkpoint_lib
 from fmnist_flax import config as config_lib
 from fmnist_flax import (
     datasets,
+    ensemble,
     experiment,
     grain_pipeline,
     inference,
@@ -42,8 +43,9 @@ from fmnist_flax import (
 )
 from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax import workdir as workdir_lib
+from fmnist_flax.ensemble import Ensemble
 from fmnist_flax.errors import UserError
-from fmnist_flax.model import Ensemble, create_model, member_column, stack
+from fmnist_flax.model import create_model
 
 Metrics = dict[str, jax.Array]
 Config = ml_collections.FrozenConfigDict  # hashable: what the compiled steps are built for
@@ -51,15 +53,9 @@ AUGMENT_STREAM = 2  # fold_in index of the augmentation key (params 0, dropout 1
 
 
 def create_optimizer(model: nnx.Module, config: ml_collections.ConfigDict) -> nnx.Optimizer:
-    """The config's Optax optimizer (AdamW by default, the codelab's) over the parameters; for
-    an Ensemble, each member's own (its learning rate and weight decay), stacked."""
+    """The config's Optax optimizer (AdamW by default, the codelab's) over the parameters."""
     if isinstance(model, Ensemble):
-        return stack(
-            [
-                nnx.Optimizer(model.member(k), optimizer_lib.create(config, k), wrt=nnx.Param)
-                for k in range(model.size)
-            ]
-        )
+        return ensemble.member_optimizers(model, config)
     return nnx.Optimizer(model, optimizer_lib.create(config), wrt=nnx.Param)
 
 
@@ -152,26 +148,6 @@ def _zero_norm(grads: nnx.State) -> jax.Array:
     return jnp.zeros((), jnp.float32)
 
 
-def ensemble_step(
-    model: Ensemble,
-    optimizer: nnx.Optimizer,
-    x: jax.Array,
-    y: jax.Array,
-    config: Config,
-    log: bool | jax.Array = True,
-) -> Metrics:
-    """`train_step` for every member at once: one `nnx.vmap` over the stacked members and
-    their optimizers. x, y are every member's batch, or one per member (a leading member
-    axis) when `config.ensemble.same_data` is False. Each metric has one value per member."""
-    if config.ensemble.same_data:  # a copy per member: XLA then batches every layer's matmuls
-        # (one wide matmul over the shared batch costs a transpose of each weight gradient:
-        # 1.6x slower at batch 32 on a CPU, the same at 512)
-        size = len(jax.tree.leaves(nnx.state(model.members))[0])  # this pass's members
-        x, y = (jnp.broadcast_to(a, (size, *a.shape)) for a in (x, y))
-    step = functools.partial(train_step, config=config, log=log)
-    return nnx.vmap(step, in_axes=0)(model.members, optimizer, x, y)
-
-
 # The same step, compiled once for fixed shapes. Tree mode (graph=False) treats the model and
 # optimizer as plain pytrees: no shared references here, and it skips the graph traversal
 # that costs graph mode ~15% per call (the Flax performance guide's advice). Their buffers are
@@ -230,70 +206,6 @@ def progress_of(step: int, num_batches: int, config: ml_collections.ConfigDict) 
     }
 
 
-# On a CPU an ensemble's step runs this many members per device side by side; the members'
-# passes run in turn. Eight members' weights, gradients and Adam moments (30 MB) overflow the
-# CPU's cache where two members' fit: 1.04-1.13x one member's speed at batch 32, against
-# 0.86-0.93x for all eight at once (docs/performance.md). Accelerators run every member at once.
-CPU_MEMBERS_PER_PASS = 2
-
-
-def members_per_pass(config: ml_collections.ConfigDict, platform: str) -> int:
-    """How many of an ensemble's members one pass of a chunk's steps trains side by side (one
-    `nnx.vmap`): `config.ensemble.members_per_pass`, or when 0, every member on an accelerator
-    and CPU_MEMBERS_PER_PASS per device (when that divides them) on a CPU."""
-    ens = config.ensemble
-    if ens.members_per_pass or platform != "cpu":
-        return ens.members_per_pass or ens.size
-    # A pass of one member is a vmap of one, 0.77x one model's speed: then all at once.
-    per_device = ens.size // ens.shards
-    return ens.shards * CPU_MEMBERS_PER_PASS if per_device % CPU_MEMBERS_PER_PASS == 0 else ens.size
-
-
-def in_passes(
-    run: Callable[..., tuple[Any, Metrics, Metrics]],
-    passes: int,
-    state: Any,
-    sums: Metrics,
-    order: jax.Array | None,
-    aug_key: jax.Array | None,
-    loop: bool,
-) -> tuple[Any, Metrics, Metrics]:
-    """`run(state, sums, order, aug_key)` for the stacked members in `passes` groups, one after
-    another. Member j * passes + p goes in pass p, so a pass takes as many members from each
-    device of a `member` mesh axis. `loop`: the passes as one `fori_loop` (else unrolled: XLA's
-    CPU backend runs convolutions 10x slower inside a loop body)."""
-
-    def grouped(tree):  # (members, ...) -> (members / passes, passes, ...)
-        return jax.tree.map(lambda a: a.reshape(-1, passes, *a.shape[1:]), tree)
-
-    def take(tree, p):
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, p, 1, False), tree)
-
-    per_member = order is not None and order.ndim == 2
-    rows = grouped((order, aug_key)) if per_member else (order, aug_key)
-
-    def run_pass(p, state, sums):
-        return run(take(state, p), take(sums, p), *(take(rows, p) if per_member else rows))
-
-    state, sums = grouped(state), grouped(sums)
-    last = jax.eval_shape(lambda: run_pass(0, state, sums)[2])  # the last step's metrics
-    last = jax.tree.map(lambda s: jnp.zeros((s.shape[0], passes, *s.shape[1:]), s.dtype), last)
-
-    def one(p, carry):
-        done = run_pass(p, *carry[:2])
-        return jax.tree.map(
-            lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, p, 1), carry, done
-        )
-
-    carry = (state, sums, last)
-    if loop:
-        carry = jax.lax.fori_loop(0, passes, one, carry)
-    else:
-        for p in range(passes):
-            carry = one(p, carry)
-    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry)
-
-
 def chunk_steps(
     graphdef: nnx.GraphDef,
     config: Config,
@@ -308,7 +220,9 @@ def chunk_steps(
     Augmentation draws from `fold_in(aug_key, step)`, so a resumed run repeats it."""
     batch_size, accumulate = config.batch_size, config.optimizer.accumulate
     max_shift, flip, fused = config.augment.max_shift, config.augment.flip, config.fused_steps
-    step_fn = ensemble_step if config.ensemble.size > 1 else train_step
+    step_fn = train_step
+    if config.ensemble.size > 1:  # every member's step, one vmap
+        step_fn = functools.partial(ensemble.train_members, train_step)
 
     def steps(state, sums, order, aug_key, *, images, labels, start, count, first_step):
         per_member = order is not None and order.ndim == 2
@@ -375,7 +289,7 @@ def make_train_chunk(
     """
     steps = chunk_steps(graphdef, config, image_shape, mesh)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    passes = config.ensemble.size // members_per_pass(config, platform)
+    passes = config.ensemble.size // ensemble.members_per_pass(config, platform)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def train_chunk(state, sums, images, labels, order, start, count, first_step=0, aug_key=None):
@@ -384,7 +298,7 @@ def make_train_chunk(
         )
         if passes == 1:
             return run(state, sums, order, aug_key)
-        return in_passes(run, passes, state, sums, order, aug_key, loop=config.fused_steps)
+        return ensemble.in_passes(run, passes, state, sums, order, aug_key, loop=config.fused_steps)
 
     return train_chunk
 
@@ -461,35 +375,10 @@ def augment_key(config: ml_collections.ConfigDict) -> jax.Array | None:
     per member, from seed + k, when the members see their own data."""
     if not (config.augment.max_shift or config.augment.flip):
         return None
-    keys = [jax.random.fold_in(jax.random.key(s), AUGMENT_STREAM) for s in member_seeds(config)]
+    keys = [
+        jax.random.fold_in(jax.random.key(s), AUGMENT_STREAM) for s in ensemble.data_seeds(config)
+    ]
     return jnp.stack(keys) if len(keys) > 1 else keys[0]
-
-
-def member_examples_per_step(
-    d: input_pipeline.DeviceData, config: ml_collections.ConfigDict
-) -> int:
-    """Examples one step trains on, counted once per ensemble member (what examples/sec
-    counts: an 8-member ensemble at 1x does the work of 8 runs in the time of one)."""
-    return d.examples_per_step * config.ensemble.size
-
-
-def member_seeds(config: ml_collections.ConfigDict) -> list[int]:
-    """The seeds of the data each member sees: [seed], or seed + k for member k when the
-    members see their own data (`config.ensemble.same_data` False)."""
-    ens = config.ensemble
-    if ens.size > 1 and not ens.same_data:
-        return [config.seed + k for k in range(ens.size)]
-    return [config.seed]
-
-
-def member_columns(name: str, value: Any) -> dict[str, float]:
-    """A metric as metrics.jsonl columns: `name` alone for one model; for an ensemble's
-    members (one value each) their mean as `name` and member k's as `name/k`."""
-    value = np.asarray(value, np.float64)
-    if value.ndim == 0:
-        return {name: float(value)}
-    members = {member_column(name, k): float(v) for k, v in enumerate(value)}
-    return {name: float(value.mean()), **members}
 
 
 def host_row(step: int, sums: Metrics, count: int, grad_norm: jax.Array) -> dict[str, float]:
@@ -499,7 +388,7 @@ def host_row(step: int, sums: Metrics, count: int, grad_norm: jax.Array) -> dict
     means = {k: np.asarray(v, np.float64) / count for k, v in values["sums"].items()}
     row = {"step": step}
     for name, value in {**means, "grad_norm": values["grad_norm"]}.items():
-        row |= member_columns(name, value)
+        row |= ensemble.columns(name, value)
     return row
 
 
@@ -618,7 +507,9 @@ def training_batches(
     """What feeds training from `start_step` on: the Grain pipeline (its iterator where the
     checkpoint left it) or the device pipeline."""
     if config.input_pipeline != "grain":
-        return input_pipeline.DeviceBatches(device_data, member_seeds(config), config.fused_steps)
+        return input_pipeline.DeviceBatches(
+            device_data, ensemble.data_seeds(config), config.fused_steps
+        )
     source = grain_pipeline.train_source(dataset)
     return grain_pipeline.from_config(
         config, source, device_data.mesh, resumed.get("data_iterator"), start_step
@@ -633,14 +524,7 @@ def warm_start(
     optimizer for it."""
     workdir, step, member = experiment.parse_init_from(config.init_from)
     source = inference.restore_model(workdir, step, flag="--init_from", member=member)[0]
-    ensembles = isinstance(source, Ensemble), isinstance(model, Ensemble)
-    if ensembles == (True, False):
-        raise UserError(
-            f"--init_from={config.init_from}: {workdir} is an ensemble of {source.size}; start "
-            f"from one member: --init_from={config.init_from}@K (or @best)"
-        )
-    if ensembles == (False, True):  # every member starts from the one model
-        source = Ensemble(stack([source] * model.size), model.size)
+    source = ensemble.from_one_model(source, model, config.init_from, workdir)
     learned = nnx.Any(nnx.Param, nnx.BatchStat)
     wanted, loaded = nnx.state(model, learned), nnx.state(source, learned)
     restore.check_shapes(
@@ -741,7 +625,8 @@ def train_and_evaluate(
         last_finite = start_step  # the last step whose row had a finite loss
         clock = None  # (time, step) once the first call, which compiles, is done
         pending = None  # the last stop's row, read while the next chunk runs
-        per_step = member_examples_per_step(device_data, config)
+        # Examples/sec counts each member's: 8 members at 1x do the work of 8 runs.
+        per_step = device_data.examples_per_step * config.ensemble.size
         with RowLog(workdir, config, start_step, per_step) as log:
             while step < config.steps:
                 stop = next_stop(step, config, per_epoch)

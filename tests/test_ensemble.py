@@ -25,6 +25,7 @@ from fmnist_flax import (
     train,
 )
 from fmnist_flax import model as model_lib
+from fmnist_flax.ensemble import Ensemble
 from fmnist_flax.errors import UserError
 
 RATES = (3e-3, 3e-3, 1e-2)  # a sweep of a kind: member 2 has its own learning rate
@@ -70,7 +71,7 @@ def test_member_k_is_the_single_run_with_seed_plus_k(ensemble, tmp_path):
     assert [r["step"] for r in members] == [r["step"] for r in solo]
     np.testing.assert_allclose([r["loss/1"] for r in members], [r["loss"] for r in solo], rtol=1e-5)
     assert abs(summary["members"][1]["test_accuracy"] - alone["test_accuracy"]) <= 0.002
-    assert not isinstance(load_model(tmp_path / "alone"), model_lib.Ensemble)  # size 1: a model
+    assert not isinstance(load_model(tmp_path / "alone"), Ensemble)  # size 1: a model
 
 
 def test_the_summary_names_every_member_its_values_and_the_best(ensemble):
@@ -125,7 +126,7 @@ def test_member_picks_one_member_the_best_or_the_ensemble(ensemble, real_dataset
     workdir, summary = ensemble
     images = real_dataset.test_images[:64]
     whole = load_model(workdir)
-    assert isinstance(whole, model_lib.Ensemble) and whole.size == 3
+    assert isinstance(whole, Ensemble) and whole.size == 3
     each = [evaluate.predict(load_model(workdir, member=k), images) for k in range(3)]
     np.testing.assert_allclose(evaluate.predict(whole, images), np.mean(each, axis=0), atol=1e-6)
     np.testing.assert_array_equal(

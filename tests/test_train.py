@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fmnist_flax import input_pipeline, parallel, train
+from fmnist_flax import ensemble, input_pipeline, parallel, train
 from fmnist_flax.model import MLP, create_model
 
 
@@ -92,7 +92,7 @@ def test_members_per_pass_follows_the_config_or_the_device(
     quick_config, size, shards, per_pass, platform, expected
 ):
     quick_config.ensemble.update(size=size, shards=shards, members_per_pass=per_pass)
-    assert train.members_per_pass(quick_config, platform) == expected
+    assert ensemble.members_per_pass(quick_config, platform) == expected
 
 
 def trained_members(quick_config, real_dataset, per_pass: int) -> tuple[list, dict, dict]:
@@ -109,7 +109,7 @@ def trained_members(quick_config, real_dataset, per_pass: int) -> tuple[list, di
     zeros = train.zero_sums(model, task, (28, 28, 1))  # placed as the chunk returns them:
     sums = jax.device_put(zeros, parallel.replicated(device_data.mesh))  # one compile
     key = train.augment_key(task)
-    orders = input_pipeline.epoch_orders(train.member_seeds(task), 0, 60_000)
+    orders = input_pipeline.epoch_orders(ensemble.data_seeds(task), 0, 60_000)
     data = device_data.train_images, device_data.train_labels, orders
     calls = [(0, 4), (4, 2)] if quick_config.fused_steps else [(i, 1) for i in range(6)]
     for start, count in calls:

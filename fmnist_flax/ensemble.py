@@ -1,0 +1,242 @@
+"""Ensembles: `config.ensemble.size` members of one model trained side by side.
+
+The members' arrays (and their optimizers') are stacked on a leading axis and trained with one
+`nnx.vmap` of `train.train_step`, inside the same fused chunk as one model, `members_per_pass`
+at a time. Each metric has one value per member: metrics.jsonl gets their mean as `name` and
+member k's as `name/k`. Everything here is what differs from one model: the rest of the
+template sees a model (`Ensemble` gives the ensemble's logits) and a step function.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from fmnist_flax import optimizer as optimizer_lib
+from fmnist_flax.errors import UserError
+
+MEMBER_SEPARATOR = "/"  # the column of member k's metric `name` (metrics.jsonl, evaluations)
+# On a CPU an ensemble's step runs this many members per device side by side; the members'
+# passes run in turn: two members' weights, gradients and Adam moments stay in the CPU's cache
+# where eight members' overflow it (docs/performance.md). Accelerators run every member at once.
+CPU_MEMBERS_PER_PASS = 2
+
+
+def stack(objects: Sequence[Any]) -> Any:
+    """NNX objects of one structure (members, or their optimizers) as one object whose arrays
+    have a leading member axis, in the order given."""
+    graphdef = nnx.graphdef(objects[0])
+    states = [nnx.state(o) for o in objects]
+    return nnx.merge(graphdef, jax.tree.map(lambda *a: jnp.stack(a), *states))
+
+
+def unstack(obj: Any, k: int) -> Any:
+    """Member `k` of a `stack`ed object, as an object of its own."""
+    graphdef, state = nnx.split(obj)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[k], state))
+
+
+def combine(member_logits: jax.Array) -> jax.Array:
+    """The ensemble's logits from its members' (leading axis): log of the mean probability."""
+    log_probs = jax.nn.log_softmax(member_logits, axis=-1)
+    return jax.nn.logsumexp(log_probs, axis=0) - jnp.log(len(member_logits))
+
+
+class Ensemble(nnx.Module):
+    """`size` members of one model, their arrays stacked on a leading axis, run with
+    `nnx.vmap`. Called, it gives the ensemble's logits: the log of the members' mean
+    probabilities (so its softmax and argmax are the ensemble's)."""
+
+    def __init__(self, members: nnx.Module, size: int):
+        self.members = members
+        self.size = size
+        self.image_shape = getattr(members, "image_shape", None)
+
+    def member_logits(self, x: jax.Array) -> jax.Array:
+        """Every member's logits, (size, B, classes), for inference (a vmap over the members'
+        state: any trace can call it, e.g. a `jax.export`; BatchNorm statistics and dropout
+        streams are read, not advanced: training goes through `train_members`)."""
+        graphdef, state = nnx.split(self.members)
+        return jax.vmap(lambda s: nnx.merge(graphdef, s)(x))(state)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return combine(self.member_logits(x))
+
+    def member(self, k: int) -> nnx.Module:
+        """Member `k` as a model of its own."""
+        return unstack(self.members, k)
+
+
+def member_optimizers(model: Ensemble, config: ml_collections.ConfigDict) -> nnx.Optimizer:
+    """Each member's own optimizer (its learning rate and weight decay), stacked."""
+    return stack(
+        [
+            nnx.Optimizer(model.member(k), optimizer_lib.create(config, k), wrt=nnx.Param)
+            for k in range(model.size)
+        ]
+    )
+
+
+def from_one_model(source: nnx.Module, model: nnx.Module, init_from: str, workdir: str):
+    """What `--init_from` loads into `model`: `source` itself, or for an ensemble `source` as
+    every member; an ensemble (from `workdir`) into one model is refused in one line."""
+    if isinstance(source, Ensemble) and not isinstance(model, Ensemble):
+        raise UserError(
+            f"--init_from={init_from}: {workdir} is an ensemble of {source.size}; start "
+            f"from one member: --init_from={init_from}@K (or @best)"
+        )
+    if isinstance(model, Ensemble) and not isinstance(source, Ensemble):
+        return Ensemble(stack([source] * model.size), model.size)
+    return source
+
+
+def train_members(
+    step: Callable[..., dict[str, jax.Array]],
+    model: Ensemble,
+    optimizer: nnx.Optimizer,
+    x: jax.Array,
+    y: jax.Array,
+    config: ml_collections.FrozenConfigDict,
+    log: bool | jax.Array = True,
+) -> dict[str, jax.Array]:
+    """`step` (`train.train_step`) for every member at once: one `nnx.vmap` over the stacked
+    members and their optimizers. x, y are every member's batch, or one per member (a leading
+    member axis) when `config.ensemble.same_data` is False. Each metric has one value per
+    member."""
+    if config.ensemble.same_data:  # a copy per member: XLA then batches every layer's matmuls
+        # (one wide matmul over the shared batch costs a transpose of each weight gradient)
+        size = len(jax.tree.leaves(nnx.state(model.members))[0])  # this pass's members
+        x, y = (jnp.broadcast_to(a, (size, *a.shape)) for a in (x, y))
+    one = functools.partial(step, config=config, log=log)
+    return nnx.vmap(one, in_axes=0)(model.members, optimizer, x, y)
+
+
+def members_per_pass(config: ml_collections.ConfigDict, platform: str) -> int:
+    """How many of an ensemble's members one pass of a chunk's steps trains side by side (one
+    `nnx.vmap`): `config.ensemble.members_per_pass`, or when 0, every member on an accelerator
+    and CPU_MEMBERS_PER_PASS per device (when that divides them) on a CPU."""
+    ens = config.ensemble
+    if ens.members_per_pass or platform != "cpu":
+        return ens.members_per_pass or ens.size
+    # A pass of one member is a vmap of one, slower than one model: then all at once.
+    per_device = ens.size // ens.shards
+    return ens.shards * CPU_MEMBERS_PER_PASS if per_device % CPU_MEMBERS_PER_PASS == 0 else ens.size
+
+
+def in_passes(
+    run: Callable[..., tuple[Any, Any, Any]],
+    passes: int,
+    state: Any,
+    sums: dict[str, jax.Array],
+    order: jax.Array | None,
+    aug_key: jax.Array | None,
+    loop: bool,
+) -> tuple[Any, Any, Any]:
+    """`run(state, sums, order, aug_key)` for the stacked members in `passes` groups, one after
+    another. Member j * passes + p goes in pass p, so a pass takes as many members from each
+    device of a `member` mesh axis. `loop`: the passes as one `fori_loop` (else unrolled: XLA's
+    CPU backend runs convolutions much slower inside a loop body)."""
+
+    def grouped(tree):  # (members, ...) -> (members / passes, passes, ...)
+        return jax.tree.map(lambda a: a.reshape(-1, passes, *a.shape[1:]), tree)
+
+    def take(tree, p):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, p, 1, False), tree)
+
+    per_member = order is not None and order.ndim == 2
+    rows = grouped((order, aug_key)) if per_member else (order, aug_key)
+
+    def run_pass(p, state, sums):
+        return run(take(state, p), take(sums, p), *(take(rows, p) if per_member else rows))
+
+    state = grouped(state)
+    sums = grouped(sums)
+    last = jax.eval_shape(lambda: run_pass(0, state, sums)[2])  # the last step's metrics
+    last = jax.tree.map(lambda s: jnp.zeros((s.shape[0], passes, *s.shape[1:]), s.dtype), last)
+
+    def one(p, carry):
+        done = run_pass(p, *carry[:2])
+        return jax.tree.map(
+            lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, p, 1), carry, done
+        )
+
+    carry = (state, sums, last)
+    if loop:
+        carry = jax.lax.fori_loop(0, passes, one, carry)
+    else:
+        for p in range(passes):
+            carry = one(p, carry)
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry)
+
+
+def data_seeds(config: ml_collections.ConfigDict) -> list[int]:
+    """The seeds of the data each member sees: [seed], or seed + k for member k when the
+    members see their own data (`config.ensemble.same_data` False)."""
+    ens = config.ensemble
+    if ens.size > 1 and not ens.same_data:
+        return [config.seed + k for k in range(ens.size)]
+    return [config.seed]
+
+
+def member_column(name: str, k: int) -> str:
+    return f"{name}{MEMBER_SEPARATOR}{k}"
+
+
+def columns(name: str, value: Any) -> dict[str, float]:
+    """A metric as metrics.jsonl columns: `name` alone for one model; for an ensemble's
+    members (one value each) their mean as `name` and member k's as `name/k`."""
+    value = np.asarray(value, np.float64)
+    if value.ndim == 0:
+        return {name: float(value)}
+    members = {member_column(name, k): float(v) for k, v in enumerate(value)}
+    return {name: float(value.mean()), **members}
+
+
+def member_values(row: dict[str, Any], name: str) -> list[float]:
+    """An ensemble's per-member values of metric `name` in a row (`name/0`, `name/1`...), in
+    member order; [] for one model."""
+    values: list[float] = []
+    while member_column(name, len(values)) in row:
+        values.append(row[member_column(name, len(values))])
+    return values
+
+
+def best_member(row: dict[str, Any], metric: str = "test_accuracy") -> int | None:
+    """The member with the highest `metric` in a row (the first on a tie); None without
+    per-member values."""
+    values = member_values(row, metric)
+    return max(range(len(values)), key=values.__getitem__) if values else None
+
+
+def members_table_rows(
+    config: ml_collections.ConfigDict, full: dict[str, Any], last: dict[str, Any], count: str
+) -> list[dict[str, Any]]:
+    """Each member's seed, learning rate, weight decay, final training row (`last`) and test
+    metrics (`full`, without its `count` field); empty for one model."""
+    if config.ensemble.size == 1:
+        return []
+    names = [n for n in full if MEMBER_SEPARATOR not in n and n != count]
+    trained = [
+        n for n in last if MEMBER_SEPARATOR not in n and n != "step" and not n.startswith("test_")
+    ]
+    return [
+        {
+            "member": k,
+            "seed": config.seed + k,
+            **optimizer_lib.member_hyperparams(config, k),
+            **{
+                f"final_train_{n}": last[member_column(n, k)]
+                for n in trained
+                if member_column(n, k) in last
+            },
+            **{f"test_{n}": full[member_column(n, k)] for n in names},
+        }
+        for k in range(config.ensemble.size)
+    ]
