@@ -161,8 +161,8 @@ def show_setup(run: Run) -> None:
     parallel.say(f"workdir: {run.workdir}")
     if run.start_step:
         parallel.say(f"resuming from checkpoint {run.start_step} in {run.checkpoints.directory}")
-    mesh, d = run.device_data.mesh, run.dataset
-    layout = parallel.layout(mesh, run.config.batch_size, run.config.param_sharding)
+    d = run.dataset
+    layout = parallel.layout(run.device_data.mesh, run.config.batch_size, run.config.param_sharding)
     versions = {name.capitalize(): v for name, v in workdir_lib.versions().items()}
     run.show("Set-up", tables.setup_table(versions, layout))
     if parallel.is_primary() and jax.default_backend() != "gpu":
@@ -337,10 +337,12 @@ def write_report(run: Run) -> pathlib.Path | None:
 
 def write_outputs(run: Run, evaluation: dict[str, Any], wall_seconds: float) -> dict[str, Any]:
     """summary.json and report/ (process 0), then the results where a person looks first."""
-    full, codelab = evaluation["full"], evaluation["codelab"]
+    full = evaluation["full"]
+    codelab = evaluation["codelab"]
     if not parallel.is_primary():
         return {"test_accuracy": full["accuracy"], "process_index": jax.process_index()}
-    config, mesh = run.config, run.device_data.mesh
+    config = run.config
+    mesh = run.device_data.mesh
     report_path = write_report(run) if run.reporting else None
     last = run.history[-1] if run.history else {}
     summary = {

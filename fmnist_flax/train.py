@@ -218,8 +218,11 @@ def chunk_steps(
     the epoch's order (one per member, as rows, when members see their own data; no order:
     steps start.. of a host-fed block), normalised (and augmented, when asked) on the device.
     Augmentation draws from `fold_in(aug_key, step)`, so a resumed run repeats it."""
-    batch_size, accumulate = config.batch_size, config.optimizer.accumulate
-    max_shift, flip, fused = config.augment.max_shift, config.augment.flip, config.fused_steps
+    batch_size = config.batch_size
+    accumulate = config.optimizer.accumulate
+    max_shift = config.augment.max_shift
+    flip = config.augment.flip
+    fused = config.fused_steps
     step_fn = train_step
     if config.ensemble.size > 1:  # every member's step, one vmap
         step_fn = functools.partial(ensemble.train_members, train_step)
@@ -325,7 +328,9 @@ class RunningRow:
     resumed run logs the same rows as an uninterrupted one."""
 
     def __init__(self, zeros: Metrics, start: int, saved: dict[str, Any] | None = None):
-        self.zeros, self.start, self.sums = zeros, start, zeros
+        self.zeros = zeros
+        self.start = start
+        self.sums = zeros
         if saved:  # from a checkpoint's progress item: float32 sums, exact through JSON
             self.start = saved["start"]
             self.sums = {k: np.asarray(saved["sums"].get(k, 0.0), np.float32) for k in zeros}
@@ -333,7 +338,8 @@ class RunningRow:
     def take(self, step: int, metrics: Metrics) -> tuple[int, Metrics, int, jax.Array]:
         """The parts of the row logged at `step`; the next row starts here."""
         parts = (step, self.sums, step - self.start, metrics["grad_norm"])
-        self.sums, self.start = self.zeros, step
+        self.sums = self.zeros
+        self.start = step
         return parts
 
     def state(self) -> dict[str, Any]:
@@ -468,8 +474,11 @@ class RowLog:
 
     def __init__(self, workdir, config: ml_collections.ConfigDict, start_step: int, per_step: int):
         self.primary = parallel.is_primary()
-        self.start_step, self.per_step = start_step, per_step
-        self.last_step, self.last_time, self.last_eval = start_step, time.perf_counter(), 0.0
+        self.start_step = start_step
+        self.per_step = per_step
+        self.last_step = start_step  # the row before's step, time and evaluation seconds
+        self.last_time = time.perf_counter()
+        self.last_eval = 0.0
         if self.primary:
             path = workdir / workdir_lib.METRICS_FILE
             self.metrics = workdir_lib.MetricsLog(path, keep_until=start_step)
@@ -482,7 +491,9 @@ class RowLog:
         seconds = now - self.last_time - (eval_seconds - self.last_eval)
         rate = (row["step"] - self.last_step) * self.per_step / seconds
         first = self.last_step == self.start_step  # its interval includes the compilation
-        self.last_step, self.last_time, self.last_eval = row["step"], now, eval_seconds
+        self.last_step = row["step"]
+        self.last_time = now
+        self.last_eval = eval_seconds
         if self.primary:
             self.metrics.write(row)
             self.board.write(row, None if first else rate)
@@ -526,9 +537,9 @@ def warm_start(
     source = inference.restore_model(workdir, step, flag="--init_from", member=member)[0]
     source = ensemble.from_one_model(source, model, config.init_from, workdir)
     learned = nnx.Any(nnx.Param, nnx.BatchStat)
-    wanted, loaded = nnx.state(model, learned), nnx.state(source, learned)
+    loaded = nnx.state(source, learned)
     restore.check_shapes(
-        wanted,
+        nnx.state(model, learned),
         loaded,
         f"--init_from={config.init_from}",
         advice="a warm start needs the same model fields and number of classes",
@@ -559,7 +570,8 @@ def train_and_evaluate(
     with contextlib.ExitStack() as cleanup:
         signals = cleanup.enter_context(StopSignals())
         workdir, dataset, device_data = experiment.prepare(config, workdir, cleanup, devices)
-        mesh, per_epoch = device_data.mesh, device_data.batches_per_epoch
+        mesh = device_data.mesh
+        per_epoch = device_data.batches_per_epoch
 
         # The state: a fresh model and optimizer, then the newest intact checkpoint (or the
         # model of --init_from) restored into them.
@@ -630,9 +642,8 @@ def train_and_evaluate(
         with RowLog(workdir, config, start_step, per_step) as log:
             while step < config.steps:
                 stop = next_stop(step, config, per_epoch)
-                for call in batches.chunks(
-                    step, stop
-                ):  # images, labels, order, index, count, first
+                # Each call: images, labels, order, first batch index, count, first step.
+                for call in batches.chunks(step, stop):
                     state, row.sums, metrics = train_chunk(state, row.sums, *call, aug_key)
                 if pending:  # read while this chunk runs: the device's queue never drains
                     log.write(checked_row(pending, last_finite, checkpoints), run.eval_seconds)
@@ -643,8 +654,8 @@ def train_and_evaluate(
                     jax.block_until_ready(metrics)
                     clock = (time.perf_counter(), step)
 
-                # A signal to any process stops all of them at the same step (saving is
-                # collective).
+                # Where the host looks. A signal to any process stops all of them at the same
+                # step (saving is collective).
                 signum = max(parallel.from_every_process(signals.signum))
                 saving = must_save(step, signum, config, checkpoints)
                 testing = is_eval_step(step, config, per_epoch)
@@ -677,6 +688,7 @@ def train_and_evaluate(
                     save_if_finite(
                         checkpoints, step, model, optimizer, state, progress | tested, last_finite
                     )
+                # Stop on a signal, the checkpoint of this step saved.
                 if signum:
                     raise interrupted(signum, step, checkpoints, "")
 
