@@ -4,8 +4,6 @@ For notebooks: `load_model(workdir)` restores a trained model, `predict(model, i
 returns class probabilities and `class_names(workdir)` names them.
 """
 
-# First: its exit hook must be registered before any library registers one (it runs last).
-from fmnist_flax import fast_exit  # noqa: F401
 from fmnist_flax.datasets import IDX_DATASETS
 from fmnist_flax.evaluate import predict
 from fmnist_flax.inference import class_names, load_model

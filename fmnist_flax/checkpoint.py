@@ -15,11 +15,9 @@ import contextlib
 import dataclasses
 import datetime
 import json
-import logging as std_logging
 import os
 import pathlib
 import shutil
-import sys
 import tempfile
 import threading
 import types
@@ -32,7 +30,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from fmnist_flax import errors
+from fmnist_flax import errors, library_workarounds
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
 
@@ -79,58 +77,6 @@ def wrap_keys(restored: Any, like: Any) -> Any:
 
 def checkpoint_dir(workdir: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(workdir).expanduser().absolute() / CHECKPOINT_DIR
-
-
-class _OrbaxNoise(std_logging.Filter):
-    """Drops Orbax's records that say nothing to a user of this project: tracebacks of a write
-    that failed for lack of space or permission, and any of its threads' tracebacks once a
-    failed save has been reported (the save's caller says it in one line: what, where, how
-    much is free), and the notices that a reader's manager is read-only."""
-
-    save_failed = threading.Event()  # set once a failed save is reported
-
-    def filter(self, record: std_logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if exc is not None:
-            return workdir_lib.storage_error(exc) is None and not self.save_failed.is_set()
-        return not any(notice in str(record.msg) for notice in _ORBAX_NOTICES)
-
-
-# A reader's manager is read-only by design; a step's metadata is missing when it is damaged,
-# unreadable or rotated away, each of which this module reports in its own line; a save waits
-# for the one before in the low-priority saving thread, not in training's; a reader restores
-# the model item alone by design.
-_ORBAX_NOTICES = (
-    "read only", "read_only=True", "Metadata file does not exist",
-    "Waiting for previous save to complete", "was found in the checkpoint, but could not be",
-)  # fmt: skip
-
-
-def abandoned_writes() -> bool:
-    """Whether a save failed in this process, leaving Orbax's threads with writes to drop."""
-    return _OrbaxNoise.save_failed.is_set()
-
-
-for _logger in (logging.get_absl_logger(), std_logging.getLogger("asyncio")):
-    _logger.addFilter(_OrbaxNoise())  # asyncio: "Task exception was never retrieved"
-
-
-def _abandoned_write_hook(previous):
-    """After a failed save, tensorstore still completes the abandoned writes' futures and
-    their callbacks find Orbax's event loop closed; after a failed read (a step rotated away
-    under a reader, or damaged), the reads abandoned with it end in coroutines nobody awaits.
-    Each would print a traceback as an unraisable exception; the failure itself is reported
-    in one line (or the reader starts over from the newest step)."""
-
-    def hook(unraisable):
-        value = unraisable.exc_value
-        closed = isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
-        abandoned_read = "while reading array index" in str(value)
-        if not (closed or abandoned_read):
-            previous(unraisable)
-
-    hook.quiet_abandoned_writes = True
-    return hook
 
 
 @dataclasses.dataclass
@@ -218,8 +164,6 @@ class Checkpoints:
         self._thread_error: UserError | None = None
         if not read_only:
             prepare_directory(self.directory)
-        if not hasattr(sys.unraisablehook, "quiet_abandoned_writes"):  # a reader's reads too
-            sys.unraisablehook = _abandoned_write_hook(sys.unraisablehook)
         policies = ocp.checkpoint_managers
         self._best = _KeepBest({})
         keep = [policies.LatestN(max_to_keep), *([self._best] if keep_best else [])]
@@ -347,7 +291,7 @@ class Checkpoints:
         return f"free some space and run the same command again to resume from {last}"
 
     def _save_failed(self, step: int, exc: BaseException) -> UserError:
-        _OrbaxNoise.save_failed.set()  # what Orbax's threads log from now on is this failure
+        library_workarounds.record_failed_save()
         storage = workdir_lib.storage_error(exc)
         if storage is not None:
             reason = workdir_lib.disk_problem(self.directory, storage)
@@ -373,14 +317,11 @@ class Checkpoints:
     def close(self) -> None:
         if self._thread is not None:  # a save still starting (its failure already reported)
             self._thread.join()
-        # Orbax's close does not wait for the clean-up of temporary directories it starts when
-        # the manager is made (only a save does): a run that stops at once (`| head -1`, a
-        # refused config) would exit with that thread running, which then prints a traceback.
-        getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
+        library_workarounds.await_tmp_cleanup(self._manager)
         try:
             self._manager.close()  # waits for the save in flight, raising its failure again
         except Exception as exc:  # Orbax and tensorstore raise many types for a failed write
-            if not abandoned_writes():  # not reported yet: say it, in one line
+            if not library_workarounds.abandoned_writes():  # not reported yet: say it, in one line
                 raise self._save_failed(self._saving, exc) from None
 
     def saved(self, item: str, step: int | None = None) -> tuple[int, dict[str, Any] | None]:

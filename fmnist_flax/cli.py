@@ -23,8 +23,8 @@ from fmnist_flax import (
     datasets,
     experiment,
     export,
-    fast_exit,
     inference,
+    library_workarounds,
     parallel,
     records,
     train,
@@ -159,7 +159,7 @@ def fail(message: str, code: int, together: bool = False) -> None:
     # shutdown barrier (is_initialized: process_count() would start the backends); (2) after
     # a failed save: Orbax's threads may still be inside tensorstore finishing its abandoned
     # writes, and the interpreter's shutdown would kill them mid-call (an abort, exit -6).
-    if jax.distributed.is_initialized() or checkpoint.abandoned_writes():
+    if jax.distributed.is_initialized() or library_workarounds.abandoned_writes():
         if together and jax.distributed.is_initialized():
             # Leave through JAX's shutdown barrier: process 0 hosts the coordination service,
             # and a peer still leaving when it goes aborts with a C++ stack trace (exit -6).
@@ -402,11 +402,12 @@ def define_config_flag() -> None:
 
 def run() -> None:
     """Entry point of `main.py`, `python -m fmnist_flax` and the `fmnist-flax` script."""
+    library_workarounds.install()
     define_config_flag()
     try:
         app.run(main, flags_parser=parse_flags)
     except SystemExit as done:  # success or one of our error lines: no teardown to wait for
         status = 0 if done.code is None else done.code
         if isinstance(status, int):
-            fast_exit.after_exit_hooks(status)
+            library_workarounds.exit_after_hooks(status)
         raise

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from fmnist_flax import compilation_cache, datasets, load_model
+from fmnist_flax import compilation_cache, datasets, library_workarounds, load_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -39,6 +39,13 @@ def use_compilation_cache(directory: pathlib.Path) -> None:
     # A size limit turns on JAX's file lock (the filelock package): no process reads an entry
     # another is still writing. Least recently used entries go past it.
     jax.config.update("jax_compilation_cache_max_size", 2**30)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def quiet_orbax() -> None:
+    """Orbax's noise dropped as the command line drops it, for the tests that save and read
+    checkpoints in this process (set when the session starts: after pytest's own hooks)."""
+    library_workarounds.quiet_orbax()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,0 +1,122 @@
+"""Workarounds for how Orbax, tensorstore, asyncio, absl and the interpreter behave.
+
+Importing this changes nothing: the command line calls `install()` as it starts, and tests
+that drive the library in their own process call `quiet_orbax()`. Each item names the
+versions it was written against and why it exists, to be deleted once they no longer need it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging as std_logging
+import os
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+from absl import logging
+
+from fmnist_flax import workdir as workdir_lib
+
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
+
+_save_failed = threading.Event()  # set once this process has reported a failed save
+_exit_status: int | None = None  # set by `exit_after_hooks`: the command is finished
+
+
+def install() -> None:
+    """Every workaround here, for a command-line run: call it once, as the command starts."""
+    quiet_orbax()
+    atexit.register(_leave)
+
+
+def quiet_orbax() -> None:
+    """Orbax's log noise filtered and its abandoned writes' unraisable exceptions dropped."""
+    for logger in (logging.get_absl_logger(), std_logging.getLogger("asyncio")):
+        logger.addFilter(_OrbaxNoise())  # asyncio: "Task exception was never retrieved"
+    sys.unraisablehook = _abandoned_write_hook(sys.unraisablehook)
+
+
+# --- Orbax's logs (orbax-checkpoint 0.12.8, absl-py 2.5.1, Python 3.11 asyncio) ------------------
+# A write that fails for lack of space or permission is logged with its traceback by each of
+# Orbax's threads, and once more by asyncio per abandoned task: hundreds of lines after the
+# save's caller has said it in one (what, where, how much is free).
+class _OrbaxNoise(std_logging.Filter):
+    """Drops Orbax's tracebacks of a write that failed for lack of space or permission, any
+    of its threads' tracebacks once a failed save has been reported, and _ORBAX_NOTICES."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None:
+            return workdir_lib.storage_error(exc) is None and not _save_failed.is_set()
+        return not any(notice in str(record.msg) for notice in _ORBAX_NOTICES)
+
+
+# Notices Orbax 0.12.8 logs at WARNING that say nothing here: a reader's manager is read-only
+# by design; a step's metadata is missing when it is damaged, unreadable or rotated away, each
+# of which checkpoint.py reports in its own line; a save waits for the one before in the
+# low-priority saving thread, not in training's; a reader restores the model item alone.
+_ORBAX_NOTICES = (
+    "read only", "read_only=True", "Metadata file does not exist",
+    "Waiting for previous save to complete", "was found in the checkpoint, but could not be",
+)  # fmt: skip
+
+
+def record_failed_save() -> None:
+    """A save failed and was reported: what Orbax's threads log from now on is that failure."""
+    _save_failed.set()
+
+
+def abandoned_writes() -> bool:
+    """Whether a save failed in this process, leaving Orbax's threads with writes to drop."""
+    return _save_failed.is_set()
+
+
+# --- Abandoned writes and reads (tensorstore 0.1.86, orbax-checkpoint 0.12.8, Python 3.11) -------
+def _abandoned_write_hook(previous: Any) -> Any:
+    """After a failed save, tensorstore still completes the abandoned writes' futures and
+    their callbacks find Orbax's event loop closed; after a failed read (a step rotated away
+    under a reader, or damaged), the reads abandoned with it end in coroutines nobody awaits.
+    Each would print a traceback as an unraisable exception; the failure itself is reported
+    in one line (or the reader starts over from the newest step)."""
+
+    def hook(unraisable: Any) -> None:
+        value = unraisable.exc_value
+        closed = isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
+        abandoned_read = "while reading array index" in str(value)
+        if not (closed or abandoned_read):
+            previous(unraisable)
+
+    return hook
+
+
+# --- Orbax's temporary directories (orbax-checkpoint 0.12.8) ------------------------------------
+def await_tmp_cleanup(manager: ocp.CheckpointManager) -> None:
+    """Wait for the clean-up of temporary directories a manager starts when it is made: its
+    `close()` does not (only a save does), and a run that stops at once (`| head -1`, a
+    refused config) would exit with that thread running, which then prints a traceback."""
+    getattr(manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
+
+
+# --- The interpreter's teardown (Python 3.11) ---------------------------------------------------
+# After the last exit hook, CPython frees every module and object of JAX, Orbax and matplotlib
+# one by one, which nothing reads: a finished command would wait for it.
+def exit_after_hooks(status: int) -> None:
+    """Leave with `status` once every exit hook has run, without the interpreter's teardown."""
+    global _exit_status
+    _exit_status = status
+
+
+def _leave() -> None:
+    """Registered by `install`, after the libraries' own exit hooks, so it runs before them:
+    it runs them (newest first, as the interpreter would), then leaves with every file closed."""
+    if _exit_status is None:
+        return
+    atexit.unregister(_leave)
+    atexit._run_exitfuncs()  # private: the only way to run the hooks registered before it
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe (`| head`) or stream
+            stream.flush()
+    os._exit(_exit_status)

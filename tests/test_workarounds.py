@@ -1,0 +1,72 @@
+"""library_workarounds: importing the package changes nothing global; `install()` does."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+
+PACKAGE = REPO / "fmnist_flax"
+
+# Prints the global state the workarounds touch after the libraries are imported, after every
+# module of the package is, and after install(). argv: the libraries, then the modules.
+PROBE = """
+import atexit, importlib, json, logging, sys
+from absl import logging as absl_logging
+
+def state():
+    return {
+        "absl_filters": [id(f) for f in absl_logging.get_absl_logger().filters],
+        "asyncio_filters": [id(f) for f in logging.getLogger("asyncio").filters],
+        "unraisablehook": id(sys.unraisablehook),
+        "atexit_callbacks": atexit._ncallbacks(),
+    }
+
+libraries, modules = json.loads(sys.argv[1])
+for name in libraries:
+    importlib.import_module(name)
+states = [state()]
+for name in modules:
+    importlib.import_module(name)
+states.append(state())
+from fmnist_flax import library_workarounds
+library_workarounds.install()
+states.append(state())
+print(json.dumps(states))
+"""
+
+
+def package_modules() -> list[str]:
+    """Every module of the package but `__main__` (which runs the command line)."""
+    paths = sorted(PACKAGE.glob("*.py"))
+    return [f"fmnist_flax.{path.stem}" for path in paths if path.stem != "__main__"]
+
+
+def libraries() -> list[str]:
+    """The modules outside the package that the package imports, anywhere in its files."""
+    found = set()
+    for path in PACKAGE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module)
+    return sorted(name for name in found if name.partition(".")[0] != "fmnist_flax")
+
+
+def test_importing_the_package_changes_nothing_global_and_install_does():
+    modules = ["fmnist_flax", *package_modules()]
+    assert "fmnist_flax.checkpoint" in modules and "fmnist_flax.cli" in modules
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps([libraries(), modules])],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    libraries_only, imported, installed = json.loads(result.stdout)
+    assert imported == libraries_only  # log filters, unraisable hook, exit hooks: as they were
+    for key in ("absl_filters", "asyncio_filters", "unraisablehook"):
+        assert installed[key] != imported[key], key
+    assert installed["atexit_callbacks"] == imported["atexit_callbacks"] + 1
