@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -21,7 +22,7 @@ import shutil
 import tempfile
 import threading
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -79,6 +80,7 @@ def checkpoint_dir(workdir: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(workdir).expanduser().absolute() / CHECKPOINT_DIR
 
 
+# --- Policies: when a periodic save is due, which steps are kept --------------------------------
 @dataclasses.dataclass
 class _KeepBest:
     """An Orbax preservation policy that keeps the step of the best test accuracy. Orbax keeps
@@ -91,6 +93,10 @@ class _KeepBest:
         known = {c.step: self.scores[c.step] for c in checkpoints if c.step in self.scores}
         best = max(known, key=lambda step: (known[step], step)) if known else None
         return [c.step == best for c in checkpoints]
+
+    def best(self) -> int | None:
+        """The best-scored step, kept or not yet saved."""
+        return max(self.scores, key=lambda step: (self.scores[step], step)) if self.scores else None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -109,6 +115,39 @@ class _TimeFloor(ocp.checkpoint_managers.ContinuousCheckpointingPolicy):
         return super().should_save(step, previous, context=context)
 
 
+def _options(
+    *, max_to_keep: int, best: _KeepBest | None, read_only: bool, min_interval_secs: float
+) -> ocp.CheckpointManagerOptions:
+    """Orbax's options: keep the newest `max_to_keep` (and `best`'s step), save on the time
+    floor, write asynchronously; a reader deletes nothing."""
+    policies = ocp.checkpoint_managers
+    keep = [policies.LatestN(max_to_keep), *([best] if best is not None else [])]
+    return ocp.CheckpointManagerOptions(
+        preservation_policy=None if read_only else policies.AnyPreservationPolicy(keep),
+        save_decision_policy=_TimeFloor(minimum_interval_secs=min_interval_secs),
+        create=False,
+        read_only=read_only,
+        # Half-written saves of a killed process go away; only the lock holder may do it.
+        cleanup_tmp_directories=not read_only,
+        enable_background_delete=True,  # rotating old steps away does not stall training
+        enable_async_checkpointing=True,
+    )
+
+
+def _scores(directory: pathlib.Path, steps: Sequence[int]) -> dict[int, float]:
+    """The test accuracy of each step saved at an evaluation, from its progress item."""
+    scores = {}
+    for step in steps:
+        try:
+            progress = saved_item(directory, step, "progress") or {}
+        except UserError:  # damaged: restore() sets it aside; it ranks nowhere
+            continue
+        if isinstance(progress.get(BEST_METRIC), float):
+            scores[step] = progress[BEST_METRIC]
+    return scores
+
+
+# --- What a save writes, and the faults it can meet ---------------------------------------------
 class StepVanished(Exception):
     """A step was removed while being read: a live training run rotated it away."""
 
@@ -133,8 +172,80 @@ def warm_up(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
     jax.block_until_ready(_snapshot(_arrays(model, optimizer)))
 
 
+def _check_space(directory: pathlib.Path, step: int, arrays: dict[str, Any]) -> None:
+    """Refuse a save the disk cannot hold: it would fail in Orbax's threads, with hundreds
+    of lines of tracebacks, long after the save was started."""
+    need = (
+        SPACE_MARGIN
+        * sum(x.nbytes for x in jax.tree.leaves(arrays) if hasattr(x, "nbytes"))
+        // max(jax.process_count(), 1)
+    )
+    stats = os.statvfs(directory)
+    free = stats.f_bavail * stats.f_frsize
+    inodes = stats.f_favail if stats.f_files else INODES_PER_SAVE  # 0 files: no limit
+    if free < need or inodes < INODES_PER_SAVE:
+        raise UserError(
+            f"checkpoint {step} needs about {need / 2**20:,.1f} MB and {INODES_PER_SAVE} "
+            f"inodes in {directory}, which has {workdir_lib.disk_problem(directory)}"
+            f"; {_resume_hint(directory)}"
+        )
+
+
+def _resume_hint(directory: pathlib.Path) -> str:
+    kept = complete_steps(directory)  # on disk: Orbax's own list may be mid-update
+    last = f"checkpoint {kept[-1]}" if kept else "the start (no checkpoint was completed)"
+    return f"free some space and run the same command again to resume from {last}"
+
+
+def _save_failed(directory: pathlib.Path, step: int, exc: BaseException) -> UserError:
+    """The one line for a save that failed in Orbax or tensorstore: what, where, why."""
+    library_workarounds.record_failed_save()
+    storage = workdir_lib.storage_error(exc)
+    if storage is not None:
+        reason = workdir_lib.disk_problem(directory, storage)
+    else:
+        reason = errors.reason(exc)
+    return UserError(
+        f"could not write checkpoint {step} in {directory} ({reason}); " + _resume_hint(directory)
+    )
+
+
+class _SaveThread:
+    """Starts a save in a thread of its own, at the lowest CPU priority: Orbax's synchronous
+    part (directories, metadata, its writer threads started) then stays off training's."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: UserError | None = None
+
+    def start(self, save: Callable[[], None]) -> None:
+        self._thread = threading.Thread(target=self._run, args=(save,), daemon=True)
+        self._thread.start()
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def join(self) -> UserError | None:
+        """Wait for the save being started; the failure it met, returned once."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread, error, self._error = None, self._error, None
+        return error
+
+    def _run(self, save: Callable[[], None]) -> None:
+        # Lowest CPU priority for this thread and the writer threads it starts: on a few cores
+        # they would take XLA's time; the save has until the next one to finish.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVE_NICENESS)
+        try:
+            save()
+        except UserError as error:
+            self._error = error
+
+
 class Checkpoints:
-    """An Orbax CheckpointManager for one workdir, with the project's fault handling."""
+    """An Orbax CheckpointManager for one workdir: what each save writes, and when."""
 
     def __init__(
         self,
@@ -160,22 +271,15 @@ class Checkpoints:
         self.read_only = read_only
         self.min_interval_secs = min_interval_secs
         self._saving = 0  # the step of the save in flight, named if it fails
-        self._thread: threading.Thread | None = None  # the save being started, in one process
-        self._thread_error: UserError | None = None
+        self._starting = _SaveThread()  # in one process, the save being started
         if not read_only:
             prepare_directory(self.directory)
-        policies = ocp.checkpoint_managers
         self._best = _KeepBest({})
-        keep = [policies.LatestN(max_to_keep), *([self._best] if keep_best else [])]
-        options = ocp.CheckpointManagerOptions(
-            preservation_policy=None if read_only else policies.AnyPreservationPolicy(keep),
-            save_decision_policy=_TimeFloor(minimum_interval_secs=min_interval_secs),
-            create=False,
+        options = _options(
+            max_to_keep=max_to_keep,
+            best=self._best if keep_best else None,
             read_only=read_only,
-            # Half-written saves of a killed process go away; only the lock holder may do it.
-            cleanup_tmp_directories=not read_only,
-            enable_background_delete=True,  # rotating old steps away does not stall training
-            enable_async_checkpointing=True,
+            min_interval_secs=min_interval_secs,
         )
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -186,7 +290,7 @@ class Checkpoints:
             },
         )
         if keep_best:
-            self._best.scores.update(self._scores())
+            self._best.scores.update(_scores(self.directory, self.steps()))
 
     @property
     def manager(self) -> ocp.CheckpointManager:
@@ -210,7 +314,7 @@ class Checkpoints:
         none still being written and the last one old enough (decided by process 0)."""
         if not self.min_interval_secs:
             return True  # every period, each save waiting for the one before
-        if self._thread is not None and self._thread.is_alive():  # one process: still starting
+        if self._starting.busy():  # one process: still starting
             return False
         return self._manager.should_save(step)
 
@@ -223,15 +327,13 @@ class Checkpoints:
     ) -> None:
         """Start an asynchronous save; training goes on while it is written.
 
-        The space it needs is checked first: a save that fills the disk would fail in Orbax's
-        threads, with hundreds of lines of tracebacks, long after this call. In one process
-        even Orbax's own synchronous part (directories, metadata, ~14 threads started: ~20 ms
-        on 2 cores) runs in a thread of ours, on a device copy of the state that the next
-        training call cannot donate away.
+        The space it needs is checked first. In one process even Orbax's own synchronous
+        part runs in a thread of ours, on a device copy of the state that the next training
+        call cannot donate away.
         """
         self.wait()  # the previous save is complete (or its failure reported) first
         arrays = _arrays(model, optimizer)
-        self._check_space(step, arrays)
+        _check_space(self.directory, step, arrays)
         self._saving = step
         if BEST_METRIC in progress:
             self._best.scores[step] = progress[BEST_METRIC]
@@ -239,22 +341,9 @@ class Checkpoints:
         if jax.process_count() > 1:  # Orbax's barriers stay on the thread every process shares
             self._start_save(step, arrays, json_items)
             return
-        arrays = _snapshot(arrays)
-        self._thread = threading.Thread(
-            target=self._save_in_background, args=(step, arrays, json_items), daemon=True
+        self._starting.start(
+            functools.partial(self._start_save, step, _snapshot(arrays), json_items)
         )
-        self._thread.start()
-
-    def _save_in_background(self, *save: Any) -> None:
-        """`_start_save` in the saving thread; wait() reports its failure."""
-        # Lowest CPU priority for this thread and the writer threads it starts: on a few cores
-        # they would take XLA's time; the save has until the next one to finish.
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVE_NICENESS)
-        try:
-            self._start_save(*save)
-        except UserError as error:
-            self._thread_error = error
 
     def _start_save(self, step: int, arrays: dict[str, Any], json_items: dict[str, Any]) -> None:
         try:
@@ -267,62 +356,26 @@ class Checkpoints:
                 force=True,
             )
         except Exception as exc:  # Orbax and tensorstore raise many types for a failed write
-            raise self._save_failed(step, exc) from None
-
-    def _check_space(self, step: int, arrays: dict[str, Any]) -> None:
-        need = (
-            SPACE_MARGIN
-            * sum(x.nbytes for x in jax.tree.leaves(arrays) if hasattr(x, "nbytes"))
-            // max(jax.process_count(), 1)
-        )
-        stats = os.statvfs(self.directory)
-        free = stats.f_bavail * stats.f_frsize
-        inodes = stats.f_favail if stats.f_files else INODES_PER_SAVE  # 0 files: no limit
-        if free < need or inodes < INODES_PER_SAVE:
-            raise UserError(
-                f"checkpoint {step} needs about {need / 2**20:,.1f} MB and {INODES_PER_SAVE} "
-                f"inodes in {self.directory}, which has {workdir_lib.disk_problem(self.directory)}"
-                f"; {self._resume_hint()}"
-            )
-
-    def _resume_hint(self) -> str:
-        kept = complete_steps(self.directory)  # on disk: Orbax's own list may be mid-update
-        last = f"checkpoint {kept[-1]}" if kept else "the start (no checkpoint was completed)"
-        return f"free some space and run the same command again to resume from {last}"
-
-    def _save_failed(self, step: int, exc: BaseException) -> UserError:
-        library_workarounds.record_failed_save()
-        storage = workdir_lib.storage_error(exc)
-        if storage is not None:
-            reason = workdir_lib.disk_problem(self.directory, storage)
-        else:
-            reason = errors.reason(exc)
-        return UserError(
-            f"could not write checkpoint {step} in {self.directory} ({reason}); "
-            + self._resume_hint()
-        )
+            raise _save_failed(self.directory, step, exc) from None
 
     def wait(self) -> None:
         """Block until the last save is on disk; a failed one is reported in one line."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread, error, self._thread_error = None, self._thread_error, None
-            if error is not None:
-                raise error
+        error = self._starting.join()
+        if error is not None:
+            raise error
         try:
             self._manager.wait_until_finished()
         except Exception as exc:  # the asynchronous write failed in Orbax's threads
-            raise self._save_failed(self._saving, exc) from None
+            raise _save_failed(self.directory, self._saving, exc) from None
 
     def close(self) -> None:
-        if self._thread is not None:  # a save still starting (its failure already reported)
-            self._thread.join()
+        self._starting.join()  # a save still starting (its failure already reported)
         library_workarounds.await_tmp_cleanup(self._manager)
         try:
             self._manager.close()  # waits for the save in flight, raising its failure again
         except Exception as exc:  # Orbax and tensorstore raise many types for a failed write
             if not library_workarounds.abandoned_writes():  # not reported yet: say it, in one line
-                raise self._save_failed(self._saving, exc) from None
+                raise _save_failed(self.directory, self._saving, exc) from None
 
     def saved(self, item: str, step: int | None = None) -> tuple[int, dict[str, Any] | None]:
         """(step, JSON `item`) of `step`, or of the newest step whose item is intact: restore()
@@ -364,22 +417,9 @@ class Checkpoints:
         done, listed = complete_steps(self.directory), self.steps()
         return step not in done or (bool(listed) and done[-1] > listed[-1])
 
-    def _scores(self) -> dict[int, float]:
-        """The test accuracy of each kept step saved at an evaluation, from its progress item."""
-        scores = {}
-        for step in self.steps():
-            try:
-                progress = saved_item(self.directory, step, "progress") or {}
-            except UserError:  # damaged: restore() sets it aside; it ranks nowhere
-                continue
-            if isinstance(progress.get(BEST_METRIC), float):
-                scores[step] = progress[BEST_METRIC]
-        return scores
-
     def best_candidate(self) -> int | None:
         """The step keep_best preserves now (the best score saved), or None."""
-        scores = self._best.scores
-        return max(scores, key=lambda step: (scores[step], step)) if scores else None
+        return self._best.best()
 
     def forget_score(self, step: int) -> None:
         """A step set aside ranks no more."""
@@ -388,7 +428,7 @@ class Checkpoints:
     def best_steps(self) -> list[int]:
         """The kept steps saved at an evaluation, best test accuracy first, for --step=best
         (a damaged best one is passed over for the next)."""
-        scores = self._scores()
+        scores = _scores(self.directory, self.steps())
         if not scores:
             raise UserError(
                 f"--step=best: no checkpoint in {self.directory} was saved at an evaluation; "
