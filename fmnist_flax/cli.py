@@ -350,7 +350,7 @@ def prepare(config: ml_collections.ConfigDict) -> None:
     if config.dataset.name == "records":
         raise UserError("--mode=prepare reads a dataset to write; it already is record files")
     dataset = datasets.load(config)
-    info = records.write(dataset, _OUTPUT.value, _SHARDS.value)
+    info = records.write_dataset(dataset, _OUTPUT.value, _SHARDS.value)
     counts = ", ".join(f"{s['examples']:,} {name}" for name, s in info["splits"].items())
     parallel.say(
         f"wrote {dataset.title} ({counts} examples) as record files in {_OUTPUT.value}; train "

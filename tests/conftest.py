@@ -213,5 +213,5 @@ def fmnist_records(real_dataset, tmp_path_factory) -> pathlib.Path:
     from fmnist_flax import records
 
     path = tmp_path_factory.mktemp("records") / "fashion_mnist"
-    records.write(real_dataset, path)
+    records.write_dataset(real_dataset, path)
     return path
