@@ -489,9 +489,10 @@ def complete_steps(directory: pathlib.Path) -> list[int]:
     """The steps Orbax finished writing in `directory` (its marker file in them), on disk."""
     try:
         return sorted(
-            int(p.name) for p in directory.iterdir()
+            int(p.name)
+            for p in directory.iterdir()
             if p.name.isdigit() and (p / STEP_MARKER).exists()
-        )  # fmt: skip
+        )
     except OSError:
         return []
 

@@ -59,9 +59,12 @@ class _OrbaxNoise(std_logging.Filter):
 # of which checkpoint.py reports in its own line; a save waits for the one before in the
 # low-priority saving thread, not in training's; a reader restores the model item alone.
 _ORBAX_NOTICES = (
-    "read only", "read_only=True", "Metadata file does not exist",
-    "Waiting for previous save to complete", "was found in the checkpoint, but could not be",
-)  # fmt: skip
+    "read only",
+    "read_only=True",
+    "Metadata file does not exist",
+    "Waiting for previous save to complete",
+    "was found in the checkpoint, but could not be",
+)
 
 
 def record_failed_save() -> None:

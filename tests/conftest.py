@@ -59,8 +59,12 @@ def run_main(*args, cwd=REPO, **kwargs) -> subprocess.CompletedProcess:
     """`python main.py ARGS` in a process of its own, as a user runs it."""
     return subprocess.run(
         [sys.executable, str(REPO / "main.py"), *args],
-        cwd=cwd, capture_output=True, text=True, timeout=300, **kwargs,
-    )  # fmt: skip
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kwargs,
+    )
 
 
 def env_without_device_count() -> dict[str, str]:
@@ -180,9 +184,12 @@ def jax_only(tmp_path_factory):
         np.save(inputs, images)
         result = subprocess.run(
             [sys.executable, "-S", str(directory / "run.py"), str(artifact), str(inputs)],
-            cwd=inputs.parent, env={"PATH": os.environ["PATH"], "PYTHONPATH": str(directory)},
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            cwd=inputs.parent,
+            env={"PATH": os.environ["PATH"], "PYTHONPATH": str(directory)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stderr
         out = json.loads(result.stdout)
         assert out["dtype"] == "float32"

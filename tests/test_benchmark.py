@@ -14,17 +14,35 @@ from fmnist_flax import benchmark, profiling
 from fmnist_flax.errors import UserError
 
 PATHS = {
-    "codelab loop (reference)", "nnx.jit step", "fused (default)", "fused + saves (default)",
-    "fused + saves, no floor", "grain pipeline", "grain, record files", "grain pipeline alone",
+    "codelab loop (reference)",
+    "nnx.jit step",
+    "fused (default)",
+    "fused + saves (default)",
+    "fused + saves, no floor",
+    "grain pipeline",
+    "grain, record files",
+    "grain pipeline alone",
     "ensemble of 2, shared data",
-    "ensemble of 2, own data", "Python dispatch",
-}  # fmt: skip
+    "ensemble of 2, own data",
+    "Python dispatch",
+}
 SPLIT_PATHS = {"ensemble of 2, shared data, 2 devices", "ensemble of 2, own data, 2 devices"}
 ROW_FIELDS = {
-    "path", "batch_size", "dtype", "steps", "seconds", "first_call_s", "examples_per_sec",
-    "fused_beside_per_sec", "ratio_to_codelab", "ratio_to_fused", "gflops",
-    "share_of_matmul_peak", "device_peak_mb", "process_peak_rss_mb",
-}  # fmt: skip
+    "path",
+    "batch_size",
+    "dtype",
+    "steps",
+    "seconds",
+    "first_call_s",
+    "examples_per_sec",
+    "fused_beside_per_sec",
+    "ratio_to_codelab",
+    "ratio_to_fused",
+    "gflops",
+    "share_of_matmul_peak",
+    "device_peak_mb",
+    "process_peak_rss_mb",
+}
 
 
 def test_flops_per_example_matches_the_hand_count():
@@ -39,10 +57,16 @@ def test_tiny_benchmark_writes_every_field(tmp_path):
     output = tmp_path / "bench.json"
     env = env_without_device_count()
     result = run_main(
-        "--mode=benchmark", "--bench_batch_sizes=16", "--bench_dtypes=bfloat16",
-        "--bench_steps=2", "--bench_repeats=1", "--bench_whole_run_steps=3",
-        "--bench_members=2", f"--output={output}", env=env,
-    )  # fmt: skip
+        "--mode=benchmark",
+        "--bench_batch_sizes=16",
+        "--bench_dtypes=bfloat16",
+        "--bench_steps=2",
+        "--bench_repeats=1",
+        "--bench_whole_run_steps=3",
+        "--bench_members=2",
+        f"--output={output}",
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     result_json = json.loads(output.read_text())
     assert result_json["matmul_peak_gflops"] > 0
@@ -108,9 +132,14 @@ def test_without_the_devices_the_split_rows_are_left_out(capsys):
 def test_bad_benchmark_options_are_one_line(kwargs, message):
     """Each mistake is refused before anything is measured."""
     options = {
-        "batch_sizes": [16], "dtypes": ["float32"], "steps": 1, "repeats": 1,
-        "whole_run_steps": 0, "output": None, **kwargs,
-    }  # fmt: skip
+        "batch_sizes": [16],
+        "dtypes": ["float32"],
+        "steps": 1,
+        "repeats": 1,
+        "whole_run_steps": 0,
+        "output": None,
+        **kwargs,
+    }
     with pytest.raises(UserError, match=message):
         benchmark.run_benchmark(load_config("default"), **options)
 
@@ -119,9 +148,14 @@ def test_benchmark_refuses_a_non_mlp_config():
 
     with pytest.raises(UserError, match="compares against the codelab's two-hidden-layer MLP"):
         benchmark.run_benchmark(
-            load_config("cnn"), batch_sizes=[16], dtypes=["float32"], steps=1, repeats=1,
-            whole_run_steps=0, output=None,
-        )  # fmt: skip
+            load_config("cnn"),
+            batch_sizes=[16],
+            dtypes=["float32"],
+            steps=1,
+            repeats=1,
+            whole_run_steps=0,
+            output=None,
+        )
 
 
 def test_benchmark_refuses_an_ensemble_config():
@@ -129,6 +163,11 @@ def test_benchmark_refuses_an_ensemble_config():
     config.ensemble.size = 2
     with pytest.raises(UserError, match=r"builds its own ensembles \(--bench_members\); drop"):
         benchmark.run_benchmark(
-            config, batch_sizes=[16], dtypes=["float32"], steps=1, repeats=1,
-            whole_run_steps=0, output=None,
-        )  # fmt: skip
+            config,
+            batch_sizes=[16],
+            dtypes=["float32"],
+            steps=1,
+            repeats=1,
+            whole_run_steps=0,
+            output=None,
+        )

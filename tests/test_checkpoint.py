@@ -84,13 +84,23 @@ def test_checkpoint_holds_progress_and_config_as_json_and_no_pickle(trained):
     step_dir = workdir / "checkpoints" / "200"
     progress = json.loads((step_dir / "progress" / "metadata").read_text())
     summary = json.loads((workdir / "summary.json").read_text())
-    assert progress == {
-        "step": 200, "epoch": 1, "index": 83, "num_batches": 117, "batch_size": 512, "seed": 0,
+    expected = {
+        "step": 200,
+        "epoch": 1,
+        "index": 83,
+        "num_batches": 117,
+        "batch_size": 512,
+        "seed": 0,
         # the last step is evaluated: its test metrics travel with it, for --step=best
-        "test_accuracy": summary["test_accuracy"], "test_loss": summary["test_loss"],
-        # the running row: logged at this step, so the next one starts from nothing
-        "row": {"start": 200, "sums": {"accuracy": 0.0, "loss": 0.0}},
-    }  # fmt: skip
+        "test_accuracy": summary["test_accuracy"],
+        "test_loss": summary["test_loss"],
+    }
+    assert {k: progress.get(k) for k in expected} == expected
+    # The running row: logged at this step, so the next one starts from nothing. A project's
+    # own metrics add sums; every one is zero.
+    assert progress["row"]["start"] == 200
+    assert {"accuracy", "loss"} <= progress["row"]["sums"].keys()
+    assert not any(progress["row"]["sums"].values())
     config = json.loads((step_dir / "config" / "metadata").read_text())
     assert config["model"]["hidden"] == [256, 128]
     for path in workdir.rglob("*"):
@@ -267,8 +277,11 @@ def test_sigkill_resumes_from_the_last_complete_checkpoint(tmp_path):
     steps = complete[-1] + 5
     result = subprocess.run(
         [sys.executable, str(REPO / "main.py"), f"--workdir={workdir}", f"--steps={steps}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert f"resuming from checkpoint {complete[-1]}" in result.stdout
     assert not [p for p in checkpoints_dir.iterdir() if "tmp" in p.name]
@@ -293,10 +306,14 @@ def test_the_time_floor_spaces_saves_and_bounds_what_a_kill_loses(tmp_path):
     floor, slack = 2.0, 2.0
     workdir = tmp_path / "w"
     process = start_training(
-        workdir, "--steps=1000000", "--checkpoint_every=5", "--log_every=1000000",
-        f"--config.checkpoint_min_interval_secs={floor}", "--config.max_to_keep=1000",
+        workdir,
+        "--steps=1000000",
+        "--checkpoint_every=5",
+        "--log_every=1000000",
+        f"--config.checkpoint_min_interval_secs={floor}",
+        "--config.max_to_keep=1000",
         "--report=none",
-    )  # fmt: skip
+    )
     checkpoints_dir = workdir / "checkpoints"
     wait_for(  # complete steps only: a save being written is a "<step>.orbax-checkpoint-tmp-*"
         lambda: (

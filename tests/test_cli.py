@@ -104,8 +104,11 @@ def test_a_finished_command_leaves_without_the_interpreters_teardown(
     args = (*args, f"--workdir={tmp_path / 'w'}") if "--report=none" in args else args
     result = subprocess.run(
         [sys.executable, "-c", WITH_FINALISER, *args],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == status, result.stderr
     lines = result.stdout.splitlines() or [""]
     assert lines[-1].startswith(last_line)
@@ -118,10 +121,18 @@ def test_a_finished_command_leaves_without_the_interpreters_teardown(
 def test_output_closed_by_its_reader_stops_with_one_line_not_a_traceback(tmp_path):
     """`main.py | head -1`: the run stops as a pipe's writer does (status 141), no traceback."""
     process = subprocess.Popen(
-        [sys.executable, str(REPO / "main.py"), "--steps=2", "--report=none",
-         f"--workdir={tmp_path / 'w'}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "main.py"),
+            "--steps=2",
+            "--report=none",
+            f"--workdir={tmp_path / 'w'}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert process.stdout.readline().startswith("workdir: ")
     process.stdout.close()  # what `head -1` does after its line
     stderr = process.stderr.read()
@@ -164,8 +175,11 @@ def test_python_m_runs_the_packaged_default_from_any_directory(tmp_path):
     """No configs/ around: the default config comes from the package."""
     result = subprocess.run(
         [sys.executable, "-m", "fmnist_flax", "--steps=3", "--report=none", "--workdir=w"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "w" / "summary.json").read_text())["steps"] == 3
 
@@ -174,8 +188,10 @@ def test_python_m_runs_the_packaged_default_from_any_directory(tmp_path):
 def test_the_wheel_installs_no_top_level_configs_package(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     [wheel] = tmp_path.glob("fmnist_flax-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "fmnist_flax/config.py" in names and "fmnist_flax/__main__.py" in names

@@ -57,8 +57,11 @@ def test_basic_report_skips_the_timing_comparisons(quick_config, tmp_path):
     summary = train.train_and_evaluate(quick_config, tmp_path / "w", [codelab.Codelab()])
     names = {p.name for p in (tmp_path / "w" / "report").iterdir()}
     assert names == {
-        "examples_per_class.png", "training_curve.png", "predictions.png",
-        "confusion_matrix.png", "report.html",
-    }  # fmt: skip
+        "examples_per_class.png",
+        "training_curve.png",
+        "predictions.png",
+        "confusion_matrix.png",
+        "report.html",
+    }
     assert "dispatch_vs_jit" not in summary and "precision" not in summary
     assert summary["gradient_check"]["trees_match"]

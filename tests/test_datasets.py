@@ -119,9 +119,11 @@ def test_md5_mismatch_is_refused(tmp_path, compress):
 
 def test_no_data_and_no_network_names_the_three_ways(tmp_path):
     spec = dataclasses.replace(
-        datasets.IDX_DATASETS["fashion_mnist"], cache_root=tmp_path / "cache", system_dir=tmp_path,
+        datasets.IDX_DATASETS["fashion_mnist"],
+        cache_root=tmp_path / "cache",
+        system_dir=tmp_path,
         base_url="http://127.0.0.1:9",
-    )  # fmt: skip
+    )
     with pytest.raises(UserError) as exc:
         datasets.load_dataset(spec)
     message = one_line(exc)
@@ -165,9 +167,11 @@ class _Server:
 def web_spec(tmp_path, url):
     """Fashion-MNIST's spec downloading from a loopback `url` into an empty cache."""
     return dataclasses.replace(
-        datasets.IDX_DATASETS["fashion_mnist"], cache_root=tmp_path / "cache",
-        system_dir=tmp_path / "none", base_url=url,
-    )  # fmt: skip
+        datasets.IDX_DATASETS["fashion_mnist"],
+        cache_root=tmp_path / "cache",
+        system_dir=tmp_path / "none",
+        base_url=url,
+    )
 
 
 def test_download_with_wrong_md5_is_deleted_and_fetched_once_more(tmp_path):
@@ -308,9 +312,14 @@ def test_a_registered_loader_is_a_dataset_name(tmp_path, monkeypatch):
         images[::2, :, :, 0] = 255
         split = (images, np.arange(8) % 2)
         return datasets.make_dataset(
-            "stripes", "Stripes", ("red", "black"), split, split,
-            sources=("memory", "memory"), origin="memory",
-        )  # fmt: skip
+            "stripes",
+            "Stripes",
+            ("red", "black"),
+            split,
+            split,
+            sources=("memory", "memory"),
+            origin="memory",
+        )
 
     config = config_lib.get_config()
     config.dataset.name = "stripes"
@@ -326,8 +335,10 @@ def test_a_registered_loader_is_a_dataset_name(tmp_path, monkeypatch):
 def write_four(directory, train_labels, test_labels, test_images=4):
     """Four raw IDX files of 4x4 images with the given labels (no classes.txt)."""
     directory.mkdir()
-    for stem, labels, n in (("train", train_labels, len(train_labels)),
-                            ("t10k", test_labels, test_images)):  # fmt: skip
+    for stem, labels, n in (
+        ("train", train_labels, len(train_labels)),
+        ("t10k", test_labels, test_images),
+    ):
         images = np.zeros((n, 4, 4), np.uint8)
         (directory / f"{stem}-images-idx3-ubyte").write_bytes(idx_bytes(images))
         (directory / f"{stem}-labels-idx1-ubyte").write_bytes(
@@ -359,8 +370,13 @@ def test_an_idx_test_set_without_images_is_one_line(tmp_path):
 
 
 def test_identity_compares_only_what_a_checkpoint_recorded():
-    now = {"name": "idx", "image_shape": [4, 4, 1], "class_names": ["a"], "examples": [8, 2],
-           "fingerprint": "abc"}  # fmt: skip
+    now = {
+        "name": "idx",
+        "image_shape": [4, 4, 1],
+        "class_names": ["a"],
+        "examples": [8, 2],
+        "fingerprint": "abc",
+    }
     assert datasets.identity_changes({}, now) == []  # a checkpoint without a dataset item
     older = {"name": "idx", "image_shape": [4, 4], "class_names": ["a"]}  # before colour
     assert datasets.identity_changes(older, now) == []

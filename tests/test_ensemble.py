@@ -230,8 +230,10 @@ def test_the_progress_line_shows_the_members_spread_and_the_table_marks_the_best
 
 
 def test_the_members_figure_draws_each_members_curve_and_the_sweep():
-    members = [{"member": 0, "learning_rate": 1e-3, "test_accuracy": 0.8},
-               {"member": 1, "learning_rate": 3e-3, "test_accuracy": 0.85}]  # fmt: skip
+    members = [
+        {"member": 0, "learning_rate": 1e-3, "test_accuracy": 0.8},
+        {"member": 1, "learning_rate": 3e-3, "test_accuracy": 0.85},
+    ]
     figure = report.members_figure([1, 10], [[2.0, 1.0], [2.1, 0.9]], members, "Fashion-MNIST")
     curves, sweep = figure.axes
     assert [line.get_label() for line in curves.lines] == ["member 0", "member 1"]
@@ -272,13 +274,19 @@ def test_members_split_over_devices_train_like_one_device(ensemble, tmp_path):
     workdir, summary = ensemble
     rates = ",".join(str(r) for r in RATES)
     result = run_main(
-        f"--workdir={tmp_path / 'split'}", "--steps=100", "--log_every=10", "--report=none",
-        "--checkpoint_every=45", "--config.checkpoint_min_interval_secs=0",
-        "--config.augment.flip=True", "--config.ensemble.size=3",
-        "--config.ensemble.same_data=False", f"--config.ensemble.learning_rate=({rates})",
+        f"--workdir={tmp_path / 'split'}",
+        "--steps=100",
+        "--log_every=10",
+        "--report=none",
+        "--checkpoint_every=45",
+        "--config.checkpoint_min_interval_secs=0",
+        "--config.augment.flip=True",
+        "--config.ensemble.size=3",
+        "--config.ensemble.same_data=False",
+        f"--config.ensemble.learning_rate=({rates})",
         "--config.ensemble.shards=3",
         env=env_without_device_count(),
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "mesh {'member': 3, 'data': 1} over 3 cpu device(s)" in result.stdout
     assert re.search(r"members\.layers\.0\.kernel +\(3, 784, 256\).*P\(member,\)", result.stdout)

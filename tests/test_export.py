@@ -43,9 +43,11 @@ def test_artifact_runs_with_jax_alone_and_matches_predict(
     expected = predict(load_model(workdir), images)
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
     predicted = run_main(
-        "--mode=predict", f"--workdir={workdir}", f"--images={tmp_path / 'images.npy'}",
+        "--mode=predict",
+        f"--workdir={workdir}",
+        f"--images={tmp_path / 'images.npy'}",
         f"--output={tmp_path / 'predict.json'}",
-    )  # fmt: skip
+    )
     assert predicted.returncode == 0, predicted.stderr
     predictions = json.loads((tmp_path / "predict.json").read_text())["predictions"]
     assert [p["class_index"] for p in predictions] == got.argmax(axis=1).tolist()
@@ -69,8 +71,11 @@ def test_metadata_beside_the_artifact_names_classes_contract_and_step(workdir, a
     meta = json.loads(path.with_name(path.name + export.METADATA_SUFFIX).read_text())
     assert meta["class_names"] == list(CLASS_NAMES)
     assert meta["source"] == {
-        "workdir": str(workdir), "step": 20, "dataset": "fashion_mnist", "model": "mlp",
-    }  # fmt: skip
+        "workdir": str(workdir),
+        "step": 20,
+        "dataset": "fashion_mnist",
+        "model": "mlp",
+    }
     assert meta["input"]["dtype"] == "uint8" and meta["input"]["shape"] == [None, 28, 28, 1]
     assert meta["input"]["range"] == [0, 255]
     assert meta["output"]["dtype"] == "float32" and meta["output"]["shape"] == [None, 10]

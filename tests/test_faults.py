@@ -47,8 +47,12 @@ def the_error(result: subprocess.CompletedProcess, expected: str, code: int = 1)
 def start(workdir: pathlib.Path, *flags: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(REPO / "main.py"), f"--workdir={workdir}", *flags],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **kwargs,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
 
 
 def wait_for(condition, timeout: float = 120) -> None:
@@ -121,8 +125,11 @@ def run_bound_by_permissions(*args: str) -> subprocess.CompletedProcess:
     setpriv = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
     return subprocess.run(
         [*setpriv, sys.executable, str(REPO / "main.py"), *args],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @contextlib.contextmanager
@@ -474,8 +481,13 @@ def test_a_kill_while_a_step_is_deleted_leaves_a_workdir_the_same_command_resume
     """Orbax deletes a rotated step file by file: the test watches for a step without its
     marker, freezes the run there (SIGSTOP), and kills it if the step is still half deleted;
     the same command removes that step, says so and resumes."""
-    flags = ("--steps=1000000", "--checkpoint_every=1", EVERY_DUE_SAVE, "--report=none",
-             "--log_every=50")  # fmt: skip
+    flags = (
+        "--steps=1000000",
+        "--checkpoint_every=1",
+        EVERY_DUE_SAVE,
+        "--report=none",
+        "--log_every=50",
+    )
     workdir = tmp_path / "w"
     process = start(workdir, *flags)
     wait_for(lambda: len(saved_steps(workdir)) >= 3)
@@ -496,14 +508,25 @@ def test_readers_of_a_fast_rotating_run_retry_and_never_print_orbax_tracebacks(t
     """max_to_keep=1 and a save every 20 steps: a step lives a fraction of a second, often
     less than a reader takes to read it; each reader starts over from the newest."""
     workdir = tmp_path / "w"
-    trainer = start(workdir, "--steps=100000000", "--checkpoint_every=20", EVERY_DUE_SAVE,
-                    "--config.max_to_keep=1", "--report=none", "--log_every=100")  # fmt: skip
+    trainer = start(
+        workdir,
+        "--steps=100000000",
+        "--checkpoint_every=20",
+        EVERY_DUE_SAVE,
+        "--config.max_to_keep=1",
+        "--report=none",
+        "--log_every=100",
+    )
     wait_for(lambda: saved_steps(workdir))
     images = tmp_path / "x.npy"
     np.save(images, np.zeros((2, 28, 28), np.uint8))
     for mode in ("eval", "predict", "export"):
-        read = run_main(f"--mode={mode}", f"--workdir={workdir}", f"--images={images}",
-                        f"--output={tmp_path / mode}")  # fmt: skip
+        read = run_main(
+            f"--mode={mode}",
+            f"--workdir={workdir}",
+            f"--images={images}",
+            f"--output={tmp_path / mode}",
+        )
         assert read.returncode == 0, read.stderr
         assert not [line for line in read.stderr.splitlines() if "No GPU found" not in line]
     assert trainer.poll() is None, "the trainer died while it was being read"
@@ -512,8 +535,14 @@ def test_readers_of_a_fast_rotating_run_retry_and_never_print_orbax_tracebacks(t
 
 def test_a_report_that_cannot_be_written_is_one_warning_and_the_summary_is_written(copy):
     (copy / "report").write_text("a file where report/ goes")
-    result = run_main(f"--workdir={copy}", "--steps=30", "--checkpoint_every=10",
-                      "--report=basic", "--log_every=5", EVERY_DUE_SAVE)  # fmt: skip
+    result = run_main(
+        f"--workdir={copy}",
+        "--steps=30",
+        "--checkpoint_every=10",
+        "--report=basic",
+        "--log_every=5",
+        EVERY_DUE_SAVE,
+    )
     warned, errors = warnings_and_errors(result.stderr)
     assert result.returncode == 0 and not errors and len(warned) == 1
     assert f"cannot write the report in {copy / 'report'}" in warned[0]
@@ -579,8 +608,13 @@ def test_a_damaged_best_step_is_passed_over_for_the_next_best(tmp_path):
     truncated), --step=best passes over it to the next best, and the next training run sets
     it aside. The oldest kept step is made the best by its saved score, as if accuracy fell."""
     workdir = tmp_path / "w"
-    flags = ("--config.eval_every=5", "--checkpoint_every=5", "--config.keep_best=True",
-             "--config.max_to_keep=2", *QUICK)  # fmt: skip
+    flags = (
+        "--config.eval_every=5",
+        "--checkpoint_every=5",
+        "--config.keep_best=True",
+        "--config.max_to_keep=2",
+        *QUICK,
+    )
     result = run_main(f"--workdir={workdir}", "--steps=20", *flags)
     assert result.returncode == 0, result.stderr
     first = saved_steps(workdir)[0]
@@ -588,8 +622,9 @@ def test_a_damaged_best_step_is_passed_over_for_the_next_best(tmp_path):
     progress.write_text(json.dumps({**json.loads(progress.read_text()), "test_accuracy": 1.0}))
     for path in (workdir / "checkpoints" / str(first) / "model" / "d").iterdir():
         path.write_bytes(path.read_bytes()[:10])
-    again = run_main("--mode=eval", f"--workdir={workdir}", "--step=best",
-                     f"--output={tmp_path / 'b.json'}")  # fmt: skip
+    again = run_main(
+        "--mode=eval", f"--workdir={workdir}", "--step=best", f"--output={tmp_path / 'b.json'}"
+    )
     assert again.returncode == 0, again.stderr
     assert f"checkpoint {first} in " in again.stderr and "using the next best" in again.stderr
     assert json.loads((tmp_path / "b.json").read_text())["step"] != first

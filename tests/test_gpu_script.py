@@ -17,12 +17,23 @@ DATA = pathlib.Path("/usr/share/datasets/fashion-mnist")
 @pytest.mark.slow
 @pytest.mark.skipif(not DATA.is_dir(), reason="needs Debian's dataset-fashion-mnist")
 def test_small_mode_prints_the_table(tmp_path):
-    env = {**os.environ, "SMALL": "1", "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
-           "DATA_DIR": str(DATA), "SITE": str(tmp_path / "site"), "BATCH_SIZES": "64"}  # fmt: skip
+    env = {
+        **os.environ,
+        "SMALL": "1",
+        "PYTHON": sys.executable,
+        "OUT": str(tmp_path / "out"),
+        "DATA_DIR": str(DATA),
+        "SITE": str(tmp_path / "site"),
+        "BATCH_SIZES": "64",
+    }
     result = subprocess.run(
         ["bash", str(REPO / "scripts" / "gpu_benchmark.sh")],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     table = (tmp_path / "out" / "table.md").read_text()
     assert table in result.stdout
@@ -44,12 +55,22 @@ def test_a_failing_first_run_stops_the_script_before_the_benchmark(tmp_path):
     data.mkdir()
     for name in ("train-images-idx3", "train-labels-idx1", "t10k-images-idx3", "t10k-labels-idx1"):
         (data / f"{name}-ubyte").write_bytes(b"not an IDX file")
-    env = {**os.environ, "SMALL": "1", "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
-           "DATA_DIR": str(data), "SITE": str(tmp_path / "site")}  # fmt: skip
+    env = {
+        **os.environ,
+        "SMALL": "1",
+        "PYTHON": sys.executable,
+        "OUT": str(tmp_path / "out"),
+        "DATA_DIR": str(data),
+        "SITE": str(tmp_path / "site"),
+    }
     result = subprocess.run(
         ["bash", str(REPO / "scripts" / "gpu_benchmark.sh")],
-        env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 4, result.stderr[-2000:]
     assert result.stderr.rstrip().splitlines()[-1].startswith("gpu_benchmark: a 20-step run failed")
     assert not (tmp_path / "out" / "bench.log").exists()

@@ -128,8 +128,15 @@ def test_grain_trains_to_the_device_pipelines_band_in_400_steps(tmp_path):
 def test_a_killed_grain_run_resumes_mid_epoch_bit_exact(tmp_path, fmnist_records):
     """From record files, blocks of 32 steps: the kill lands inside a block and an epoch (of
     117 steps: saves every 30 steps fall on neither's end before step 480)."""
-    flags = (GRAIN, "--steps=300", "--checkpoint_every=30", "--report=none", "--log_every=10",
-             EVERY_DUE_SAVE, *on_records(fmnist_records))  # fmt: skip
+    flags = (
+        GRAIN,
+        "--steps=300",
+        "--checkpoint_every=30",
+        "--report=none",
+        "--log_every=10",
+        EVERY_DUE_SAVE,
+        *on_records(fmnist_records),
+    )
     direct = run_main(f"--workdir={tmp_path / 'direct'}", *flags)
     assert direct.returncode == 0, direct.stderr
     killed = tmp_path / "killed"
@@ -154,8 +161,14 @@ def test_grain_on_eight_devices_and_in_two_processes_trains_like_one_device(
     tmp_path, fmnist_records
 ):
     """From record files: each process reads only its rows of every batch."""
-    flags = (GRAIN, "--steps=30", "--log_every=10", "--batch_size=256", "--report=none",
-             *on_records(fmnist_records))  # fmt: skip
+    flags = (
+        GRAIN,
+        "--steps=30",
+        "--log_every=10",
+        "--batch_size=256",
+        "--report=none",
+        *on_records(fmnist_records),
+    )
     for name, devices in (("one", 1), ("eight", 8)):
         result = main_py(f"--workdir={tmp_path / name}", *flags, devices=devices)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -176,8 +189,15 @@ def test_grain_on_eight_devices_and_in_two_processes_trains_like_one_device(
 def test_two_processes_killed_at_once_resume_from_records_exactly(tmp_path, fmnist_records):
     """Both processes SIGKILLed mid-run, then the same two commands: the rows and parameters
     of an uninterrupted two-process run."""
-    flags = (GRAIN, *on_records(fmnist_records), "--steps=200", "--log_every=10",
-             "--batch_size=256", "--checkpoint_every=30", EVERY_DUE_SAVE)  # fmt: skip
+    flags = (
+        GRAIN,
+        *on_records(fmnist_records),
+        "--steps=200",
+        "--log_every=10",
+        "--batch_size=256",
+        "--checkpoint_every=30",
+        EVERY_DUE_SAVE,
+    )
 
     def finish(processes) -> str:
         outputs = [p.communicate(timeout=180) for p in processes]

@@ -31,10 +31,18 @@ SHAPES = "expected (28, 28) or (N, 28, 28) or (28, 28, 1) or (N, 28, 28, 1) or (
 def workdir(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("inference") / "w"
     result = subprocess.run(
-        [sys.executable, str(REPO / "main.py"), "--steps=60", "--report=none",
-         f"--workdir={workdir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "main.py"),
+            "--steps=60",
+            "--report=none",
+            f"--workdir={workdir}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     return workdir
 
@@ -78,12 +86,18 @@ def test_predict_mode_classifies_readable_images_and_names_the_rest(
     images = ["a.png", "big_rgb.png", "many.npy", "wrong.npy", "broken.png", "missing.png"]
     result = subprocess.run(
         [
-            sys.executable, str(REPO / "main.py"), "--mode=predict", f"--workdir={workdir}",
+            sys.executable,
+            str(REPO / "main.py"),
+            "--mode=predict",
+            f"--workdir={workdir}",
             "--images=" + ",".join(str(tmp_path / i) for i in images),
             f"--output={tmp_path / 'out.json'}",
         ],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -111,8 +125,11 @@ def test_predict_without_images_or_workdir_is_one_line(tmp_path):
         inference.run_predict(tmp_path, [])
     result = subprocess.run(
         [sys.executable, str(REPO / "main.py"), "--mode=eval"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [
         "error: --mode=eval needs --workdir=DIR of a training run"
@@ -356,8 +373,12 @@ def test_cli_files_and_the_python_api_give_identical_probabilities(model, tmp_pa
     np.save(tmp_path / "floats.npy", u8.astype(np.float32) * PIXEL_SCALE)
     expected = predict(model, u8)
     from_pngs = np.stack([images_of(tmp_path / f"{i}.png")[0] for i in range(4)])
-    for read in (from_pngs, images_of(tmp_path / "all.npy"), images_of(tmp_path / "rows.npy"),
-                 images_of(tmp_path / "floats.npy")):  # fmt: skip
+    for read in (
+        from_pngs,
+        images_of(tmp_path / "all.npy"),
+        images_of(tmp_path / "rows.npy"),
+        images_of(tmp_path / "floats.npy"),
+    ):
         np.testing.assert_array_equal(evaluate.predict(model, read), expected)
     np.testing.assert_array_equal(predict(model, u8.astype(np.float32) * PIXEL_SCALE), expected)
     np.testing.assert_allclose(predict(model, u8 / 255.0), expected, atol=1e-6)
@@ -424,14 +445,18 @@ def test_unreadable_files_are_one_line_each(tmp_path):
 def test_an_output_that_is_a_directory_is_refused_before_any_work(tmp_path):
     Image.new("L", (28, 28)).save(tmp_path / "a.png")
     message = refusal(
-        inference.run_predict, tmp_path / "no-such-workdir", [str(tmp_path / "a.png")],
+        inference.run_predict,
+        tmp_path / "no-such-workdir",
+        [str(tmp_path / "a.png")],
         output=str(tmp_path),
-    )  # fmt: skip
+    )
     assert message.startswith(f"--output {tmp_path} is a directory")  # not the workdir's error
     message = refusal(
-        inference.run_predict, tmp_path / "no-such-workdir", [str(tmp_path / "a.png")],
+        inference.run_predict,
+        tmp_path / "no-such-workdir",
+        [str(tmp_path / "a.png")],
         output=str(tmp_path / "missing" / "p.json"),
-    )  # fmt: skip
+    )
     assert message.startswith(f"--output {tmp_path / 'missing' / 'p.json'}")
 
 

@@ -45,9 +45,13 @@ def test_each_epoch_gets_a_fresh_seeded_permutation(real_dataset):
     assert not np.array_equal(first, np.asarray(input_pipeline.epoch_order(0, 1, 60_000)))
     assert not np.array_equal(first, np.asarray(input_pipeline.epoch_order(1, 0, 60_000)))
     x, y = input_pipeline.batch_at(
-        device_data.train_images, device_data.train_labels, jax.numpy.asarray(first), 2, 512,
+        device_data.train_images,
+        device_data.train_labels,
+        jax.numpy.asarray(first),
+        2,
+        512,
         (28, 28, 1),
-    )  # fmt: skip
+    )
     picks = first[1024:1536]
     np.testing.assert_array_equal(np.asarray(y), real_dataset.train_labels[picks])
     np.testing.assert_array_equal(
@@ -55,9 +59,14 @@ def test_each_epoch_gets_a_fresh_seeded_permutation(real_dataset):
     )
     # Accumulating 4 batches of 128 reads the same 512 examples, as (4, 128, ...).
     xs, ys = input_pipeline.batch_at(
-        device_data.train_images, device_data.train_labels, jax.numpy.asarray(first), 2, 128,
-        (28, 28, 1), accumulate=4,
-    )  # fmt: skip
+        device_data.train_images,
+        device_data.train_labels,
+        jax.numpy.asarray(first),
+        2,
+        128,
+        (28, 28, 1),
+        accumulate=4,
+    )
     assert xs.shape == (4, 128, 28, 28, 1) and ys.shape == (4, 128)
     np.testing.assert_array_equal(np.asarray(xs).reshape(x.shape), np.asarray(x))
 
@@ -104,8 +113,9 @@ def test_augmentation_flips_and_shifts_any_channel_count(channels):
         padded = np.pad(image, ((1, 1), (1, 1), (0, 0)))
         assert any(
             np.array_equal(moved, padded[dy : dy + 6, dx : dx + 5])
-            for dy in range(3) for dx in range(3)
-        )  # fmt: skip
+            for dy in range(3)
+            for dx in range(3)
+        )
     # Micro-batches (K, B, ...) draw exactly what one batch of K * B would.
     stacked = input_pipeline.augment(x.reshape(4, 16, 6, 5, channels), key, 1, True)
     np.testing.assert_array_equal(

@@ -121,8 +121,10 @@ def test_an_ensemble_members_injected_rate_and_decay_update_as_plain_optax_does(
     config.ensemble.weight_decay = (0.0, 0.05)
     plain = get_config()
     plain.optimizer.name, plain.optimizer.learning_rate, plain.optimizer.weight_decay = (
-        name, 2e-2, 0.05,
-    )  # fmt: skip
+        name,
+        2e-2,
+        0.05,
+    )
     params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)}
     grads = {"w": jnp.linspace(-0.3, 0.5, 12).reshape(3, 4)}
     member, reference = optimizer.create(config, 1), optimizer.create(plain)

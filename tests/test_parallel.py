@@ -87,10 +87,15 @@ def test_eight_devices_train_like_one_and_arrays_are_really_sharded(tmp_path, py
 def start_two_processes(workdir, *flags: str) -> list[subprocess.Popen]:
     """main.py as processes 0 and 1 of one run on localhost, 2 CPU devices each."""
     command = [
-        sys.executable, str(REPO / "main.py"), "--report=none",
-        f"--workdir={workdir}", f"--coordinator_address=127.0.0.1:{free_port()}",
-        "--num_processes=2", "--distributed_timeout=60", *flags,
-    ]  # fmt: skip
+        sys.executable,
+        str(REPO / "main.py"),
+        "--report=none",
+        f"--workdir={workdir}",
+        f"--coordinator_address=127.0.0.1:{free_port()}",
+        "--num_processes=2",
+        "--distributed_timeout=60",
+        *flags,
+    ]
     return [
         subprocess.Popen(
             [*command, f"--process_id={i}"],
@@ -138,8 +143,13 @@ def test_a_shard_only_one_process_can_read_stops_both_with_what_to_do(tmp_path):
     """FSDP: each process reads its own shards, so only process 1 meets the damage. Both stop
     at once with one line (no hang), and the fix the line names resumes the run."""
     workdir = tmp_path / "run"
-    flags = ["--log_every=2", "--checkpoint_every=2", "--batch_size=64",
-             "--config.param_sharding=fsdp", EVERY_DUE_SAVE]  # fmt: skip
+    flags = [
+        "--log_every=2",
+        "--checkpoint_every=2",
+        "--batch_size=64",
+        "--config.param_sharding=fsdp",
+        EVERY_DUE_SAVE,
+    ]
     for p in start_two_processes(workdir, "--steps=4", *flags):
         assert p.wait(timeout=180) == 0
     for shard in (workdir / "checkpoints" / "4" / "model" / "ocdbt.process_1" / "d").iterdir():
@@ -195,9 +205,12 @@ def test_a_signal_to_one_process_stops_both_at_the_same_saved_step(tmp_path):
 def test_a_missing_peer_fails_in_one_line(tmp_path, flags, expected):
     port = free_port()
     result = main_py(
-        f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-        "--distributed_timeout=2", f"--workdir={tmp_path}", *flags,
-    )  # fmt: skip
+        f"--coordinator_address=127.0.0.1:{port}",
+        "--num_processes=2",
+        "--distributed_timeout=2",
+        f"--workdir={tmp_path}",
+        *flags,
+    )
     assert result.returncode == 1
     assert result.stderr.startswith("error: ")
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -27,9 +27,14 @@ def small_set(tmp_path: pathlib.Path, shards: int = 2, name: str = "small") -> p
     """40 train and 12 test random 28x28 images written as records in `tmp_path/name`."""
     (train_x, train_y), (test_x, test_y) = small_arrays(40, 1), small_arrays(12, 2)
     dataset = datasets.make_dataset(
-        "small", "Small", [str(k) for k in range(10)], (train_x, train_y), (test_x, test_y),
-        sources=("a", "b"), origin="arrays",
-    )  # fmt: skip
+        "small",
+        "Small",
+        [str(k) for k in range(10)],
+        (train_x, train_y),
+        (test_x, test_y),
+        sources=("a", "b"),
+        origin="arrays",
+    )
     records.write_dataset(dataset, tmp_path / name, shards)
     return tmp_path / name
 
@@ -66,8 +71,9 @@ def test_evaluation_streams_records_to_the_same_result_as_arrays(
     config = quick_config
     model, _ = train.create_train_state(config, (28, 28, 1), 10, parallel.make_mesh())
     loaded = datasets.load_records(fmnist_records)
-    streamed = evaluate.evaluate(model, loaded.test_images[:3000], loaded.test_labels[:3000],
-                                 config)  # fmt: skip
+    streamed = evaluate.evaluate(
+        model, loaded.test_images[:3000], loaded.test_labels[:3000], config
+    )
     whole = evaluate.evaluate(
         model, real_dataset.test_images[:3000], real_dataset.test_labels[:3000], config
     )
@@ -92,14 +98,18 @@ def test_grain_reads_the_same_batches_from_records_as_from_arrays(real_dataset, 
     [
         (lambda d: (d / "info.json").unlink(), "info.json is missing"),
         (lambda d: (d / "info.json").write_text("{"), "is not a record set's info"),
-        (lambda d: (d / "test-00001-of-00002.array_record").unlink(),
-         "test-00001-of-00002.array_record is missing"),
-        (lambda d: _truncate(d / "train-00000-of-00002.array_record"),
-         "train-00000-of-00002.array_record has"),
+        (
+            lambda d: (d / "test-00001-of-00002.array_record").unlink(),
+            "test-00001-of-00002.array_record is missing",
+        ),
+        (
+            lambda d: _truncate(d / "train-00000-of-00002.array_record"),
+            "train-00000-of-00002.array_record has",
+        ),
         (lambda d: (d / "labels.npz").write_bytes(b"junk" * 10), "labels.npz"),
         (lambda d: _rewrite_info(d, image_shape=[14, 14, 1]), "records are not 200 bytes each"),
     ],
-)  # fmt: skip
+)
 def test_damaged_record_sets_are_refused_in_one_line_naming_the_file(tmp_path, damage, expected):
     directory = small_set(tmp_path)
     damage(directory)
@@ -152,8 +162,10 @@ def test_prepare_then_train_from_records_matches_the_device_pipeline(tmp_path, f
     again = run_main("--mode=prepare", f"--output={tmp_path / 'rec'}")
     assert_one_line_error(again, "already exists and is not empty")
     runs = {}
-    for name, flags in (("device", ()), ("records", (RECORDS, f"--data_dir={fmnist_records}",
-                                                     GRAIN))):  # fmt: skip
+    for name, flags in (
+        ("device", ()),
+        ("records", (RECORDS, f"--data_dir={fmnist_records}", GRAIN)),
+    ):
         result = run_main(f"--workdir={tmp_path / name}", "--report=none", *flags)
         assert result.returncode == 0, result.stderr
         runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
@@ -200,15 +212,24 @@ def test_ten_times_the_records_train_in_the_same_memory(tmp_path, real_dataset, 
     try:
         peaks = {}
         for name, data in (("small", fmnist_records), ("big", tmp_path / "big")):
-            result = run_main(f"--workdir={tmp_path / name}", RECORDS, f"--data_dir={data}", GRAIN,
-                              "--steps=200", "--report=none", "--compilation_cache=",
-                              "--config.grain.block_examples=2048")  # fmt: skip
+            result = run_main(
+                f"--workdir={tmp_path / name}",
+                RECORDS,
+                f"--data_dir={data}",
+                GRAIN,
+                "--steps=200",
+                "--report=none",
+                "--compilation_cache=",
+                "--config.grain.block_examples=2048",
+            )
             assert result.returncode == 0, result.stderr
             summary = json.loads((tmp_path / name / "summary.json").read_text())
             peaks[name] = summary["peak_rss_mb"]
             assert summary["test_accuracy"] > 0.8
-        assert json.loads((tmp_path / "big" / "info.json").read_text())["splits"]["train"][
-            "examples"] == 600_000  # fmt: skip
+        assert (
+            json.loads((tmp_path / "big" / "info.json").read_text())["splits"]["train"]["examples"]
+            == 600_000
+        )
         assert peaks["big"] <= 1.1 * peaks["small"], peaks
     finally:
         shutil.rmtree(tmp_path / "big")

@@ -72,7 +72,7 @@ def test_fused_chunks_equal_one_step_per_call(real_dataset, quick_config, comput
         assert float(metrics[name]) == float(plain_metrics[name])
     assert float(metrics["grad_norm"]) == pytest.approx(float(plain_metrics["grad_norm"]), rel=1e-6)
     # The running sums carried across the three calls hold every one of the 12 steps.
-    assert set(sums) == {"loss", "accuracy"}
+    assert {"loss", "accuracy"} <= set(sums)
     for name in sums:
         total = sum(row[name] for row in plain_rows)
         assert float(sums[name]) == pytest.approx(total, rel=1e-6)

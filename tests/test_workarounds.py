@@ -62,8 +62,11 @@ def test_importing_the_package_changes_nothing_global_and_install_does():
     assert "fmnist_flax.checkpoint" in modules and "fmnist_flax.cli" in modules
     result = subprocess.run(
         [sys.executable, "-c", PROBE, json.dumps([libraries(), modules])],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     libraries_only, imported, installed = json.loads(result.stdout)
     assert imported == libraries_only  # log filters, unraisable hook, exit hooks: as they were
