@@ -171,6 +171,13 @@ def check_config(opt: ml_collections.ConfigDict, steps: int) -> None:
         raise UserError(
             f"--config.optimizer.schedule={opt.schedule!r} is not one of {', '.join(SCHEDULES)}"
         )
+    if isinstance(opt.final_fraction, bool) or not (
+        isinstance(opt.final_fraction, int | float) and 0 <= opt.final_fraction <= 1
+    ):  # a negative end rate climbs the loss; NaN or inf ends in a non-finite loss
+        raise UserError(
+            f"--config.optimizer.final_fraction={opt.final_fraction!r} must be in [0, 1] (the "
+            "last rate of warmup_cosine, as a fraction of the peak)"
+        )
     if opt.schedule == "warmup_cosine" and not 0 <= opt.warmup_steps < steps:
         raise UserError(
             f"--config.optimizer.warmup_steps={opt.warmup_steps} must be below --steps={steps}"

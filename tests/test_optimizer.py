@@ -102,6 +102,10 @@ def test_a_schedule_follows_the_config():
         ({"schedule": "linear"}, "--config.optimizer.schedule='linear' is not one of constant"),
         ({"schedule": "warmup_cosine", "warmup_steps": 400}, "warmup_steps=400 must be below"),
         ({"betas": (0.9, 0.99)}, "config.optimizer has no field 'betas'; its fields are name,"),
+        ({"final_fraction": -5.0}, "--config.optimizer.final_fraction=-5.0 must be in [0, 1]"),
+        ({"final_fraction": float("nan")}, "--config.optimizer.final_fraction=nan must be in"),
+        ({"final_fraction": float("inf")}, "--config.optimizer.final_fraction=inf must be in"),
+        ({"final_fraction": 1.5}, "--config.optimizer.final_fraction=1.5 must be in [0, 1]"),
     ],
 )
 def test_every_optimizer_mistake_is_one_line(changes, message):
