@@ -145,7 +145,8 @@ def _split_images(images: np.ndarray, name: str, pixel_range: Any) -> np.ndarray
 
 
 def _split_labels(labels: np.ndarray, name: str) -> np.ndarray:
-    """A split's labels as int32 (N,); they must be whole numbers from 0."""
+    """A split's labels, as they are (no cast: 2**32 + 3 must not pass as class 3); they must
+    be (N,) whole numbers from 0."""
     if labels.ndim != 1 or labels.dtype.kind not in "iu":
         raise UserError(
             f"{name}: labels of shape {labels.shape} and dtype {labels.dtype}; expected (N,) "
@@ -153,7 +154,7 @@ def _split_labels(labels: np.ndarray, name: str) -> np.ndarray:
         )
     if len(labels) and labels.min() < 0:
         raise UserError(f"{name}: label {labels.min()} is negative; labels count from 0")
-    return labels.astype(np.int32)
+    return labels
 
 
 def make_dataset(
@@ -182,7 +183,7 @@ def make_dataset(
         if not len(images):
             raise UserError(f"{source} holds no examples; each split needs at least one")
         check_labels(labels, source, len(class_names))
-        splits.append((images, labels))
+        splits.append((images, labels.astype(np.int32)))  # in 0..classes - 1: a cast is exact
     (train_x, train_y), (test_x, test_y) = splits
     if train_x.shape[1:] != test_x.shape[1:]:
         raise UserError(
@@ -204,9 +205,13 @@ def make_dataset(
 
 
 def check_labels(labels: np.ndarray, name: str, num_classes: int) -> None:
-    """Every label must name one of the classes."""
-    if len(labels) and labels.max() >= num_classes:
-        bad = int(np.flatnonzero(labels >= num_classes)[0])
+    """Every label must name one of the classes: whole numbers in 0..num_classes - 1, checked
+    as they are, before any cast."""
+    labels = np.asarray(labels)
+    if labels.dtype.kind not in "iu":
+        raise UserError(f"{name}: labels of dtype {labels.dtype}; expected whole numbers")
+    if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
+        bad = int(np.flatnonzero((labels < 0) | (labels >= num_classes))[0])
         raise UserError(
             f"{name}: label {labels[bad]} at index {bad} is outside 0..{num_classes - 1}"
         )
@@ -565,17 +570,18 @@ def load_arrays(data_dir: pathlib.Path) -> Dataset:
     (N, H, W, C) and `labels` (N,) integers (float images need `pixel_range`, [low, high]);
     class names from `DIR/classes.txt`, or 0..N-1."""
     paths = [data_dir / name for name in ARRAY_FILES]
-    train, test = (_read_npz(path) for path in paths)
-    labels = np.concatenate([np.asarray(split["labels"]).reshape(-1) for split in (train, test)])
+    splits = []
+    for path in paths:  # each file's floats mapped by its own pixel_range
+        arrays = _read_npz(path)
+        images = _split_images(np.asarray(arrays["images"]), str(path), arrays.get("pixel_range"))
+        splits.append((images, _split_labels(np.asarray(arrays["labels"]), str(path))))
     return make_dataset(
         "arrays",
         f"{data_dir.name} (arrays)",
-        read_class_names(data_dir, labels if labels.dtype.kind in "iu" else np.zeros(0, int)),
-        (train["images"], train["labels"]),
-        (test["images"], test["labels"]),
+        read_class_names(data_dir, np.concatenate([labels for _, labels in splits])),
+        *splits,
         sources=(str(paths[0]), str(paths[1])),
         origin=".npz files",
-        pixel_range=train.get("pixel_range"),
     )
 
 

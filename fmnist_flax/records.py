@@ -86,7 +86,9 @@ def write_dataset(dataset: Any, output: str | os.PathLike, shards: int = 4) -> d
 
 def _remove_abandoned(out: pathlib.Path) -> None:
     """Temporary directories of prepares of `out` whose process is gone (killed)."""
-    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
+    for tmp in out.parent.iterdir():  # not glob: a name with * or ** in it is no pattern
+        if not tmp.name.startswith(f".{out.name}.tmp-"):
+            continue
         pid = tmp.name.rpartition("-")[2]
         try:
             os.kill(int(pid), 0)
@@ -312,6 +314,13 @@ def read_splits(
             raise UserError(
                 f"{name}: not {entry['examples']:,} integer labels as {INFO_FILE} "
                 "says; write the records again with --mode=prepare"
+            )
+        raw = labels[split]  # checked as they are: a cast would make 2**32 + 1 class 1
+        outside = np.flatnonzero((raw < 0) | (raw >= len(info["class_names"])))
+        if len(outside):
+            raise UserError(
+                f"{name}: label {raw[outside[0]]} at index {outside[0]} is outside "
+                f"0..{len(info['class_names']) - 1}; write the records again with --mode=prepare"
             )
         source = RecordSource(
             [directory / s for s in entry["shards"]], entry["counts"], int(np.prod(shape))

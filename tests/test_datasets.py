@@ -255,6 +255,52 @@ def test_float_pixels_with_their_range_become_uint8(tmp_path):
     assert dataset.train_images.min() == 0 and dataset.train_images.max() == 255
 
 
+def test_each_npz_maps_its_floats_by_its_own_pixel_range(tmp_path):
+    """train.npz spans 0..255 and test.npz 0..1: each is mapped by its own range, not train's."""
+    directory = tmp_path / "d"
+    directory.mkdir()
+    images = np.linspace(0, 1, 2 * 4 * 4).reshape(2, 4, 4)
+    np.savez(directory / "train.npz", images=images * 255, labels=[0, 1], pixel_range=[0, 255])
+    np.savez(directory / "test.npz", images=images, labels=[0, 1], pixel_range=[0.0, 1.0])
+    dataset = load_arrays(directory)
+    assert dataset.test_images.max() == 255
+    np.testing.assert_array_equal(dataset.test_images, dataset.train_images)
+
+
+@pytest.mark.parametrize(
+    ("labels", "message"),
+    [
+        (np.array([2**32 + 3, 0], np.int64), "label 4294967299 at index 0 is outside 0..2"),
+        (np.array([0, 2**64 - 1], np.uint64), "label 18446744073709551615 at index 1 is outside"),
+        (np.array([2**31, 0], np.int64), "label 2147483648 at index 0 is outside 0..2"),
+    ],
+)
+def test_labels_are_checked_as_they_are_before_any_cast(tmp_path, labels, message):
+    """Cast to int32 first, these became class 3, -1 and -2**31 (a NaN loss)."""
+    directory = write_arrays(tmp_path / "d", train=2, test=2)
+    (directory / "classes.txt").write_text("a\nb\nc\n")
+    np.savez(directory / "train.npz", images=np.zeros((2, 6, 5), np.uint8), labels=labels)
+    with pytest.raises(UserError) as exc:
+        load_arrays(directory)
+    assert message in one_line(exc) and str(directory / "train.npz") in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("labels", "message"),
+    [
+        (np.array([-1, 0, 1, 2]), "train.npz: label -1 is negative; labels count from 0"),
+        (np.array([0.0, 1.0, 2.0, 0.0]), "train.npz: labels of shape (4,) and dtype float64;"),
+    ],
+)
+def test_negative_or_float_labels_without_classes_txt_say_what_is_wrong(tmp_path, labels, message):
+    """Not "the labels run up to 0 but -1 of the classes have no example"."""
+    directory = write_arrays(tmp_path / "d", train=4, test=4)
+    np.savez(directory / "train.npz", images=np.zeros((4, 6, 5), np.uint8), labels=labels)
+    with pytest.raises(UserError) as exc:
+        load_arrays(directory)
+    assert message in one_line(exc) and "run up to" not in str(exc.value)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

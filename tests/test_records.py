@@ -127,6 +127,35 @@ def _rewrite_info(directory: pathlib.Path, **changes) -> None:
     (directory / "info.json").write_text(json.dumps(info | changes))
 
 
+@pytest.mark.parametrize(
+    ("label", "dtype", "message"),
+    [
+        (2**32 + 1, np.int64, "label 4294967297 at index 5 is outside 0..9"),
+        (2**64 - 1, np.uint64, "label 18446744073709551615 at index 5 is outside 0..9"),
+        (-1, np.int32, "label -1 at index 5 is outside 0..9"),
+    ],
+)
+def test_edited_labels_are_checked_as_they_are_before_any_cast(tmp_path, label, dtype, message):
+    """labels.npz edited in the middle, info.json's sizes made to match: cast to int32 first,
+    2**32 + 1 read as class 1 and the others as -1, and trained without a word."""
+    directory = small_set(tmp_path)
+    saved = dict(np.load(directory / "labels.npz"))
+    saved["train"] = saved["train"].astype(dtype)
+    saved["train"][5] = label
+    np.savez(directory / "labels.npz", **saved)
+    info = json.loads((directory / "info.json").read_text())
+    info["files"]["labels.npz"]["bytes"] = (directory / "labels.npz").stat().st_size
+    (directory / "info.json").write_text(json.dumps(info))
+    with pytest.raises(UserError, match=message) as raised:
+        datasets.load_records(directory)
+    assert "\n" not in str(raised.value) and "labels.npz[train]" in str(raised.value)
+
+
+def test_a_prepare_output_named_with_glob_characters_is_written(tmp_path):
+    """Its leftovers were looked for with glob: `**` in the name was a ValueError traceback."""
+    assert datasets.load_records(small_set(tmp_path, name="a**b[1]")).num_classes == 10
+
+
 def test_a_corrupted_record_is_refused_when_read_naming_its_file(tmp_path):
     directory = small_set(tmp_path, shards=1)
     shard = directory / "train-00000-of-00001.array_record"
