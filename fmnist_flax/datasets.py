@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import gzip
 import hashlib
+import math
 import pathlib
 import struct
 import urllib.error
@@ -45,6 +46,12 @@ STEMS = (
 )
 ARRAY_FILES = ("train.npz", "test.npz")  # the `arrays` dataset's two splits
 ARRAY_KEYS = ("images", "labels")  # what each must hold; `pixel_range` is optional
+NPY_MAGIC = b"\x93NUMPY"  # how an .npy file starts (an .npz is a zip of them)
+DEFLATE_MAX_RATIO = 1100  # deflate never packs more than ~1032 bytes into one
+# The most classes a dataset may have: the confusion matrix (in summary.json and the report)
+# holds one count per pair, 10**8 at this limit. 2,000,000 names trained, wrote 2.7 GB and
+# failed at the confusion matrix.
+MAX_CLASSES = 10_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,10 +135,12 @@ def _split_images(images: np.ndarray, name: str, pixel_range: Any) -> np.ndarray
             f"{name}: images of shape {images.shape}; expected (N, H, W) or (N, H, W, C) with "
             "every side positive"
         )
+    if pixel_range is not None:
+        pixel_range = _pixel_range(pixel_range, name)
     if images.dtype.kind == "f" and pixel_range is not None:
-        low, high = (float(v) for v in np.asarray(pixel_range, np.float64).reshape(-1)[:2])
+        low, high = pixel_range
         inside = np.isfinite(images).all() and low <= images.min() and images.max() <= high
-        if not (low < high and inside):
+        if not inside:
             raise UserError(
                 f"{name}: float pixels are not all within its pixel_range {low}..{high}"
             )
@@ -142,6 +151,20 @@ def _split_images(images: np.ndarray, name: str, pixel_range: Any) -> np.ndarray
             "the range they span given (an .npz's pixel_range = [low, high])"
         )
     return images
+
+
+def _pixel_range(value: Any, name: str) -> tuple[float, float]:
+    """A file's `pixel_range`: two finite numbers, low < high, or one line saying what it is."""
+    values = np.asarray(value)
+    if values.shape == (2,) and values.dtype.kind in "iuf":
+        low, high = (float(v) for v in values)
+        if np.isfinite([low, high]).all() and low < high:
+            return low, high
+    shown = values.tolist() if values.size <= 4 else f"{values.size} values"
+    raise UserError(
+        f"{name}: pixel_range {shown!r} ({values.dtype}) must be two numbers [low, high] with "
+        "low < high, the range its float pixels span"
+    )
 
 
 def _split_labels(labels: np.ndarray, name: str) -> np.ndarray:
@@ -183,6 +206,7 @@ def make_dataset(
         if not len(images):
             raise UserError(f"{source} holds no examples; each split needs at least one")
         check_labels(labels, source, len(class_names))
+        check_class_count(len(class_names), f"{source}:")
         splits.append((images, labels.astype(np.int32)))  # in 0..classes - 1: a cast is exact
     (train_x, train_y), (test_x, test_y) = splits
     if train_x.shape[1:] != test_x.shape[1:]:
@@ -229,6 +253,7 @@ def read_class_names(data_dir: pathlib.Path, labels: np.ndarray) -> tuple[str, .
                 f"0..{count - 1} have no example; a stray label? Name the classes in "
                 f"{path} (one per line) if some really have none"
             )
+        check_class_count(count, f"{data_dir}: the labels 0..{count - 1} name")
         return tuple(str(i) for i in range(count))
     try:
         names = [line.strip() for line in path.read_text().splitlines() if line.strip()]
@@ -236,7 +261,17 @@ def read_class_names(data_dir: pathlib.Path, labels: np.ndarray) -> tuple[str, .
         raise UserError(f"{path}: cannot read it ({exc}); one class name per line") from None
     if not names:
         raise UserError(f"{path}: no class names in it; one class name per line")
+    check_class_count(len(names), f"{path}:")
     return tuple(names)
+
+
+def check_class_count(count: int, what: str, fix: str = "is it the right file?") -> None:
+    """At most MAX_CLASSES classes; `what` starts the line (the file, what says how many)."""
+    if count > MAX_CLASSES:
+        raise UserError(
+            f"{what} {count:,} classes; at most {MAX_CLASSES:,} are supported (the confusion "
+            f"matrix holds a count per pair of classes): {fix}"
+        )
 
 
 # --- The registry: config.dataset.name -> a loader ------------------------------------------
@@ -550,6 +585,16 @@ def _read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
             f"--data_dir, each with {' and '.join(ARRAY_KEYS)}"
         )
     try:
+        with path.open("rb") as f:
+            start = f.read(len(NPY_MAGIC))
+        if start == NPY_MAGIC:
+            raise UserError(
+                f"{path} holds one .npy array, not an .npz archive; save both arrays with "
+                "np.savez(path, images=..., labels=...)"
+            )
+        with zipfile.ZipFile(path) as archive:
+            for member in archive.infolist():
+                _check_declared_size(archive, member, path)
         with np.load(path, allow_pickle=False) as archive:
             arrays = {key: archive[key] for key in archive.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, AttributeError) as exc:
@@ -562,6 +607,33 @@ def _read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
             "save it with np.savez(path, images=..., labels=...)"
         )
     return arrays
+
+
+def _check_declared_size(
+    archive: zipfile.ZipFile, member: zipfile.ZipInfo, path: pathlib.Path
+) -> None:
+    """An .npz member's header must declare no more bytes than the file can hold, checked
+    before np.load allocates them: a header declaring (1e11, 28, 28) asked for 71.3 TiB."""
+    if not member.filename.endswith(".npy"):
+        return
+    with archive.open(member) as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"{member.filename}: .npy format {version}; save it with np.savez")
+        header = f.tell()
+    declared = math.prod(shape) * dtype.itemsize
+    held = member.file_size - header  # the member's size once unpacked, as the zip records it
+    if member.compress_type != zipfile.ZIP_STORED:  # deflate packs at most ~1032:1
+        held = min(held, member.compress_size * DEFLATE_MAX_RATIO)
+    if declared > held:
+        raise UserError(
+            f"{path}: {member.filename[:-4]} declares shape {shape} of {dtype} ({declared:,} "
+            f"bytes) but the file holds {max(held, 0):,}; the file is damaged or cut short"
+        )
 
 
 @register("arrays", needs=f"{' and '.join(ARRAY_FILES)} (images, labels)")
@@ -592,6 +664,11 @@ def load_records(data_dir: pathlib.Path) -> Dataset:
     from fmnist_flax import records
 
     info, images, labels = records.read_splits(data_dir)
+    check_class_count(
+        len(info["class_names"]),
+        f"{data_dir / records.INFO_FILE}:",
+        "write the records again with --mode=prepare",
+    )
     for split in records.SPLITS:
         check_labels(
             labels[split], f"{data_dir / records.LABELS_FILE}[{split}]", len(info["class_names"])

@@ -259,6 +259,12 @@ def run_eval(
             f"the test images are {dataset.image_shape} but the model was trained on "
             f"{tuple(info['image_shape'])}; pass the --data_dir it was trained with"
         )
+    if dataset.num_classes > len(info["class_names"]):  # labels the model has no output for
+        raise UserError(
+            f"the test set ({dataset.sources[1]}) has {dataset.num_classes} classes but the "
+            f"model was trained on {len(info['class_names'])}; pass the --data_dir it was "
+            "trained with"
+        )
     ways = parallel.data_size(mesh)
     batch_size = -(-config.batch_size // ways) * ways
     result = evaluate.evaluate(

@@ -149,19 +149,18 @@ def read_info(directory: pathlib.Path) -> dict[str, Any]:
         )
     try:
         info = json.loads(path.read_text())
-        shape = [int(s) for s in info["image_shape"]]
-        names = info["class_names"]
+        _check_info(info)
         files = {name: int(f["bytes"]) for name, f in info["files"].items()}
         for split in SPLITS:
             entry = info["splits"][split]
             if sum(entry["counts"]) != entry["examples"] or not set(entry["shards"]) <= set(files):
                 raise ValueError(f"split {split}'s shards and counts disagree")
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise UserError(
             f"{path} is not a record set's info ({errors.reason(exc)}); "
             "write the records again with --mode=prepare"
         ) from None
-    if info.get("format") != FORMAT or len(shape) != 3 or not names:
+    if info.get("format") != FORMAT:
         raise UserError(f"{path}: not a {FORMAT!r} info file; write it again with --mode=prepare")
     for name, size in files.items():
         file = directory / name
@@ -175,6 +174,52 @@ def read_info(directory: pathlib.Path) -> dict[str, Any]:
     return info
 
 
+def _short(value: Any) -> str:
+    """A JSON value for a one-line message: its repr, cut at 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _whole(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _check_info(info: Any) -> None:
+    """Every field of info.json the reader uses, of the type and range prepare writes: a
+    ValueError or TypeError saying which is not."""
+    if not isinstance(info, dict):
+        raise TypeError(f"a JSON {type(info).__name__}, not an object")
+    shape = info["image_shape"]
+    if not (isinstance(shape, list) and len(shape) == 3 and all(_whole(s, 1) for s in shape)):
+        raise ValueError(
+            f"image_shape {_short(shape)} is not three positive whole numbers (H, W, C)"
+        )
+    names = info["class_names"]
+    if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)):
+        raise ValueError("class_names is not a list of names")
+    if not isinstance(info["title"], str):
+        raise ValueError(f"title {_short(info['title'])} is not a string")
+    source = info["source"]
+    if not (isinstance(source, dict) and isinstance(source.get("dataset"), str)):
+        raise ValueError(f"source {_short(source)} does not name the dataset it was prepared from")
+    if not isinstance(source.get("checked"), bool):
+        raise ValueError(
+            f"source {_short(source)} does not say whether it was checked (true/false)"
+        )
+    for split in SPLITS:
+        entry = info["splits"][split]
+        shards, counts = entry["shards"], entry["counts"]
+        if not (
+            isinstance(shards, list)
+            and all(isinstance(s, str) for s in shards)
+            and isinstance(counts, list)
+            and len(counts) == len(shards)
+            and all(_whole(c, 0) for c in counts)
+            and _whole(entry["examples"], 0)
+        ):
+            raise ValueError(f"split {split}'s shards and counts disagree")
+
+
 class RecordSource:
     """Random access to a split's records: `source[i]` is one (pixels, label), `source[keys]`
     for an index array (any shape) reads every record in bulk, one read per shard, and gives
@@ -184,6 +229,7 @@ class RecordSource:
     def __init__(self, paths: Sequence[pathlib.Path], counts: Sequence[int], pixels: int):
         self.paths = [pathlib.Path(p) for p in paths]
         self.pixels = int(pixels)
+        self.counts = [int(c) for c in counts]
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._readers: list[Any] | None = None
         self._lock = threading.Lock()
@@ -203,11 +249,18 @@ class RecordSource:
         with self._lock:
             if self._readers is None:
                 readers = []
-                for path in self.paths:
+                for path, count in zip(self.paths, self.counts, strict=True):
                     try:
                         readers.append(ArrayRecordReader(str(path), READER_OPTIONS))
+                        held = readers[-1].num_records()
                     except Exception as exc:  # the reader's own error types
                         raise _damaged(path, exc) from None
+                    if held != count:  # not a damaged shard: counts that do not match it
+                        raise UserError(
+                            f"{path} holds {held:,} records but {INFO_FILE} counts {count:,} for "
+                            "it; the counts do not match the shards: write the records again "
+                            "with --mode=prepare"
+                        )
                 self._readers = readers
         return self._readers
 

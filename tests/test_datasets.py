@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import http.server
+import io
 import threading
+import zipfile
 
 import numpy as np
 import pytest
@@ -316,6 +318,11 @@ def test_negative_or_float_labels_without_classes_txt_say_what_is_wrong(tmp_path
         ("shape", "train.npz holds (7, 5, 3) images but"),
         ("objects", "train.npz: cannot read it as an .npz archive"),
         ("rank", "train.npz: images of shape (12, 90); expected (N, H, W) or (N, H, W, C)"),
+        ("no pixel_range values", "train.npz: pixel_range [] (float64) must be two numbers"),
+        ("one pixel_range value", "train.npz: pixel_range [1.0] (float64) must be two numbers"),
+        ("string pixel_range", "train.npz: pixel_range ['lo', 'hi'] (<U2) must be two numbers"),
+        ("npy named npz", "train.npz holds one .npy array, not an .npz archive; save both"),
+        ("huge header", "train.npz: images declares shape (100000000000, 28, 28) of uint8"),
     ],
 )
 def test_bad_array_files_are_one_line_naming_the_file(tmp_path, change, message):
@@ -336,16 +343,68 @@ def test_bad_array_files_are_one_line_naming_the_file(tmp_path, change, message)
         "objects": {"images": np.array([object()] * 12), "labels": labels},
         "rank": {"images": images.reshape(12, 90), "labels": labels},
     }
+    floats = images / 255.0
+    rewrite |= {
+        "no pixel_range values": {"images": floats, "labels": labels, "pixel_range": []},
+        "one pixel_range value": {"images": floats, "labels": labels, "pixel_range": [1.0]},
+        "string pixel_range": {"images": floats, "labels": labels, "pixel_range": ["lo", "hi"]},
+    }
     if change == "missing":
         train.unlink()
     elif change == "not npz":
         train.write_bytes(b"not a zip")
+    elif change == "npy named npz":
+        np.save(train.open("wb"), images)
+    elif change == "huge header":
+        write_declaring(train, (10**11, 28, 28), labels)
     else:
         np.savez(train, **rewrite[change])
     with pytest.raises(UserError) as exc:
         load_arrays(directory)
     assert message in one_line(exc)
     assert str(train) in str(exc.value)
+
+
+def write_declaring(path, shape, labels):
+    """An .npz whose images.npy header declares `shape` over 100 bytes of data."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "|u1", "fortran_order": False, "shape": shape}
+    )
+    saved_labels = io.BytesIO()
+    np.save(saved_labels, labels)
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("images.npy", header.getvalue() + bytes(100))
+        archive.writestr("labels.npy", saved_labels.getvalue())
+
+
+def test_a_header_declaring_more_than_a_compressed_member_holds_is_refused(tmp_path):
+    """A deflated member's recorded size is checked too: deflate packs at most ~1032:1."""
+    directory = write_arrays(tmp_path / "d")
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "|u1", "fortran_order": False, "shape": (10**9, 6, 5)}
+    )
+    info = zipfile.ZipInfo("images.npy")
+    info.compress_type = zipfile.ZIP_DEFLATED
+    with zipfile.ZipFile(directory / "train.npz", "w") as archive:
+        archive.writestr(info, header.getvalue() + bytes(10**6))  # 1 MB of zeros packs to ~1 KB
+    with pytest.raises(UserError, match=r"images declares shape \(1000000000, 6, 5\)") as exc:
+        load_arrays(directory)
+    one_line(exc)
+    np.savez_compressed(directory / "train.npz", images=np.zeros((12, 6, 5, 3), np.uint8),
+                        labels=np.arange(12) % 3)  # fmt: skip
+    assert load_arrays(directory).train_images.shape == (12, 6, 5, 3)  # real ones still load
+
+
+def test_more_class_names_than_supported_are_one_line(tmp_path):
+    """2,000,000 names trained, wrote 2.7 GB and failed in the confusion matrix."""
+    directory = write_arrays(tmp_path / "d")
+    names = "\n".join(f"c{k}" for k in range(datasets.MAX_CLASSES + 1))
+    (directory / "classes.txt").write_text(names)
+    with pytest.raises(UserError, match=r"classes.txt: 10,001 classes; at most 10,000") as exc:
+        load_arrays(directory)
+    one_line(exc)
 
 
 def test_a_registered_loader_is_a_dataset_name(tmp_path, monkeypatch):

@@ -14,11 +14,11 @@ import zlib
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, run_main
 from flax import nnx
 from PIL import Image
 
-from fmnist_flax import CLASS_NAMES, evaluate, inference, load_model, predict
+from fmnist_flax import CLASS_NAMES, datasets, evaluate, inference, load_model, predict, records
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
 from fmnist_flax.input_pipeline import PIXEL_SCALE
@@ -60,6 +60,41 @@ def test_eval_mode_writes_accuracy_loss_and_confusion_counts(workdir, real_datas
     assert report["compute_dtype"] == "bfloat16" and report["step"] == 60
     summary = json.loads((workdir / "summary.json").read_text())
     assert abs(report["test_accuracy"] - summary["test_accuracy"]) < 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["arrays", "records"])
+def test_eval_on_data_with_more_classes_than_the_model_is_one_line(tmp_path, source):
+    """Trained on 3 classes, evaluated on data with 5: once `IndexError: index 3 is out of
+    bounds` in the confusion matrix."""
+    rng = np.random.default_rng(0)
+    for name, classes in (("three", 3), ("five", 5)):
+        split = (rng.integers(0, 256, (20, 6, 5), dtype=np.uint8), np.arange(20) % classes)
+        if source == "arrays":
+            (tmp_path / name).mkdir()
+            for file in ("train.npz", "test.npz"):
+                np.savez(tmp_path / name / file, images=split[0], labels=split[1])
+        else:
+            names = [str(k) for k in range(classes)]
+            dataset = datasets.make_dataset(
+                name, name, names, split, split, sources=("a", "b"), origin="arrays"
+            )
+            records.write_dataset(dataset, tmp_path / name, shards=1)
+    workdir = tmp_path / "w"
+    result = run_main(
+        "--steps=2",
+        "--batch_size=4",
+        "--report=none",
+        f"--config.dataset.name={source}",
+        f"--data_dir={tmp_path / 'three'}",
+        f"--workdir={workdir}",
+    )
+    assert result.returncode == 0, result.stderr
+    with pytest.raises(UserError) as exc:
+        inference.run_eval(workdir, data_dir=str(tmp_path / "five"))
+    message = str(exc.value)
+    assert "has 5 classes but the model was trained on 3" in message and "\n" not in message
+    assert str(tmp_path / "five") in message
 
 
 @pytest.mark.slow

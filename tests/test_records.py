@@ -108,6 +108,20 @@ def test_grain_reads_the_same_batches_from_records_as_from_arrays(real_dataset, 
         ),
         (lambda d: (d / "labels.npz").write_bytes(b"junk" * 10), "labels.npz"),
         (lambda d: _rewrite_info(d, image_shape=[14, 14, 1]), "records are not 200 bytes each"),
+        (
+            lambda d: _rewrite_info(d, image_shape=[-28, -28, 1]),
+            r"image_shape \[-28, -28, 1\] is not three positive whole numbers",
+        ),
+        (lambda d: _rewrite_info(d, source={}), "source {} does not name the dataset it was"),
+        (lambda d: _rewrite_info(d, class_names=[1, 2]), "class_names is not a list of names"),
+        (
+            lambda d: _rewrite_info(d, class_names=[str(k) for k in range(10_001)]),
+            "info.json: 10,001 classes; at most 10,000",
+        ),
+        (
+            lambda d: _rewrite_counts(d, [40, 0]),
+            "train-00000-of-00002.array_record holds 20 records but info.json counts 40 for it",
+        ),
     ],
 )
 def test_damaged_record_sets_are_refused_in_one_line_naming_the_file(tmp_path, damage, expected):
@@ -154,6 +168,13 @@ def test_edited_labels_are_checked_as_they_are_before_any_cast(tmp_path, label, 
 def test_a_prepare_output_named_with_glob_characters_is_written(tmp_path):
     """Its leftovers were looked for with glob: `**` in the name was a ValueError traceback."""
     assert datasets.load_records(small_set(tmp_path, name="a**b[1]")).num_classes == 10
+
+
+def _rewrite_counts(directory: pathlib.Path, counts: list[int]) -> None:
+    """The train shards' counts changed, their sum kept: once "the file is damaged"."""
+    info = json.loads((directory / "info.json").read_text())
+    info["splits"]["train"]["counts"] = counts
+    (directory / "info.json").write_text(json.dumps(info))
 
 
 def test_a_corrupted_record_is_refused_when_read_naming_its_file(tmp_path):
