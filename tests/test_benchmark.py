@@ -1,14 +1,13 @@
-"""The benchmark: a tiny configuration runs every path and writes valid JSON with every field.
+"""The benchmark: a tiny configuration runs every path and writes valid JSON with every field
+(`assert_every_field`, on the run tests/test_gpu_script.py makes through the GPU script).
 
 Speed itself is never asserted here (shared, noisy machines); ratios come from one run.
 """
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from conftest import env_without_device_count, load_config, run_main
+from conftest import load_config
 
 from fmnist_flax import benchmark, profiling
 from fmnist_flax.errors import UserError
@@ -50,53 +49,43 @@ def test_flops_per_example_matches_the_hand_count():
     assert benchmark.flops_per_example((784, 256, 128, 10)) == 1_007_104
 
 
-@pytest.mark.slow
-def test_tiny_benchmark_writes_every_field(tmp_path):
-    """As a user runs it: the CLI makes 2 CPU devices (--bench_member_shards' default) for the
-    rows with the members split over them; every other path runs on one device."""
-    output = tmp_path / "bench.json"
-    env = env_without_device_count()
-    result = run_main(
-        "--mode=benchmark",
-        "--bench_batch_sizes=16",
-        "--bench_dtypes=bfloat16",
-        "--bench_steps=2",
-        "--bench_repeats=1",
-        "--bench_whole_run_steps=3",
-        "--bench_members=2",
-        f"--output={output}",
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    result_json = json.loads(output.read_text())
+def assert_every_field(result_json: dict, stdout: str, dtypes: list[str]) -> None:
+    """A tiny benchmark's JSON, as a user's run writes it (scripts/gpu_benchmark.sh's run in
+    tests/test_gpu_script.py: one batch size, `dtypes`, 2 members also split over the 2 CPU
+    devices the CLI makes, 3-step whole runs): every path, every field, consistent ratios."""
     assert result_json["matmul_peak_gflops"] > 0
     assert result_json["flops_per_example"] == 1_007_104
     assert set(result_json["versions"]) == {"jax", "flax", "optax"}
     rows = result_json["results"]
-    assert len(rows) == len(PATHS) + len(SPLIT_PATHS)
+    assert len(rows) == (len(PATHS) + len(SPLIT_PATHS)) * len(dtypes)
     assert {r["path"] for r in rows} == PATHS | SPLIT_PATHS
     for row in rows:
         assert set(row) == ROW_FIELDS
         assert row["examples_per_sec"] > 0 and row["seconds"] > 0
-    rate = {r["path"]: r["examples_per_sec"] for r in rows}
-    for row in rows:
-        if row["path"] == "codelab loop (reference)":
-            assert row["ratio_to_codelab"] == 1.0
-        if row["path"].startswith("ensemble"):  # member-examples/s against one fused member
-            beside = row["fused_beside_per_sec"]  # timed alternating with the ensemble; with one
-            assert beside > 0  # repeat, the median of the pairs' ratios is that pair's ratio
-            assert row["ratio_to_fused"] == pytest.approx(row["examples_per_sec"] / beside)
-            assert row["examples_per_sec"] == 2 * 2 * 16 / row["seconds"]  # members x steps x B
-        else:
-            assert row["fused_beside_per_sec"] is None
-            if row["ratio_to_fused"] is not None:
-                assert row["ratio_to_fused"] == row["examples_per_sec"] / rate["fused (default)"]
+    for dtype in dtypes:
+        of_dtype = [r for r in rows if r["dtype"] == dtype]
+        rate = {r["path"]: r["examples_per_sec"] for r in of_dtype}
+        for row in of_dtype:
+            if row["path"] == "codelab loop (reference)":
+                assert row["ratio_to_codelab"] == 1.0
+            if row["path"].startswith("ensemble"):  # member-examples/s against one fused member
+                beside = row["fused_beside_per_sec"]  # timed alternating with the ensemble
+                assert beside > 0  # one repeat: the median of the pairs' ratios is its ratio
+                assert row["ratio_to_fused"] == pytest.approx(row["examples_per_sec"] / beside)
+                members_steps_batch = 2 * row["steps"] * row["batch_size"]
+                assert row["examples_per_sec"] == members_steps_batch / row["seconds"]
+            else:
+                assert row["fused_beside_per_sec"] is None
+                if row["ratio_to_fused"] is not None:
+                    fused = rate["fused (default)"]
+                    assert row["ratio_to_fused"] == row["examples_per_sec"] / fused
     # The profile maps the trace's events to the compiled module's ops: each kind shows up.
-    [profile] = result_json["profiles"]
-    assert (profile["batch_size"], profile["dtype"]) == (16, "bfloat16")
-    assert set(profile["op_us_per_step"]) == set(profiling.OP_KINDS)
-    assert all(us > 0 for us in profile["op_us_per_step"].values())
-    assert profile["wall_us_per_step"] > 0
+    profiles = result_json["profiles"]
+    assert [p["dtype"] for p in profiles] == dtypes
+    for profile in profiles:
+        assert set(profile["op_us_per_step"]) == set(profiling.OP_KINDS)
+        assert all(us > 0 for us in profile["op_us_per_step"].values())
+        assert profile["wall_us_per_step"] > 0
     whole = result_json["whole_run"]
     assert set(whole) == {"steps", "runs", "wall_ratio_cold", "wall_ratio_warm", "fused_reference"}
     assert len(whole["runs"]) == 3 and whole["fused_reference"] > 0
@@ -104,9 +93,8 @@ def test_tiny_benchmark_writes_every_field(tmp_path):
         assert run["wall_seconds"] > 0 and run["peak_rss_mb"] > 100
         if name.startswith("main.py"):  # its own rate against the fused path's, same minutes
             assert run["vs_fused"] == run["train_examples_per_sec"] / whole["fused_reference"]
-    out = result.stdout
-    assert "Training step throughput" in out and "main.py / plain JAX wall time" in out
-    assert "Where the fused step's time goes" in out
+    assert "Training step throughput" in stdout and "main.py / plain JAX wall time" in stdout
+    assert "Where the fused step's time goes" in stdout
 
 
 def test_without_the_devices_the_split_rows_are_left_out(capsys):

@@ -59,6 +59,7 @@ def cnn_smoke(steps):
     config.checkpoint_min_interval_secs = 0.0
     config.optimizer.warmup_steps = 2
     config.report = "none"
+    config.eval_examples = 1_000  # what is checked is the state, not the accuracy
     return config
 
 
@@ -88,6 +89,7 @@ def shortened(name: str):
     config.checkpoint_min_interval_secs = 0.0
     config.optimizer.warmup_steps = 2
     config.report = "none"
+    config.eval_examples = 1_000  # what is checked is the state, not the accuracy
     return config
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -9,22 +10,30 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, env_without_device_count
+from test_benchmark import assert_every_field
 
 DATA = pathlib.Path("/usr/share/datasets/fashion-mnist")
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not DATA.is_dir(), reason="needs Debian's dataset-fashion-mnist")
-def test_small_mode_prints_the_table(tmp_path):
+def test_small_mode_prints_the_table_and_the_benchmark_writes_every_field(tmp_path):
+    """The script as a GPU host runs it, small; its benchmark as a user runs it: the CLI makes
+    2 CPU devices (--bench_member_shards=2) for the rows with the members split over them,
+    every other path runs on one device."""
     env = {
-        **os.environ,
+        **env_without_device_count(),
         "SMALL": "1",
         "PYTHON": sys.executable,
         "OUT": str(tmp_path / "out"),
         "DATA_DIR": str(DATA),
         "SITE": str(tmp_path / "site"),
-        "BATCH_SIZES": "64",
+        "BATCH_SIZES": "16",
+        "BENCH_STEPS": "2",
+        "BENCH_REPEATS": "1",
+        "WHOLE_RUN_STEPS": "3",
+        "MEMBER_SHARDS": "2",
     }
     result = subprocess.run(
         ["bash", str(REPO / "scripts" / "gpu_benchmark.sh")],
@@ -40,10 +49,13 @@ def test_small_mode_prints_the_table(tmp_path):
     assert "| run | batch | dtype | codelab loop (reference) ex/s |" in table
     assert "| ensemble of 2, shared data vs fused |" in table
     for dtype in ("float32", "bfloat16"):
-        row = re.search(rf"^\| benchmark \| 64 \| {dtype} \|.*$", table, re.M)
+        row = re.search(rf"^\| benchmark \| 16 \| {dtype} \|.*$", table, re.M)
         assert row and re.search(r"\*\*\d+\.\d\dx\*\*", row[0]), table  # fused vs codelab
         assert "not measured" not in row[0], row[0]  # kernels per step included
     assert re.search(r"^\| main.py --steps=20 --report=basic .*\*\*0\.\d{4}\*\* \|$", table, re.M)
+    bench = json.loads((tmp_path / "out" / "bench.json").read_text())
+    stdout = (tmp_path / "out" / "bench.log").read_text()
+    assert_every_field(bench, stdout, ["float32", "bfloat16"])
 
 
 @pytest.mark.slow
