@@ -349,6 +349,7 @@ def prepare(config: ml_collections.ConfigDict) -> None:
         raise UserError("--mode=prepare needs --output=DIR, a new directory for the record files")
     if config.dataset.name == "records":
         raise UserError("--mode=prepare reads a dataset to write; it already is record files")
+    records.check_output(_OUTPUT.value, _SHARDS.value)  # before the dataset is read
     dataset = datasets.load(config)
     info = records.write_dataset(dataset, _OUTPUT.value, _SHARDS.value)
     counts = ", ".join(f"{s['examples']:,} {name}" for name, s in info["splits"].items())

@@ -11,10 +11,13 @@ catch a damaged record when it is read.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import pathlib
+import resource
 import shutil
 import threading
 from collections.abc import Sequence
@@ -34,6 +37,7 @@ SPLITS = ("train", "test")
 WRITER_OPTIONS = "group_size:1,uncompressed"  # one record a chunk: random reads stay cheap
 READER_OPTIONS = "readahead_buffer_size:0"  # random access: no read-ahead
 READ_CHUNK = 8192  # records read at once when a whole split is asked for
+SPARE_FILES = 128  # open files left for all but the shards when --shards is checked
 
 
 def shard_names(split: str, shards: int) -> list[str]:
@@ -55,9 +59,15 @@ def write_dataset(dataset: Any, output: str | os.PathLike, shards: int = 4) -> d
     (a killed one's temporary directory goes at the next prepare of the same output)."""
     from fmnist_flax import workdir as workdir_lib
 
+    check_output(output, shards)
+    smallest = min(SPLITS, key=lambda split: len(getattr(dataset, f"{split}_labels")))
+    examples = len(getattr(dataset, f"{smallest}_labels"))
+    if shards > examples:  # 100000 shards of 6,000 examples wrote 200,002 files, most empty
+        raise UserError(
+            f"--shards={shards:,} is more than the {examples:,} examples of the {smallest} split; "
+            f"a shard holds at least one: at most --shards={examples:,}"
+        )
     out = pathlib.Path(output).expanduser().absolute()
-    if shards < 1:
-        raise UserError(f"--shards={shards}: must be >= 1")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--output {output} already exists and is not empty; name a new directory")
     if not out.parent.is_dir():
@@ -82,6 +92,25 @@ def write_dataset(dataset: Any, output: str | os.PathLike, shards: int = 4) -> d
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return info
+
+
+def check_output(output: str | os.PathLike, shards: int) -> None:
+    """Refuse, before anything is read, an --output inside a training run's own files and a
+    --shards the reader could not hold open: a split's shards are all open while it is read,
+    both splits' at once, under the open-file limit (`ulimit -n`)."""
+    from fmnist_flax import workdir as workdir_lib
+
+    if shards < 1:
+        raise UserError(f"--shards={shards}: must be >= 1")
+    workdir_lib.check_not_in_a_run(output)
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and 2 * shards + SPARE_FILES > soft:
+        most = max(1, (soft - SPARE_FILES) // 2)
+        raise UserError(
+            f"--shards={shards:,}: reading {2 * shards:,} shard files at once needs more open "
+            f"files than this process may hold (ulimit -n {soft}); at most --shards={most:,}, "
+            "or raise the limit"
+        )
 
 
 def _remove_abandoned(out: pathlib.Path) -> None:
@@ -249,18 +278,27 @@ class RecordSource:
         with self._lock:
             if self._readers is None:
                 readers = []
-                for path, count in zip(self.paths, self.counts, strict=True):
-                    try:
-                        readers.append(ArrayRecordReader(str(path), READER_OPTIONS))
-                        held = readers[-1].num_records()
-                    except Exception as exc:  # the reader's own error types
-                        raise _damaged(path, exc) from None
-                    if held != count:  # not a damaged shard: counts that do not match it
-                        raise UserError(
-                            f"{path} holds {held:,} records but {INFO_FILE} counts {count:,} for "
-                            "it; the counts do not match the shards: write the records again "
-                            "with --mode=prepare"
-                        )
+                try:
+                    for path, count in zip(self.paths, self.counts, strict=True):
+                        try:
+                            readers.append(ArrayRecordReader(str(path), READER_OPTIONS))
+                            opened = readers[-1].ok()
+                            held = readers[-1].num_records()
+                        except Exception as exc:  # the reader's own error types
+                            raise _damaged(path, exc) from None
+                        if not opened:  # says nothing more: ask the system why
+                            raise _unopenable(path, len(self.paths))
+                        if held != count:  # not a damaged shard: counts that do not match it
+                            raise UserError(
+                                f"{path} holds {held:,} records but {INFO_FILE} counts "
+                                f"{count:,} for it; the counts do not match the shards: write "
+                                "the records again with --mode=prepare"
+                            )
+                except UserError:
+                    for reader in readers:  # one that failed to open raises on close
+                        with contextlib.suppress(Exception):
+                            reader.close()
+                    raise
                 self._readers = readers
         return self._readers
 
@@ -295,6 +333,23 @@ class RecordSource:
             rows[where] = np.frombuffer(joined, np.uint8).reshape(len(where), size)
         labels = rows[:, :LABEL_BYTES].copy().view("<i4").reshape(-1).astype(np.int32)
         return rows[:, LABEL_BYTES:], labels
+
+
+def _unopenable(path: pathlib.Path, shards: int) -> UserError:
+    """Why a shard the reader could not open cannot be opened: too many open files (a set of
+    many shards under a low `ulimit -n`) is not a damaged file."""
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+    except OSError as exc:
+        if exc.errno == errno.EMFILE:
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            return UserError(
+                f"{path} cannot be opened: too many open files ({shards:,} shards a split "
+                f"held open, ulimit -n {soft}); raise the limit or write the records again "
+                "with fewer --shards"
+            )
+        return _damaged(path, exc)
+    return _damaged(path, RuntimeError("the record reader could not open it"))
 
 
 def _damaged(path: pathlib.Path, exc: BaseException) -> UserError:

@@ -59,10 +59,47 @@ def prepare_workdir(workdir: str | os.PathLike | None) -> pathlib.Path:
     return path
 
 
+# What a training run owns in its workdir: no --output may land inside these directories or
+# over these files (an export over checkpoints/50/model/_METADATA damaged the only checkpoint).
+RUN_DIRS = ("checkpoints", "tensorboard")
+RUN_FILES = (METRICS_FILE, SUMMARY_FILE, LOCK_FILE)
+
+
+def is_training_workdir(path: pathlib.Path) -> bool:
+    """Whether `path` holds a training run: its files, or a step in its checkpoints/."""
+    if any((path / name).exists() for name in (*RUN_FILES, "tensorboard")):
+        return True
+    try:
+        return any(p.name.isdigit() for p in (path / "checkpoints").iterdir())
+    except OSError:
+        return False
+
+
+def check_not_in_a_run(output: str | os.PathLike) -> None:
+    """Refuse an --output (symlinks resolved) inside a training workdir's checkpoints/ or
+    tensorboard/, or over its metrics.jsonl, summary.json or .lock."""
+    path = pathlib.Path(output).expanduser().absolute()
+    with contextlib.suppress(OSError, RuntimeError):  # a symlink loop: the path as given
+        path = path.resolve()
+    for workdir in path.parents:
+        first, *rest = path.relative_to(workdir).parts
+        if (first in RUN_DIRS or (first in RUN_FILES and not rest)) and is_training_workdir(
+            workdir
+        ):
+            what = f"{first}/" if first in RUN_DIRS else first
+            owned = ", ".join((*(d + "/" for d in RUN_DIRS), *RUN_FILES))
+            raise UserError(
+                f"--output {output} would land in the training run {workdir}'s own {what}; "
+                f"name a path outside what a run owns ({owned})"
+            )
+
+
 def check_output_path(output: str | None) -> None:
-    """Refuse an --output that cannot be written, before any work is done."""
+    """Refuse an --output that cannot be written or that would overwrite a training run's own
+    files, before any work is done."""
     if not output:
         return
+    check_not_in_a_run(output)
     path = pathlib.Path(output).expanduser().absolute()
     if path.is_dir():
         raise UserError(

@@ -165,6 +165,55 @@ def test_edited_labels_are_checked_as_they_are_before_any_cast(tmp_path, label, 
     assert "\n" not in str(raised.value) and "labels.npz[train]" in str(raised.value)
 
 
+def test_more_shards_than_examples_are_refused_and_nothing_written(tmp_path):
+    """--shards=100000 on 6,000 examples wrote 200,002 files (25 GB), most of them empty."""
+    with pytest.raises(UserError, match=r"--shards=13 is more than the 12 examples of the test "):
+        small_set(tmp_path, shards=13)
+    assert list(tmp_path.iterdir()) == []
+    assert datasets.load_records(small_set(tmp_path, shards=12)).num_classes == 10
+
+
+def test_shards_beyond_the_open_file_limit_are_refused_before_anything_is_read(tmp_path):
+    """With `ulimit -n 1024`, --shards=600 was written, then training failed with "Too many
+    open files ... the file is damaged"."""
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, limits[1]))
+    try:
+        with pytest.raises(UserError) as raised:
+            records.check_output(tmp_path / "rec", 600)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+    assert str(raised.value) == (
+        "--shards=600: reading 1,200 shard files at once needs more open files than this "
+        "process may hold (ulimit -n 1024); at most --shards=448, or raise the limit"
+    )
+
+
+def test_a_set_with_more_shards_than_open_files_is_not_called_damaged(tmp_path):
+    """Written under a higher limit, read under a lower one: the reader's failure to open a
+    shard is named as what it is."""
+    directory = small_set(tmp_path, shards=12)
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 6, limits[1]))
+    try:
+        with pytest.raises(UserError) as raised:
+            datasets.load_records(directory)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+    assert "cannot be opened: too many open files (12 shards a split" in str(raised.value)
+    assert "damaged" not in str(raised.value)
+    assert datasets.load_records(directory).num_classes == 10  # every reader it opened closed
+
+
+def test_prepare_into_a_training_runs_checkpoints_is_refused(tmp_path):
+    (tmp_path / "w" / "checkpoints" / "50").mkdir(parents=True)
+    (tmp_path / "w" / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError, match=r"would land in the training run .*'s own checkpoints/"):
+        small_set(tmp_path / "w" / "checkpoints", name="99")
+    assert [p.name for p in (tmp_path / "w" / "checkpoints").iterdir()] == ["50"]
+
+
 def test_a_prepare_output_named_with_glob_characters_is_written(tmp_path):
     """Its leftovers were looked for with glob: `**` in the name was a ValueError traceback."""
     assert datasets.load_records(small_set(tmp_path, name="a**b[1]")).num_classes == 10

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fmnist_flax import workdir
+from fmnist_flax import export, inference, workdir
 from fmnist_flax.errors import UserError
 
 
@@ -94,3 +94,59 @@ def test_an_unreadable_summary_reads_as_none(tmp_path, content):
     else:
         path.write_bytes(content)
     assert workdir.read_json(path) is None
+
+
+def a_training_run(path):
+    """A workdir as training leaves it: a step's Orbax files, its metrics and summary."""
+    (path / "checkpoints" / "50" / "model").mkdir(parents=True)
+    (path / "checkpoints" / "50" / "model" / "_METADATA").write_text("orbax")
+    (path / "tensorboard").mkdir()
+    for name in (workdir.METRICS_FILE, workdir.SUMMARY_FILE):
+        (path / name).write_text("the run's own")
+    return path
+
+
+@pytest.mark.parametrize(
+    "inside",
+    [
+        "checkpoints/50/model/_METADATA",
+        "checkpoints/51/x.json",
+        "checkpoints",
+        "metrics.jsonl",
+        "summary.json",
+        "tensorboard/eval.json",
+    ],
+)
+def test_an_output_inside_a_training_runs_own_files_is_refused(tmp_path, inside):
+    """An export over checkpoints/50/model/_METADATA damaged the only checkpoint (the next
+    run set it aside and started from scratch); an eval over metrics.jsonl replaced its rows."""
+    run = a_training_run(tmp_path / "w")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    calls = [
+        lambda: export.export_model(run, run / inside),
+        lambda: inference.run_eval(run, output=str(run / inside)),
+        lambda: inference.run_predict(run, [str(tmp_path / "a.png")], output=str(run / inside)),
+    ]
+    for call in calls:
+        with pytest.raises(UserError) as exc:
+            call()
+        message = str(exc.value)
+        assert f"--output {run / inside} would land in the training run {run}'s own" in message
+        assert "\n" not in message
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_an_output_reaching_a_runs_files_through_a_symlink_is_refused(tmp_path):
+    run = a_training_run(tmp_path / "w")
+    (tmp_path / "link.json").symlink_to(run / workdir.METRICS_FILE)
+    (tmp_path / "into").symlink_to(run / "checkpoints")
+    for output in (tmp_path / "link.json", tmp_path / "into" / "out.json"):
+        with pytest.raises(UserError, match="would land in the training run"):
+            workdir.check_output_path(str(output))
+
+
+def test_outputs_beside_a_run_or_in_a_plain_checkpoints_folder_are_allowed(tmp_path):
+    run = a_training_run(tmp_path / "w")
+    workdir.check_output_path(str(run / "eval.json"))  # the run's own directory, a new file
+    (tmp_path / "mine" / "checkpoints").mkdir(parents=True)  # not a training run's
+    workdir.check_output_path(str(tmp_path / "mine" / "checkpoints" / "model.jaxexport"))
