@@ -488,3 +488,33 @@ def test_identity_compares_only_what_a_checkpoint_recorded():
     assert datasets.identity_changes({**older, "fingerprint": "abd"}, now) == [
         {"field": "dataset.fingerprint", "saved": "abd", "now": "abc"}
     ]
+
+
+def test_a_gz_is_decompressed_once_and_a_damaged_cache_entry_is_written_again(
+    tmp_path, monkeypatch
+):
+    """The payload of a .gz is kept by the .gz's MD5 (in the process and on disk): a damaged
+    entry is never returned but written again whole, and a spec is checked on every read."""
+    monkeypatch.setattr(datasets, "CACHE_ROOT", tmp_path / "cache")
+    monkeypatch.setattr(datasets, "_PAYLOADS", {})
+    payload = idx_bytes(np.arange(100, dtype=np.uint8) % 10)
+    path = tmp_path / "y.gz"
+    path.write_bytes(gzip.compress(payload))
+    spec = datasets.IdxFile("y", None, datasets.md5_hex(payload))
+    assert datasets.verified_payload(path, spec) == payload
+    [entry] = (tmp_path / "cache" / datasets.PAYLOAD_DIR).glob("*.idx")
+    assert entry.name.startswith(datasets.md5_hex(path.read_bytes()))
+    assert entry.read_bytes() == payload
+    monkeypatch.setattr(datasets, "_PAYLOADS", {})  # as a new process finds it
+    entry.write_bytes(b"\x07" + payload[1:])
+    assert datasets.verified_payload(path, spec) == payload
+    [again] = (tmp_path / "cache" / datasets.PAYLOAD_DIR).glob("*.idx")
+    assert again.read_bytes() == payload
+    other = datasets.IdxFile("y", None, "0" * 32)  # cached or not, another payload is refused
+    with pytest.raises(UserError, match="MD5 mismatch"):
+        datasets.verified_payload(path, other)
+    monkeypatch.setattr(datasets, "_PAYLOADS", {})
+    blocked = tmp_path / "file"  # a cache that cannot be made (a file in its place): still loads
+    blocked.write_text("")
+    monkeypatch.setattr(datasets, "CACHE_ROOT", blocked)
+    assert datasets.verified_payload(path, spec) == payload
