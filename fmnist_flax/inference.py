@@ -290,7 +290,7 @@ def run_eval(
         ).format(),
         tables.Table.of(
             "Confusion matrix (rows: true class, columns: predicted)",
-            ("", *(name[:7] for name in names)),
+            ("", *(tables.printable(name)[:7] for name in names)),
             [(name, *row) for name, row in zip(names, counts, strict=True)],
         ).format(),
         sep="\n",
@@ -450,7 +450,8 @@ def run_predict(
                     "probabilities": [float(p) for p in probs],
                 }
             )
-            parallel.say(f"{name}: {names[best]} ({100 * probs[best]:.1f}%)")
+            shown = f"{tables.printable(name)}: {tables.printable(names[best])}"
+            parallel.say(f"{shown} ({100 * probs[best]:.1f}%)")
     if output and parallel.is_primary():
         workdir_lib.write_json(
             pathlib.Path(output).expanduser(), {"predictions": predictions, "errors": failures}

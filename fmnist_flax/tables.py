@@ -25,7 +25,12 @@ class Table:
 
     @classmethod
     def of(cls, title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
-        return cls(title, tuple(headers), tuple(tuple(str(c) for c in row) for row in rows))
+        """Every cell as printable text: names from data files are shown, never obeyed."""
+        return cls(
+            printable(title),
+            tuple(printable(h) for h in headers),
+            tuple(tuple(printable(c) for c in row) for row in rows),
+        )
 
     def format(self) -> str:
         columns = list(zip(self.headers, *self.rows, strict=True))
@@ -40,6 +45,16 @@ class Table:
 
         rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
         return "\n".join([self.title, rule, line(self.headers), rule, *map(line, self.rows), ""])
+
+
+def printable(text: Any) -> str:
+    """`text` with every character a terminal would act on (escape sequences, bell, carriage
+    return, bidirectional overrides) written as its Python escape: a class name of
+    "\x1b[2J" clears no screen."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def _numeric(cell: str) -> bool:

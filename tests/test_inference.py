@@ -18,7 +18,16 @@ from conftest import REPO, run_main
 from flax import nnx
 from PIL import Image
 
-from fmnist_flax import CLASS_NAMES, datasets, evaluate, inference, load_model, predict, records
+from fmnist_flax import (
+    CLASS_NAMES,
+    datasets,
+    evaluate,
+    inference,
+    load_model,
+    predict,
+    records,
+    tables,
+)
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
 from fmnist_flax.input_pipeline import PIXEL_SCALE
@@ -95,6 +104,47 @@ def test_eval_on_data_with_more_classes_than_the_model_is_one_line(tmp_path, sou
     message = str(exc.value)
     assert "has 5 classes but the model was trained on 3" in message and "\n" not in message
     assert str(tmp_path / "five") in message
+
+
+ESCAPES = ("\x1b[2J\x1b[31mred\x1b[0m", "\x1b]0;pwned\x07bell", "left\u202eright")
+
+
+def test_table_cells_show_control_characters_escaped():
+    table = tables.Table.of("Classes", ("", *ESCAPES), [(name, 1, 2, 3) for name in ESCAPES])
+    text = table.format()
+    assert not any(c in text for c in "\x1b\x07\u202e")
+    assert "\\x1b[2J\\x1b[31mred\\x1b[0m" in text and "left\\u202eright" in text
+    assert tables.printable("Ankle boot / Überzieher") == "Ankle boot / Überzieher"
+
+
+@pytest.mark.slow
+def test_class_names_with_escape_sequences_are_printed_escaped(tmp_path, capsys):
+    """A classes.txt with terminal escape sequences: eval's confusion table and predict's
+    lines printed them raw (the screen cleared, the window retitled)."""
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (12, 6, 5), dtype=np.uint8)
+    data = tmp_path / "d"
+    data.mkdir()
+    for file in ("train.npz", "test.npz"):
+        np.savez(data / file, images=images, labels=np.arange(12) % 3)
+    (data / "classes.txt").write_text("\n".join(ESCAPES) + "\n")
+    np.save(tmp_path / "x.npy", images[:3])
+    workdir = tmp_path / "w"
+    result = run_main(
+        "--steps=2",
+        "--batch_size=4",
+        "--report=none",
+        "--config.dataset.name=arrays",
+        f"--data_dir={data}",
+        f"--workdir={workdir}",
+    )
+    assert result.returncode == 0, result.stderr
+    capsys.readouterr()
+    inference.run_eval(workdir)
+    inference.run_predict(workdir, [str(tmp_path / "x.npy")])
+    out = capsys.readouterr().out
+    assert not any(c in out for c in "\x1b\x07\u202e")
+    assert "\\x1b[2J" in out and "x.npy[0]: " in out
 
 
 @pytest.mark.slow
