@@ -683,6 +683,8 @@ def _check_declared_size(
         else:
             raise ValueError(f"{member.filename}: .npy format {version}; save it with np.savez")
         header = f.tell()
+    if dtype.hasobject:  # pickled: its size says nothing, and it is never loaded
+        raise ValueError(f"{member.filename[:-4]} holds Python objects, which are never loaded")
     declared = math.prod(shape) * dtype.itemsize
     held = member.file_size - header  # the member's size once unpacked, as the zip records it
     if member.compress_type != zipfile.ZIP_STORED:  # deflate packs at most ~1032:1

@@ -317,6 +317,7 @@ def test_negative_or_float_labels_without_classes_txt_say_what_is_wrong(tmp_path
         ("empty", "train.npz holds no examples; each split needs at least one"),
         ("shape", "train.npz holds (7, 5, 3) images but"),
         ("objects", "train.npz: cannot read it as an .npz archive"),
+        ("many objects", "train.npz: cannot read it as an .npz archive (images holds Python"),
         ("rank", "train.npz: images of shape (12, 90); expected (N, H, W) or (N, H, W, C)"),
         ("no pixel_range values", "train.npz: pixel_range [] (float64) must be two numbers"),
         ("one pixel_range value", "train.npz: pixel_range [1.0] (float64) must be two numbers"),
@@ -341,6 +342,7 @@ def test_bad_array_files_are_one_line_naming_the_file(tmp_path, change, message)
         "empty": {"images": images[:0], "labels": labels[:0]},
         "shape": {"images": np.zeros((12, 7, 5, 3), np.uint8), "labels": labels},
         "objects": {"images": np.array([object()] * 12), "labels": labels},
+        "many objects": {"images": np.full((12, 6, 5, 3), None), "labels": labels},
         "rank": {"images": images.reshape(12, 90), "labels": labels},
     }
     floats = images / 255.0
