@@ -53,11 +53,13 @@ def rows_of(workdir):
 @pytest.fixture(scope="module")
 def ensemble(tmp_path_factory):
     """Three members on their own data, member 2 at its own rate: 100 steps, saves at 45, 90
-    and 100. Shared read-only."""
+    and 100. Shared read-only; the tests that use it are in the slow tier (it trains 300
+    member-steps and compiles the passes: ~11 s from an empty compilation cache)."""
     workdir = tmp_path_factory.mktemp("ensemble") / "w"
     return workdir, train.train_and_evaluate(ensemble_config(), workdir)
 
 
+@pytest.mark.slow
 def test_member_k_is_the_single_run_with_seed_plus_k(ensemble, tmp_path):
     """Member 1 of the vmapped program against a run of its own (seed 1): the same data
     order, augmentation, initialisation and rate. The vmapped matmuls round differently from
@@ -74,6 +76,7 @@ def test_member_k_is_the_single_run_with_seed_plus_k(ensemble, tmp_path):
     assert not isinstance(load_model(tmp_path / "alone"), Ensemble)  # size 1: a model
 
 
+@pytest.mark.slow
 def test_the_summary_names_every_member_its_values_and_the_best(ensemble):
     workdir, summary = ensemble
     members = summary["members"]
@@ -89,6 +92,7 @@ def test_the_summary_names_every_member_its_values_and_the_best(ensemble):
     assert last["loss"] == pytest.approx(np.mean([last[f"loss/{k}"] for k in range(3)]))
 
 
+@pytest.mark.slow
 def test_each_member_is_a_tensorboard_hparams_session(ensemble):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
@@ -108,6 +112,7 @@ def test_each_member_is_a_tensorboard_hparams_session(ensemble):
     )
 
 
+@pytest.mark.slow
 def test_a_kill_after_a_non_logged_save_resumes_the_ensemble_exactly(ensemble, tmp_path):
     """Step 45 is not a logged step: the members' running rows travel in its checkpoint."""
     workdir, _ = ensemble
@@ -122,6 +127,7 @@ def test_a_kill_after_a_non_logged_save_resumes_the_ensemble_exactly(ensemble, t
     assert_same_models(workdir, killed)
 
 
+@pytest.mark.slow
 def test_member_picks_one_member_the_best_or_the_ensemble(ensemble, real_dataset):
     workdir, summary = ensemble
     images = real_dataset.test_images[:64]
@@ -135,6 +141,7 @@ def test_member_picks_one_member_the_best_or_the_ensemble(ensemble, real_dataset
     assert evaluate.predict(load_model(workdir, member="ensemble"), images).shape == (64, 10)
 
 
+@pytest.mark.slow
 def test_the_exported_ensemble_runs_with_jax_alone(ensemble, real_dataset, jax_only, tmp_path):
     workdir, _ = ensemble
     artifact = tmp_path / "ensemble.jaxexport"
@@ -162,6 +169,7 @@ def test_member_flags_from_the_command_line(ensemble, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_member_of_a_single_run_or_a_bad_value_is_one_line(ensemble, tmp_path):
     workdir, _ = ensemble
     with pytest.raises(UserError, match=r"must be a member number, 'best' or 'ensemble'"):
@@ -242,6 +250,7 @@ def test_the_members_figure_draws_each_members_curve_and_the_sweep():
     np.testing.assert_allclose(sweep.collections[0].get_offsets(), [[1e-3, 0.8], [3e-3, 0.85]])
 
 
+@pytest.mark.slow
 def test_init_from_takes_one_member_or_starts_every_member_from_one_model(ensemble):
     workdir, summary = ensemble
     mesh = parallel.make_mesh()

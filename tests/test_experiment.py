@@ -141,6 +141,7 @@ def test_init_from_mistakes_are_one_line(quick_config, tmp_path):
         train.train_and_evaluate(quick_config, tmp_path / "other")
 
 
+@pytest.mark.slow  # two trainings, the second compiled anew
 def test_an_accepted_optimizer_change_starts_the_optimizer_afresh(quick_config, tmp_path, capsys):
     quick_config.steps, quick_config.checkpoint_every, quick_config.eval_examples = 10, 10, 500
     train.train_and_evaluate(quick_config, tmp_path / "w")
@@ -177,6 +178,7 @@ def tiny_arrays(directory, seed, train=64):
         np.savez(directory / f"{name}.npz", images=images, labels=rng.integers(0, 4, n))
 
 
+@pytest.mark.slow  # two trainings, the second compiled anew
 def test_a_resume_on_other_data_is_refused_like_a_config_change(quick_config, tmp_path):
     tiny_arrays(tmp_path / "a", seed=0)
     tiny_arrays(tmp_path / "b", seed=1)  # the same shapes and classes, other images and labels

@@ -35,7 +35,10 @@ def test_first_adamw_step_is_near_chance_and_returns_grad_norm(real_dataset, qui
     assert np.isfinite(float(metrics["loss"]))
 
 
-@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+# bfloat16 compiles both paths again: the slow tier (the fast one keeps float32).
+@pytest.mark.parametrize(
+    "compute_dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)]
+)
 def test_fused_chunks_equal_one_step_per_call(real_dataset, quick_config, compute_dtype):
     """The default path (K steps per compiled call, on-device batches, donated state) gives
     the same parameters, optimizer state, loss and accuracy as calling the plain nnx.jit step
@@ -117,6 +120,7 @@ def trained_members(quick_config, real_dataset, per_pass: int) -> tuple[list, di
     return jax.tree.leaves(state), sums, metrics
 
 
+@pytest.mark.slow  # ensembles, like tests/test_ensemble.py's trained ones: compiles 4 programs
 @pytest.mark.parametrize("fused", [True, False])
 def test_members_in_passes_train_as_all_members_at_once(real_dataset, quick_config, fused):
     """An ensemble trained two members at a time (the CPU's passes, one after another inside
