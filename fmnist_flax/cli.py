@@ -21,6 +21,7 @@ from fmnist_flax import (
     checkpoint,
     compilation_cache,
     datasets,
+    ensemble,
     experiment,
     export,
     inference,
@@ -314,7 +315,7 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
             compute_dtype=flags.FLAGS.compute_dtype,
             data_dir=flags.FLAGS.data_dir,
             output=_OUTPUT.value,
-            member=inference.parse_member(_MEMBER.value),
+            member=ensemble.parse_member(_MEMBER.value),
         )
     elif mode == "export":
         meta = export.export_model(
@@ -322,7 +323,7 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
             _OUTPUT.value,
             step=step_flag(),
             compute_dtype=flags.FLAGS.compute_dtype,
-            member=inference.parse_member(_MEMBER.value),
+            member=ensemble.parse_member(_MEMBER.value),
         )
         parallel.say(
             f"wrote {_OUTPUT.value} (step {meta['source']['step']}, for "
@@ -335,7 +336,7 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
             step=step_flag(),
             compute_dtype=flags.FLAGS.compute_dtype,
             output=_OUTPUT.value,
-            member=inference.parse_member(_MEMBER.value),
+            member=ensemble.parse_member(_MEMBER.value),
         )
         for line in errors:
             error_line(line)

@@ -240,3 +240,40 @@ def members_table_rows(
         }
         for k in range(config.ensemble.size)
     ]
+
+
+ENSEMBLE = "ensemble"  # --member: the ensemble itself (its members' mean probabilities)
+BEST_MEMBER = "best"  # --member: the member with the best test accuracy at that step
+
+
+def parse_member(value: str | None) -> int | str | None:
+    """--member: a member number, `best`, `ensemble`, or unset (the ensemble, for an ensemble
+    run)."""
+    if value is None or value in (BEST_MEMBER, ENSEMBLE):
+        return value
+    if not value.isdigit():
+        raise UserError(f"--member={value} must be a member number, 'best' or 'ensemble'")
+    return int(value)
+
+
+def select_member(restored: tuple, member: int | str | None, checkpoints, flag: str) -> tuple:
+    """`restore_model`'s result with its model replaced by what `member` picks of an ensemble:
+    member K, the best member by its test accuracy at that step, or the ensemble (default)."""
+    model, step, config, info = restored
+    where = f"{flag} {checkpoints.directory.parent}"
+    if not isinstance(model, Ensemble):
+        if member is None:
+            return restored
+        raise UserError(f"--member={member}: {where} trained one model, not an ensemble")
+    if member in (None, ENSEMBLE):
+        return model, step, config, {**info, "member": ENSEMBLE}
+    if member == BEST_MEMBER:
+        member = best_member(checkpoints.saved("progress", step)[1] or {})
+        if member is None:
+            raise UserError(
+                f"--member=best: checkpoint {step} in {where} was not evaluated, so no member "
+                "is known best; pass --member=K, or a --step that was evaluated"
+            )
+    if not 0 <= member < model.size:
+        raise UserError(f"--member={member}: {where} has members 0..{model.size - 1}")
+    return model.member(member), step, config, {**info, "member": member}

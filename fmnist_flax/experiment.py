@@ -25,7 +25,6 @@ from fmnist_flax import (
     datasets,
     ensemble,
     evaluate,
-    inference,
     input_pipeline,
     parallel,
     report,
@@ -117,10 +116,10 @@ def parse_init_from(value: str) -> tuple[str, int | str | None, int | str | None
     """'runs/a' -> ('runs/a', None, None); 'runs/a:200' -> ('runs/a', 200, None);
     'runs/a:best'; an ensemble's member after '@': 'runs/a@3', 'runs/a:200@best'."""
     value, at, member = value.rpartition("@") if "@" in value else (value, "", "")
-    if not at or not (member.isdigit() or member in (checkpoint_lib.BEST, inference.ENSEMBLE)):
+    if not at or not (member.isdigit() or member in (ensemble.BEST_MEMBER, ensemble.ENSEMBLE)):
         value, member = value + at + member, None
     workdir, _, step = value.rpartition(":")
-    member = inference.parse_member(member)
+    member = ensemble.parse_member(member)
     if workdir and (step.isdigit() or step == checkpoint_lib.BEST):
         return workdir, int(step) if step.isdigit() else step, member
     return value, None, member

@@ -90,7 +90,7 @@ def restore_model(
 
     Returns the model, the step it was restored from, the config (with `compute_dtype`
     applied) and the dataset's info (name, title, class names, image shape). For an ensemble
-    run, `member` picks what the model is (`select_member`). On a `mesh` the
+    run, `member` picks what the model is (`ensemble.select_member`). On a `mesh` the
     parameters are read straight into the saved run's layout over it, whatever the device and
     process count of the run that saved them. Every problem is a one-line UserError, raised
     before anything compiles, naming the workdir as `flag`.
@@ -108,7 +108,7 @@ def restore_model(
                     restored = _restore_best(checkpoints, compute_dtype, mesh, flag)
                 else:
                     restored = _restore_model(checkpoints, step, compute_dtype, mesh, flag)
-                return select_member(restored, member, checkpoints, flag)
+                return ensemble.select_member(restored, member, checkpoints, flag)
             except StepVanished as gone:
                 if step is not None or attempt == READ_ATTEMPTS - 1:
                     raise UserError(
@@ -119,42 +119,6 @@ def restore_model(
                 checkpoints.reload()
     finally:
         checkpoints.close()
-
-
-ENSEMBLE = "ensemble"  # --member: the ensemble itself (its members' mean probabilities)
-
-
-def parse_member(value: str | None) -> int | str | None:
-    """--member: a member number, `best`, `ensemble`, or unset (the ensemble, for an ensemble
-    run)."""
-    if value is None or value in (BEST, ENSEMBLE):
-        return value
-    if not value.isdigit():
-        raise UserError(f"--member={value} must be a member number, 'best' or 'ensemble'")
-    return int(value)
-
-
-def select_member(restored: tuple, member: int | str | None, checkpoints, flag: str) -> tuple:
-    """`restore_model`'s result with its model replaced by what `member` picks of an ensemble:
-    member K, the best member by its test accuracy at that step, or the ensemble (default)."""
-    model, step, config, info = restored
-    where = f"{flag} {checkpoints.directory.parent}"
-    if not isinstance(model, ensemble.Ensemble):
-        if member is None:
-            return restored
-        raise UserError(f"--member={member}: {where} trained one model, not an ensemble")
-    if member in (None, ENSEMBLE):
-        return model, step, config, {**info, "member": ENSEMBLE}
-    if member == BEST:
-        member = ensemble.best_member(checkpoints.saved("progress", step)[1] or {})
-        if member is None:
-            raise UserError(
-                f"--member=best: checkpoint {step} in {where} was not evaluated, so no member "
-                "is known best; pass --member=K, or a --step that was evaluated"
-            )
-    if not 0 <= member < model.size:
-        raise UserError(f"--member={member}: {where} has members 0..{model.size - 1}")
-    return model.member(member), step, config, {**info, "member": member}
 
 
 def _restore_best(checkpoints: Checkpoints, compute_dtype, mesh, flag) -> tuple:

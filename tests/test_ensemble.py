@@ -14,10 +14,10 @@ from conftest import assert_same_models, env_without_device_count, load_config, 
 from flax import nnx
 
 from fmnist_flax import config as config_lib
+from fmnist_flax import ensemble as ensemble_lib
 from fmnist_flax import (
     evaluate,
     export,
-    inference,
     load_model,
     parallel,
     report,
@@ -173,7 +173,7 @@ def test_member_flags_from_the_command_line(ensemble, tmp_path):
 def test_member_of_a_single_run_or_a_bad_value_is_one_line(ensemble, tmp_path):
     workdir, _ = ensemble
     with pytest.raises(UserError, match=r"must be a member number, 'best' or 'ensemble'"):
-        inference.parse_member("first")
+        ensemble_lib.parse_member("first")
     with pytest.raises(UserError, match=r"--member=3: --workdir .* has members 0\.\.2"):
         load_model(workdir, member=3)
     with pytest.raises(UserError, match=r"--member=best: checkpoint 45 in .* was not evaluated"):
