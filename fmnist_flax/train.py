@@ -82,6 +82,21 @@ def place_state(
     parallel.place_module((model, optimizer), mesh, param_sharding, stacked)
 
 
+def refresh_hyperparams(
+    model: nnx.Module, optimizer: nnx.Optimizer, config: ml_collections.ConfigDict
+) -> None:
+    """Put the config's values into a restored optimizer's injected hyperparameters (an
+    ensemble's per-member rates and weight decays live in its state): a resume that accepted
+    new values trains with them, not with the checkpoint's."""
+    fresh = dict(nnx.to_flat_state(nnx.state(create_optimizer(model, config))))
+    state = nnx.state(optimizer)
+    for path, variable in nnx.to_flat_state(state):
+        if "hyperparams" in path:
+            old = variable[...]
+            variable[...] = jax.device_put(fresh[path][...].astype(old.dtype), old.sharding)
+    nnx.update(optimizer, state)
+
+
 def loss_fn(
     model: nnx.Module, x: jax.Array, y: jax.Array, config: Config
 ) -> tuple[jax.Array, Metrics]:
@@ -595,6 +610,8 @@ def train_and_evaluate(
         start_step, resumed = restore.resume(
             checkpoints, model, optimizer, progress_of(0, per_epoch, config), optimizer_changed
         )
+        if start_step:
+            refresh_hyperparams(model, optimizer, config)
         if config.keep_best and jax.process_count() == 1:  # processes could not agree to move it
             restore.check_best(checkpoints, model, start_step)
         if not start_step and config.init_from:

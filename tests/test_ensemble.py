@@ -323,3 +323,52 @@ def test_an_ensemble_run_writes_the_full_report(tmp_path):
     assert {"members.png", "dispatch_vs_jit.png", "precision.png"} <= names
     assert [row["mode"] for row in summary["dispatch_vs_jit"]] == ["Python dispatch", "jitted step"]
     assert "Ensemble members (2)" in (tmp_path / "w" / "report" / "report.html").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("size", "field", "before", "after"),
+    [
+        (2, "ensemble.learning_rate", (1e-3, 1e-3), (1e-3, 3e-2)),
+        (2, "ensemble.weight_decay", (1e-4, 1e-4), (1e-4, 0.5)),
+        (2, "optimizer.learning_rate", 1e-3, 3e-2),
+        (1, "optimizer.learning_rate", 1e-3, 3e-2),
+    ],
+)
+def test_an_accepted_hyperparameter_change_takes_effect_from_the_resumed_step(
+    tmp_path, size, field, before, after
+):
+    """A resume that accepts a new rate or weight decay trains with it from the saved step:
+    an ensemble's per-member values live in the optimizer's state (inject_hyperparams), and
+    the checkpoint's must not come back with it. The member that keeps its value trains on
+    to the bit as if nothing changed; summary.json records what the run used."""
+
+    def config(value, steps):
+        run = ensemble_config()
+        run.ensemble.size = size
+        run.ensemble.learning_rate = ()
+        run.ensemble.same_data = True
+        run.steps = steps
+        run.checkpoint_every = 10
+        run.update_from_flattened_dict({field: value})
+        return run
+
+    train.train_and_evaluate(config(before, 10), tmp_path / "same")
+    shutil.copytree(tmp_path / "same", tmp_path / "changed")
+    train.train_and_evaluate(config(before, 20), tmp_path / "same")
+    summary = train.train_and_evaluate(
+        config(after, 20), tmp_path / "changed", accept_config_change=True
+    )
+    rows = {
+        name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+        for name in ("same", "changed")
+    }
+    assert [r["step"] for r in rows["same"]] == [r["step"] for r in rows["changed"]]
+    for same, changed in zip(rows["same"], rows["changed"], strict=True):
+        kept = same["step"] <= 10
+        assert (same["loss"] == changed["loss"]) == kept, same["step"]
+        if size > 1 and field.startswith("ensemble."):  # member 0 kept its value
+            assert same["loss/0"] == changed["loss/0"]
+    [change] = summary["config_changes"]
+    assert (change["field"], change["step"]) == (field, 10)
+    assert change["now"] == (list(after) if isinstance(after, tuple) else after)
