@@ -62,18 +62,7 @@ GREY_MODES = ("L", "F", *SIXTEEN_BIT_MODES)  # read as they are, the channel cop
 FASHION_MNIST_INFO = {
     "name": "fashion_mnist",
     "title": "Fashion-MNIST",
-    "class_names": [
-        "T-shirt/top",
-        "Trouser",
-        "Pullover",
-        "Dress",
-        "Coat",
-        "Sandal",
-        "Shirt",
-        "Sneaker",
-        "Bag",
-        "Ankle boot",
-    ],
+    "class_names": list(datasets.IDX_DATASETS["fashion_mnist"].class_names),
     "image_shape": [28, 28],
 }
 

@@ -132,30 +132,27 @@ def test_bad_benchmark_options_are_one_line(kwargs, message):
         benchmark.run_benchmark(load_config("default"), **options)
 
 
+def run_tiny(config) -> None:
+    """One step of one batch size and dtype, no whole runs: what the refusals need."""
+    benchmark.run_benchmark(
+        config,
+        batch_sizes=[16],
+        dtypes=["float32"],
+        steps=1,
+        repeats=1,
+        whole_run_steps=0,
+        output=None,
+    )
+
+
 def test_benchmark_refuses_a_non_mlp_config():
 
     with pytest.raises(UserError, match="compares against the codelab's two-hidden-layer MLP"):
-        benchmark.run_benchmark(
-            load_config("cnn"),
-            batch_sizes=[16],
-            dtypes=["float32"],
-            steps=1,
-            repeats=1,
-            whole_run_steps=0,
-            output=None,
-        )
+        run_tiny(load_config("cnn"))
 
 
 def test_benchmark_refuses_an_ensemble_config():
     config = load_config("default")
     config.ensemble.size = 2
     with pytest.raises(UserError, match=r"builds its own ensembles \(--bench_members\); drop"):
-        benchmark.run_benchmark(
-            config,
-            batch_sizes=[16],
-            dtypes=["float32"],
-            steps=1,
-            repeats=1,
-            whole_run_steps=0,
-            output=None,
-        )
+        run_tiny(config)
