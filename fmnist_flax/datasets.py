@@ -199,6 +199,7 @@ def make_dataset(
     """A Dataset from (images, labels) per split, every rule checked in one line naming the
     split's source: images uint8 (N, H, W[, C]) (floats only with their `pixel_range`), labels
     (N,) in 0..len(class_names) - 1, counts that pair, the same image shape in both splits."""
+    check_class_count(len(class_names), f"{sources[0]}:")
     splits = []
     for (images, labels), source in zip((train, test), sources, strict=True):
         images = _split_images(np.asarray(images), source, pixel_range)
@@ -210,7 +211,6 @@ def make_dataset(
         if not len(images):
             raise UserError(f"{source} holds no examples; each split needs at least one")
         check_labels(labels, source, len(class_names))
-        check_class_count(len(class_names), f"{source}:")
         splits.append((images, labels.astype(np.int32)))  # in 0..classes - 1: a cast is exact
     (train_x, train_y), (test_x, test_y) = splits
     if train_x.shape[1:] != test_x.shape[1:]:

@@ -88,12 +88,14 @@ def refresh_hyperparams(
     """Put the config's values into a restored optimizer's injected hyperparameters (an
     ensemble's per-member rates and weight decays live in its state): a resume that accepted
     new values trains with them, not with the checkpoint's."""
-    fresh = dict(nnx.to_flat_state(nnx.state(create_optimizer(model, config))))
     state = nnx.state(optimizer)
-    for path, variable in nnx.to_flat_state(state):
-        if "hyperparams" in path:
-            old = variable[...]
-            variable[...] = jax.device_put(fresh[path][...].astype(old.dtype), old.sharding)
+    injected = [(path, v) for path, v in nnx.to_flat_state(state) if "hyperparams" in path]
+    if not injected:  # one model: its values are compiled into the step
+        return
+    fresh = dict(nnx.to_flat_state(nnx.state(create_optimizer(model, config))))
+    for path, variable in injected:
+        old = variable[...]
+        variable[...] = jax.device_put(fresh[path][...].astype(old.dtype), old.sharding)
     nnx.update(optimizer, state)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -16,32 +15,45 @@ from test_benchmark import assert_every_field
 DATA = pathlib.Path("/usr/share/datasets/fashion-mnist")
 
 
+def run_script(
+    tmp_path: pathlib.Path, data: pathlib.Path, timeout: int, **settings: str
+) -> subprocess.CompletedProcess:
+    """scripts/gpu_benchmark.sh with SMALL=1 on `data`, its outputs under tmp_path, `settings`
+    added to its environment (without a CPU device count: the CLI makes what it needs)."""
+    env = {
+        **env_without_device_count(),
+        "SMALL": "1",
+        "PYTHON": sys.executable,
+        "OUT": str(tmp_path / "out"),
+        "DATA_DIR": str(data),
+        "SITE": str(tmp_path / "site"),
+        **settings,
+    }
+    return subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_benchmark.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not DATA.is_dir(), reason="needs Debian's dataset-fashion-mnist")
 def test_small_mode_prints_the_table_and_the_benchmark_writes_every_field(tmp_path):
     """The script as a GPU host runs it, small; its benchmark as a user runs it: the CLI makes
     2 CPU devices (--bench_member_shards=2) for the rows with the members split over them,
     every other path runs on one device."""
-    env = {
-        **env_without_device_count(),
-        "SMALL": "1",
-        "PYTHON": sys.executable,
-        "OUT": str(tmp_path / "out"),
-        "DATA_DIR": str(DATA),
-        "SITE": str(tmp_path / "site"),
-        "BATCH_SIZES": "16",
-        "BENCH_STEPS": "2",
-        "BENCH_REPEATS": "1",
-        "WHOLE_RUN_STEPS": "3",
-        "MEMBER_SHARDS": "2",
-    }
-    result = subprocess.run(
-        ["bash", str(REPO / "scripts" / "gpu_benchmark.sh")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    result = run_script(
+        tmp_path,
+        DATA,
+        300,
+        BATCH_SIZES="16",
+        BENCH_STEPS="2",
+        BENCH_REPEATS="1",
+        WHOLE_RUN_STEPS="3",
+        MEMBER_SHARDS="2",
     )
     assert result.returncode == 0, result.stderr[-2000:]
     table = (tmp_path / "out" / "table.md").read_text()
@@ -67,22 +79,7 @@ def test_a_failing_first_run_stops_the_script_before_the_benchmark(tmp_path):
     data.mkdir()
     for name in ("train-images-idx3", "train-labels-idx1", "t10k-images-idx3", "t10k-labels-idx1"):
         (data / f"{name}-ubyte").write_bytes(b"not an IDX file")
-    env = {
-        **os.environ,
-        "SMALL": "1",
-        "PYTHON": sys.executable,
-        "OUT": str(tmp_path / "out"),
-        "DATA_DIR": str(data),
-        "SITE": str(tmp_path / "site"),
-    }
-    result = subprocess.run(
-        ["bash", str(REPO / "scripts" / "gpu_benchmark.sh")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = run_script(tmp_path, data, 120)
     assert result.returncode == 4, result.stderr[-2000:]
     assert result.stderr.rstrip().splitlines()[-1].startswith("gpu_benchmark: a 20-step run failed")
     assert not (tmp_path / "out" / "bench.log").exists()
