@@ -130,19 +130,47 @@ def members_per_pass(config: ml_collections.ConfigDict, platform: str) -> int:
     return ens.shards * CPU_MEMBERS_PER_PASS if per_device % CPU_MEMBERS_PER_PASS == 0 else ens.size
 
 
-def in_passes(
-    run: Callable[..., tuple[Any, Any, Any]],
-    passes: int,
-    state: Any,
-    sums: dict[str, jax.Array],
+def step_for(step: Callable[..., Any], config: ml_collections.ConfigDict) -> Callable[..., Any]:
+    """The train step of the config's model: `step` itself, or `train_members` over it."""
+    return step if config.ensemble.size == 1 else functools.partial(train_members, step)
+
+
+def batch_for(
+    batch: Callable[..., tuple[jax.Array, jax.Array]],
     order: jax.Array | None,
     aug_key: jax.Array | None,
-    loop: bool,
-) -> tuple[Any, Any, Any]:
-    """`run(state, sums, order, aug_key)` for the stacked members in `passes` groups, one after
-    another. Member j * passes + p goes in pass p, so a pass takes as many members from each
-    device of a `member` mesh axis. `loop`: the passes as one `fori_loop` (else unrolled: XLA's
-    CPU backend runs convolutions much slower inside a loop body)."""
+) -> tuple[jax.Array, jax.Array]:
+    """`batch(order, aug_key)`, once per member (a vmap) when the members see their own data
+    (`order` has one row per member)."""
+    if order is not None and order.ndim == 2:
+        return jax.vmap(batch)(order, aug_key)
+    return batch(order, aug_key)
+
+
+def shapes_per_member(fn: Callable[..., Any], model: nnx.Module, *args: Any) -> Any:
+    """`jax.eval_shape` of `fn(model, *args)`; for an Ensemble, of every member's (a leading
+    member axis)."""
+    members = isinstance(model, Ensemble)
+    graphdef, state = nnx.split(model.members if members else model)
+
+    def one(state, *args):
+        return fn(nnx.merge(graphdef, state), *args)
+
+    each = jax.vmap(one, in_axes=(0, *[None] * len(args))) if members else one
+    return jax.eval_shape(each, state, *args)
+
+
+def in_passes(
+    run: Callable[..., tuple[Any, Any, Any]], config: ml_collections.ConfigDict, platform: str
+) -> Callable[..., tuple[Any, Any, Any]]:
+    """`run(state, sums, order, aug_key)` for the stacked members in groups of
+    `members_per_pass`, one group after another (`run` itself when one pass holds them all).
+    Member j * passes + p goes in pass p, so a pass takes as many members from each device of
+    a `member` mesh axis. The passes are one `fori_loop` with `config.fused_steps`, else
+    unrolled (XLA's CPU backend runs convolutions much slower inside a loop body)."""
+    passes = config.ensemble.size // members_per_pass(config, platform)
+    if passes == 1:
+        return run
 
     def grouped(tree):  # (members, ...) -> (members / passes, passes, ...)
         return jax.tree.map(lambda a: a.reshape(-1, passes, *a.shape[1:]), tree)
@@ -150,30 +178,33 @@ def in_passes(
     def take(tree, p):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, p, 1, False), tree)
 
-    per_member = order is not None and order.ndim == 2
-    rows = grouped((order, aug_key)) if per_member else (order, aug_key)
+    def all_passes(state, sums, order, aug_key):
+        per_member = order is not None and order.ndim == 2
+        rows = grouped((order, aug_key)) if per_member else (order, aug_key)
 
-    def run_pass(p, state, sums):
-        return run(take(state, p), take(sums, p), *(take(rows, p) if per_member else rows))
+        def run_pass(p, state, sums):
+            return run(take(state, p), take(sums, p), *(take(rows, p) if per_member else rows))
 
-    state = grouped(state)
-    sums = grouped(sums)
-    last = jax.eval_shape(lambda: run_pass(0, state, sums)[2])  # the last step's metrics
-    last = jax.tree.map(lambda s: jnp.zeros((s.shape[0], passes, *s.shape[1:]), s.dtype), last)
+        state = grouped(state)
+        sums = grouped(sums)
+        last = jax.eval_shape(lambda: run_pass(0, state, sums)[2])  # the last step's metrics
+        last = jax.tree.map(lambda s: jnp.zeros((s.shape[0], passes, *s.shape[1:]), s.dtype), last)
 
-    def one(p, carry):
-        done = run_pass(p, *carry[:2])
-        return jax.tree.map(
-            lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, p, 1), carry, done
-        )
+        def one(p, carry):
+            done = run_pass(p, *carry[:2])
+            return jax.tree.map(
+                lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, p, 1), carry, done
+            )
 
-    carry = (state, sums, last)
-    if loop:
-        carry = jax.lax.fori_loop(0, passes, one, carry)
-    else:
-        for p in range(passes):
-            carry = one(p, carry)
-    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry)
+        carry = (state, sums, last)
+        if config.fused_steps:
+            carry = jax.lax.fori_loop(0, passes, one, carry)
+        else:
+            for p in range(passes):
+                carry = one(p, carry)
+        return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), carry)
+
+    return all_passes
 
 
 def data_seeds(config: ml_collections.ConfigDict) -> list[int]:

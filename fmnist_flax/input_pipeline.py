@@ -15,10 +15,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
-from fmnist_flax import parallel
+from fmnist_flax import ensemble, parallel
 from fmnist_flax.datasets import Dataset
 from fmnist_flax.errors import UserError
 
@@ -198,16 +199,16 @@ class DeviceBatches:
     the mesh, the batches gathered inside the compiled chunk (`count` steps per call when
     fused)."""
 
-    def __init__(self, data: DeviceData, seeds: Sequence[int], fused: bool):
+    def __init__(self, data: DeviceData, config: ml_collections.ConfigDict):
         self.data = data
-        self.seeds = list(seeds)
-        self.fused = fused
+        self.seeds = ensemble.data_seeds(config)
+        self.fused = config.fused_steps
         self._epoch, self._order = None, None
 
     def chunks(self, step: int, stop: int) -> Iterator[tuple[Any, ...]]:
         """(images, labels, order, first batch index, count, first step) per call for steps
-        step+1..stop, which never cross an epoch's end. With several `seeds` (an ensemble's
-        members, each on its own data) the order has one row per seed."""
+        step+1..stop, which never cross an epoch's end. When an ensemble's members see their own
+        data, the order has one row per member."""
         epoch, index = divmod(step, self.data.batches_per_epoch)
         if epoch != self._epoch:
             order = epoch_orders(self.seeds, epoch, self.data.train_examples)
@@ -239,3 +240,16 @@ def augment(x: jax.Array, key: jax.Array, max_shift: int, flip: bool) -> jax.Arr
             jnp.pad(images, pad), offsets
         )
     return images.reshape(x.shape)
+
+
+AUGMENT_STREAM = 2  # fold_in index of the augmentation key (params 0, dropout 1)
+
+
+def augment_key(config: ml_collections.ConfigDict) -> jax.Array | None:
+    """The augmentation stream's key, or None without augmentation (two compiles saved); one
+    per member, from seed + k, when an ensemble's members see their own data."""
+    if not (config.augment.max_shift or config.augment.flip):
+        return None
+    seeds = ensemble.data_seeds(config)
+    keys = [jax.random.fold_in(jax.random.key(s), AUGMENT_STREAM) for s in seeds]
+    return jnp.stack(keys) if len(keys) > 1 else keys[0]

@@ -49,7 +49,6 @@ from fmnist_flax.model import create_model
 
 Metrics = dict[str, jax.Array]
 Config = ml_collections.FrozenConfigDict  # hashable: what the compiled steps are built for
-AUGMENT_STREAM = 2  # fold_in index of the augmentation key (params 0, dropout 1)
 
 
 def create_optimizer(model: nnx.Module, config: ml_collections.ConfigDict) -> nnx.Optimizer:
@@ -76,18 +75,16 @@ def create_train_state(
 def place_state(
     model: nnx.Module, optimizer: nnx.Optimizer, mesh: jax.sharding.Mesh, param_sharding: str
 ) -> None:
-    """Lay a model and its optimizer out on the mesh; an Ensemble's by member on a `member`
-    axis."""
-    stacked = isinstance(model, Ensemble)
-    parallel.place_module((model, optimizer), mesh, param_sharding, stacked)
+    """Lay a model and its optimizer out on the mesh (an Ensemble's split on a `member` axis)."""
+    parallel.place_module((model, optimizer), mesh, param_sharding, isinstance(model, Ensemble))
 
 
 def refresh_hyperparams(
     model: nnx.Module, optimizer: nnx.Optimizer, config: ml_collections.ConfigDict
 ) -> None:
-    """Put the config's values into a restored optimizer's injected hyperparameters (an
-    ensemble's per-member rates and weight decays live in its state): a resume that accepted
-    new values trains with them, not with the checkpoint's."""
+    """Put the config's values into a restored optimizer's injected hyperparameters (where
+    values that differ between an ensemble's members live): a resume that accepted new values
+    trains with them, not with the checkpoint's."""
     state = nnx.state(optimizer)
     injected = [(path, v) for path, v in nnx.to_flat_state(state) if "hyperparams" in path]
     if not injected:  # one model: its values are compiled into the step
@@ -230,23 +227,19 @@ def chunk_steps(
     mesh: jax.sharding.Mesh | None = None,
 ) -> Callable[..., tuple[Any, Metrics, Metrics]]:
     """`steps(state, sums, order, aug_key, *, images, labels, start, count, first_step)`:
-    `count` steps of the model, or of the members whose stacked state is `state` (a
-    `fori_loop`; with `config.fused_steps=False`, exactly one step). Batches are picked from
-    the epoch's order (one per member, as rows, when members see their own data; no order:
-    steps start.. of a host-fed block), normalised (and augmented, when asked) on the device.
-    Augmentation draws from `fold_in(aug_key, step)`, so a resumed run repeats it."""
+    `count` steps of the model whose state is `state` (a `fori_loop`; with
+    `config.fused_steps=False`, exactly one step). Batches are picked from the epoch's order
+    (no order: steps start.. of a host-fed block), normalised (and augmented, when asked) on
+    the device. Augmentation draws from `fold_in(aug_key, step)`, so a resumed run repeats it.
+    """
     batch_size = config.batch_size
     accumulate = config.optimizer.accumulate
     max_shift = config.augment.max_shift
     flip = config.augment.flip
     fused = config.fused_steps
-    step_fn = train_step
-    if config.ensemble.size > 1:  # every member's step, one vmap
-        step_fn = functools.partial(ensemble.train_members, train_step)
+    step_fn = ensemble.step_for(train_step, config)
 
     def steps(state, sums, order, aug_key, *, images, labels, start, count, first_step):
-        per_member = order is not None and order.ndim == 2
-
         def body(i, carry):
             state, sums, _ = carry
             model, opt = nnx.merge(graphdef, state)
@@ -271,7 +264,7 @@ def chunk_steps(
                     x = input_pipeline.augment(x, key, max_shift, flip)
                 return x, y
 
-            x, y = jax.vmap(batch)(order, aug_key) if per_member else batch(order, aug_key)
+            x, y = ensemble.batch_for(batch, order, aug_key)
             # Only the last step's metrics leave the chunk, so only it computes the gradient
             # norm (1.29x faster at batch 32).
             log = i == count - 1 if fused else True
@@ -299,7 +292,6 @@ def make_train_chunk(
 
     With `config.fused_steps=False` each call runs one step (the host loops): XLA's CPU backend
     runs convolutions inside a loop body about 10x slower than at top level, so the CNN uses it.
-    An ensemble's members run `members_per_pass` at a time, the passes in turn (`in_passes`).
 
     The state buffers are donated (updated in place). `sums` (every metric summed since the
     last logged row) goes in and comes out with this call's steps added, and so do the last
@@ -309,33 +301,22 @@ def make_train_chunk(
     """
     steps = chunk_steps(graphdef, config, image_shape, mesh)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    passes = config.ensemble.size // ensemble.members_per_pass(config, platform)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def train_chunk(state, sums, images, labels, order, start, count, first_step=0, aug_key=None):
         run = functools.partial(
             steps, images=images, labels=labels, start=start, count=count, first_step=first_step
         )
-        if passes == 1:
-            return run(state, sums, order, aug_key)
-        return ensemble.in_passes(run, passes, state, sums, order, aug_key, loop=config.fused_steps)
+        return ensemble.in_passes(run, config, platform)(state, sums, order, aug_key)
 
     return train_chunk
 
 
 def zero_sums(model: nnx.Module, config: Config, image_shape: tuple[int, int, int]) -> Metrics:
-    """A zero for each metric `loss_fn` returns (one per member for an Ensemble): where a
-    logged row's sums start."""
+    """A zero for each metric `loss_fn` returns: where a logged row's sums start."""
     x = jax.ShapeDtypeStruct((config.batch_size, *image_shape), jnp.float32)
     y = jax.ShapeDtypeStruct((config.batch_size,), jnp.int32)
-    members = isinstance(model, Ensemble)
-    graphdef, state = nnx.split(model.members if members else model)
-
-    def metrics(s, x, y):
-        return loss_fn(nnx.merge(graphdef, s), x, y, config)[1]
-
-    each = jax.vmap(metrics, in_axes=(0, None, None)) if members else metrics
-    shapes = jax.eval_shape(each, state, x, y)
+    shapes = ensemble.shapes_per_member(lambda m, x, y: loss_fn(m, x, y, config)[1], model, x, y)
     return {name: np.zeros(s.shape, s.dtype) for name, s in shapes.items()}
 
 
@@ -362,7 +343,7 @@ class RunningRow:
     def state(self) -> dict[str, Any]:
         """What a checkpoint's progress item keeps of it."""
         sums = parallel.to_host(self.sums)
-        sums = {k: np.asarray(v).tolist() for k, v in sums.items()}  # a list per member
+        sums = {k: np.asarray(v).tolist() for k, v in sums.items()}
         return {"row": {"start": self.start, "sums": sums}}
 
 
@@ -391,17 +372,6 @@ def next_stop(step: int, config: ml_collections.ConfigDict, batches_per_epoch: i
         eval_period(config, batches_per_epoch),
     )
     return min(*[(step // every + 1) * every for every in periods], config.steps)
-
-
-def augment_key(config: ml_collections.ConfigDict) -> jax.Array | None:
-    """The augmentation stream's key, or None without augmentation (two compiles saved); one
-    per member, from seed + k, when the members see their own data."""
-    if not (config.augment.max_shift or config.augment.flip):
-        return None
-    keys = [
-        jax.random.fold_in(jax.random.key(s), AUGMENT_STREAM) for s in ensemble.data_seeds(config)
-    ]
-    return jnp.stack(keys) if len(keys) > 1 else keys[0]
 
 
 def host_row(step: int, sums: Metrics, count: int, grad_norm: jax.Array) -> dict[str, float]:
@@ -535,9 +505,7 @@ def training_batches(
     """What feeds training from `start_step` on: the Grain pipeline (its iterator where the
     checkpoint left it) or the device pipeline."""
     if config.input_pipeline != "grain":
-        return input_pipeline.DeviceBatches(
-            device_data, ensemble.data_seeds(config), config.fused_steps
-        )
+        return input_pipeline.DeviceBatches(device_data, config)
     source = grain_pipeline.train_source(dataset)
     return grain_pipeline.from_config(
         config, source, device_data.mesh, resumed.get("data_iterator"), start_step
@@ -648,7 +616,7 @@ def train_and_evaluate(
         train_chunk = make_train_chunk(graphdef, frozen, dataset.image_shape, mesh)
         zeros = zero_sums(model, frozen, dataset.image_shape)
         row = RunningRow(zeros, start_step, resumed.get("row"))
-        aug_key = augment_key(config)
+        aug_key = input_pipeline.augment_key(config)
         # Compile the finiteness check and the save's state copy before training's clock.
         all_finite(nnx.state(model, nnx.Param))
         checkpoint_lib.warm_up(model, optimizer)
@@ -656,7 +624,7 @@ def train_and_evaluate(
         last_finite = start_step  # the last step whose row had a finite loss
         clock = None  # (time, step) once the first call, which compiles, is done
         pending = None  # the last stop's row, read while the next chunk runs
-        # Examples/sec counts each member's: 8 members at 1x do the work of 8 runs.
+        # Examples/sec counts every model's: an ensemble of 8 at 1x does the work of 8 runs.
         per_step = device_data.examples_per_step * config.ensemble.size
         with RowLog(workdir, config, start_step, per_step) as log:
             while step < config.steps:

@@ -111,7 +111,7 @@ def trained_members(quick_config, real_dataset, per_pass: int) -> tuple[list, di
     chunk = train.make_train_chunk(graphdef, task, (28, 28, 1), device_data.mesh)
     zeros = train.zero_sums(model, task, (28, 28, 1))  # placed as the chunk returns them:
     sums = jax.device_put(zeros, parallel.replicated(device_data.mesh))  # one compile
-    key = train.augment_key(task)
+    key = input_pipeline.augment_key(task)
     orders = input_pipeline.epoch_orders(ensemble.data_seeds(task), 0, 60_000)
     data = device_data.train_images, device_data.train_labels, orders
     calls = [(0, 4), (4, 2)] if quick_config.fused_steps else [(i, 1) for i in range(6)]
