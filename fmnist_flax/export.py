@@ -34,12 +34,18 @@ METADATA_SUFFIX = ".json"  # the metadata is FILE + this, so it never replaces F
 
 def probabilities_fn(model: nnx.Module) -> Callable[[jax.Array], jax.Array]:
     """A pure function uint8 (batch, H, W, C) -> float32 (batch, classes) probabilities that
-    closes over the model's state, so exporting it bakes the parameters in as constants."""
+    closes over the model's arrays, so exporting it bakes the parameters in as constants.
+
+    It closes over plain arrays and rebuilds the model's Variables inside the trace: a
+    transform inside the model (`nnx.scan` over its blocks) refuses Variables made outside.
+    """
     graphdef, state = nnx.split(model)
+    arrays, structure = jax.tree.flatten(state)
 
     def probabilities(images: jax.Array) -> jax.Array:
         x = images.astype(jnp.float32) * PIXEL_SCALE
-        return jax.nn.softmax(nnx.merge(graphdef, state)(x), axis=-1)
+        rebuilt = nnx.merge(graphdef, jax.tree.unflatten(structure, arrays))
+        return jax.nn.softmax(rebuilt(x), axis=-1)
 
     return probabilities
 

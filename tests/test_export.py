@@ -9,9 +9,10 @@ import subprocess
 import jax
 import numpy as np
 import pytest
-from conftest import assert_one_line_error, load_config, run_main
+import scanned_model
+from conftest import assert_one_line_error, assert_same_models, load_config, run_main
 
-from fmnist_flax import CLASS_NAMES, export, load_model, model, predict
+from fmnist_flax import CLASS_NAMES, export, inference, load_model, model, predict, train
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +111,53 @@ def test_cnn_exports_with_a_symbolic_batch():
     images = np.random.default_rng(0).integers(0, 256, (3, 28, 28, 1), dtype=np.uint8)
     got = np.asarray(jax.export.deserialize(exported.serialize()).call(images))
     np.testing.assert_allclose(got, predict(cnn, images), rtol=1e-6, atol=1e-7)
+
+
+@pytest.fixture
+def scanned(monkeypatch) -> None:
+    """The scanned test model registered as docs/extending.md "Add a model" says."""
+    monkeypatch.setitem(model.MODELS, "scanned", scanned_model.ScannedMLP)
+
+
+@pytest.mark.parametrize("members", [1, 2])
+def test_scanned_models_and_their_ensembles_export(scanned, members):
+    """Blocks in an `nnx.scan` refuse Variables closed over from outside the export's trace."""
+    config = scanned_model.config(load_config("default"))
+    config.ensemble.size = members
+    scanned_net = model.create_model(config, (28, 28, 1), 10)
+    scanned_net.eval()
+    exported = export.export_probabilities(scanned_net, (28, 28, 1))
+    images = np.random.default_rng(0).integers(0, 256, (3, 28, 28, 1), dtype=np.uint8)
+    got = np.asarray(jax.export.deserialize(exported.serialize()).call(images))
+    np.testing.assert_allclose(got, predict(scanned_net, images), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_a_scanned_model_trains_resumes_evaluates_predicts_and_exports(
+    scanned, jax_only, real_dataset, tmp_path
+):
+    config = scanned_model.config(load_config("smoke"))
+    straight = train.train_and_evaluate(config, tmp_path / "straight")
+    config.steps = 10
+    train.train_and_evaluate(config, tmp_path / "resumed")
+    config.steps = 20
+    resumed = train.train_and_evaluate(config, tmp_path / "resumed")
+    assert resumed["resumed_from_step"] == 10
+    assert_same_models(tmp_path / "straight", tmp_path / "resumed")
+    assert resumed["test_accuracy"] == straight["test_accuracy"] > 0.5
+
+    evaluated = inference.run_eval(tmp_path / "resumed")
+    assert evaluated["step"] == 20 and evaluated["test_accuracy"] == resumed["test_accuracy"]
+    images = real_dataset.test_images[:16]
+    np.save(tmp_path / "images.npy", images)
+    predictions, failures = inference.run_predict(tmp_path / "resumed", [tmp_path / "images.npy"])
+    assert failures == [] and len(predictions) == len(images)
+
+    artifact = tmp_path / "scanned.jaxexport"
+    metadata = export.export_model(tmp_path / "resumed", artifact)
+    assert metadata["source"]["model"] == "scanned" and metadata["source"]["step"] == 20
+    got = jax_only(artifact, images)
+    np.testing.assert_allclose(
+        got, predict(load_model(tmp_path / "resumed"), images), rtol=1e-6, atol=1e-7
+    )
+    np.testing.assert_allclose(got, [p["probabilities"] for p in predictions], rtol=1e-6, atol=1e-7)
