@@ -74,6 +74,11 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer.learning_rate = 3e-3  # the peak rate under a schedule
     # Decoupled (adamw, lion, adafactor) or added to the gradient as L2 (adam, sgd).
     config.optimizer.weight_decay = 1e-4
+    # all | kernels (dense and convolution weights only: no biases, no normalisation scales)
+    config.optimizer.decay_mask = "all"
+    # (pattern, multiplier) pairs: a parameter's updates (its rate) times the multiplier of the
+    # first pattern found in its name, e.g. (("head", 0.1), ("bias", 2.0)); () leaves them be.
+    config.optimizer.lr_multipliers = ()
     # Each optimizer's own fields; None: Optax's default (see optimizer.OPTIMIZERS).
     config.optimizer.momentum = config_dict.placeholder(float)  # sgd, adafactor
     config.optimizer.nesterov = False  # sgd, adam, adamw
@@ -83,9 +88,12 @@ def get_config() -> ml_collections.ConfigDict:
     # Gradient accumulation: each update averages the gradients of this many batches of
     # batch_size (one update per accumulate x batch_size examples); steps count updates.
     config.optimizer.accumulate = 1
-    config.optimizer.schedule = "constant"  # constant | warmup_cosine (decays over `steps`)
-    config.optimizer.warmup_steps = 0  # warmup_cosine: linear warm-up from 0 to the peak
-    config.optimizer.final_fraction = 0.01  # warmup_cosine: the last rate, as a peak fraction
+    # constant | warmup_cosine | one_cycle (both decay over `steps`) | warmup_rsqrt (the
+    # rate falls as 1/sqrt(step) after the warm-up), or any in optimizer.SCHEDULES
+    config.optimizer.schedule = "constant"
+    config.optimizer.warmup_steps = 0  # linear warm-up from 0 to the peak over these steps
+    # warmup_cosine, one_cycle: the last rate, as a fraction of the peak
+    config.optimizer.final_fraction = 0.01
     config.ensemble = ensemble_config()
     return config
 
@@ -298,10 +306,7 @@ def training_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[dict[st
     """The fields whose new value would change what a resumed run computes: every field but
     RESUMABLE_FIELDS, and `steps` too under a schedule that decays over it."""
     before, after = _flatten(with_defaults(saved).to_dict()), _flatten(now)
-    decays = "warmup_cosine" in (
-        before.get("optimizer.schedule"),
-        after.get("optimizer.schedule"),
-    )
+    decays = any(optimizer.over_steps(c.get("optimizer.schedule")) for c in (before, after))
     free = set(RESUMABLE_FIELDS) - ({"steps"} if decays else set())
     return [
         {"field": key, "saved": before.get(key), "now": after.get(key)}

@@ -1,54 +1,104 @@
-"""`config.optimizer` -> an Optax optimizer: one of OPTIMIZERS by name, its learning-rate
-schedule and optional global-norm clipping, every field checked in one line.
+"""`config.optimizer` -> an Optax optimizer: one of OPTIMIZERS on one of SCHEDULES, weight
+decay on the parameters `decay_mask` picks, per-group rate multipliers and optional
+global-norm clipping, every field checked in one line.
 
-Gradient accumulation (`accumulate`) is not here: the train step averages the gradients of
-its micro-batches and makes one update, so a step is always one update.
+`@register` adds an optimizer and `@schedule` a schedule, from this module or from any module
+imported before the config is checked (a config file can import it). Gradient accumulation
+(`accumulate`) is not here: the train step averages the gradients of its micro-batches and
+makes one update, so a step is always one update.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
 from fmnist_flax.errors import UserError
 
-SCHEDULES = ("constant", "warmup_cosine")
-# Every field of config.optimizer that is not one optimizer's own.
+# Every field of config.optimizer that is not one optimizer's or one schedule's own.
 COMMON_FIELDS = (
     "name",
     "learning_rate",
     "weight_decay",
+    "decay_mask",
+    "lr_multipliers",
     "clip_norm",
     "accumulate",
     "schedule",
-    "warmup_steps",
-    "final_fraction",
 )
-# Each optimizer's own fields, as Optax names them. None (or False for `nesterov`) in the
-# config leaves Optax's default, so setting a field the chosen optimizer lacks is an error.
-OWN_FIELDS = ("momentum", "nesterov", "b1", "b2")
+# Own fields the checks below bound to [0, 1) (Optax's momenta and decay rates).
+FRACTION_FIELDS = ("momentum", "b1", "b2")
+
+
+class Optimizer(NamedTuple):
+    """A registered optimizer: `build(learning_rate, weight_decay=, mask=, **own)` returns the
+    Optax transformation; `takes` names its own fields of config.optimizer."""
+
+    build: Callable[..., optax.GradientTransformation]
+    takes: tuple[str, ...]
+
+
+class Schedule(NamedTuple):
+    """A registered schedule: `build(config.optimizer, steps)` returns the rate, a number or
+    an Optax schedule of the step; `fields` are the fields of config.optimizer it reads;
+    `over_steps`: its rates depend on --steps (a resume may not change them)."""
+
+    build: Callable[[ml_collections.ConfigDict, int], optax.ScalarOrSchedule]
+    fields: tuple[str, ...]
+    over_steps: bool
+
+
+OPTIMIZERS: dict[str, Optimizer] = {}  # config.optimizer.name -> Optimizer
+SCHEDULES: dict[str, Schedule] = {}  # config.optimizer.schedule -> Schedule
+
+
+def register(name: str, takes: tuple[str, ...] = ()) -> Callable:
+    """`@register("name", takes=(...))` over a builder makes it `--config.optimizer.name=name`.
+    The builder takes the rate (or schedule), `weight_decay`, `mask` (None: decay every
+    parameter) and the own fields in `takes` that are set; a field in `takes` must exist in
+    config.optimizer (None or False there: the builder's default)."""
+
+    def add(build: Callable[..., optax.GradientTransformation]) -> Callable:
+        OPTIMIZERS[name] = Optimizer(build, tuple(takes))
+        return build
+
+    return add
+
+
+def schedule(name: str, fields: tuple[str, ...] = (), over_steps: bool = False) -> Callable:
+    """`@schedule("name", fields=(...))` over `build(opt, steps)` makes it
+    `--config.optimizer.schedule=name`. `build` reads config.optimizer's `fields` and raises
+    UserError naming the flag for a value it cannot use: the check builds it once, so a
+    mistake is one line before anything compiles."""
+
+    def add(build: Callable[[ml_collections.ConfigDict, int], optax.ScalarOrSchedule]):
+        SCHEDULES[name] = Schedule(build, tuple(fields), over_steps)
+        return build
+
+    return add
+
+
+# --- Optimizers ------------------------------------------------------------------------------
 
 
 def _l2(build: Callable[..., optax.GradientTransformation]) -> Callable[..., Any]:
     """An optimizer without weight decay of its own, with `weight_decay` added to the gradient
-    (L2, as torch's Adam and SGD do it); 0 adds nothing."""
+    (L2, as torch's Adam and SGD do it) where `mask` allows; 0 adds nothing."""
 
-    def with_decay(learning_rate, weight_decay=0.0, **fields):
+    def with_decay(learning_rate, weight_decay=0.0, mask=None, **fields):
         tx = build(learning_rate, **fields)
         if _is_zero(weight_decay):
             return tx
-        return optax.chain(optax.add_decayed_weights(weight_decay), tx)
+        return optax.chain(optax.add_decayed_weights(weight_decay, mask), tx)
 
     return with_decay
-
-
-def _adafactor(learning_rate, weight_decay=0.0, **fields):
-    decay = None if _is_zero(weight_decay) else weight_decay
-    return optax.adafactor(learning_rate, weight_decay_rate=decay, **fields)
 
 
 def _is_zero(value: Any) -> bool:
@@ -57,34 +107,154 @@ def _is_zero(value: Any) -> bool:
     return isinstance(value, int | float) and not value
 
 
-# config.optimizer.name -> (a builder taking the rate, weight_decay and the own fields, the own
-# fields it takes). Add an optimizer here: any function returning an optax transformation.
-OPTIMIZERS: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {
-    "adamw": (optax.adamw, ("b1", "b2", "nesterov")),
-    "adam": (_l2(optax.adam), ("b1", "b2", "nesterov")),
-    "sgd": (_l2(optax.sgd), ("momentum", "nesterov")),
-    "lion": (optax.lion, ("b1", "b2")),
-    "adafactor": (_adafactor, ("momentum",)),
-}
+register("adamw", takes=("b1", "b2", "nesterov"))(optax.adamw)
+register("adam", takes=("b1", "b2", "nesterov"))(_l2(optax.adam))
+register("sgd", takes=("momentum", "nesterov"))(_l2(optax.sgd))
+register("lion", takes=("b1", "b2"))(optax.lion)
 
 
-def learning_rate(config: ml_collections.ConfigDict) -> optax.Schedule | float:
-    """The codelab's constant rate, or linear warm-up then cosine decay over `config.steps`."""
-    opt = config.optimizer
-    if opt.schedule == "constant":
-        return opt.learning_rate
+@register("adafactor", takes=("momentum",))
+def _adafactor(learning_rate, weight_decay=0.0, mask=None, **fields):
+    decay = None if _is_zero(weight_decay) else weight_decay
+    return optax.adafactor(learning_rate, weight_decay_rate=decay, weight_decay_mask=mask, **fields)
+
+
+# --- Schedules -------------------------------------------------------------------------------
+
+
+def _warmup_steps(opt: ml_collections.ConfigDict, steps: int, least: int = 0) -> int:
+    """`warmup_steps`, a whole number in least..steps-1 (the peak is reached in the run)."""
+    warmup = opt.warmup_steps
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or not least <= warmup < steps:
+        raise UserError(
+            f"--config.optimizer.warmup_steps={warmup!r} must be below --steps={steps} and a "
+            f"whole number >= {least} (--config.optimizer.schedule={opt.schedule})"
+        )
+    return warmup
+
+
+@schedule("constant")
+def constant(opt: ml_collections.ConfigDict, steps: int) -> float:
+    """The codelab's: the rate itself at every step."""
+    return opt.learning_rate
+
+
+@schedule("warmup_cosine", fields=("warmup_steps", "final_fraction"), over_steps=True)
+def warmup_cosine(opt: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
+    """Linear warm-up from 0 to the peak, then cosine decay to final_fraction x peak at
+    --steps."""
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=opt.learning_rate,
-        warmup_steps=opt.warmup_steps,
-        decay_steps=config.steps,
+        warmup_steps=_warmup_steps(opt, steps),
+        decay_steps=steps,
         end_value=opt.learning_rate * opt.final_fraction,
     )
 
 
+@schedule("warmup_rsqrt", fields=("warmup_steps",))
+def warmup_rsqrt(opt: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
+    """Linear warm-up from 0 to the peak, then peak x sqrt(warmup_steps / step): no end, so
+    --steps can grow on a resume."""
+    warmup, peak = _warmup_steps(opt, steps, least=1), opt.learning_rate
+
+    def rate(count: jax.Array) -> jax.Array:
+        return peak * jnp.minimum(count / warmup, jnp.sqrt(warmup / jnp.maximum(count, warmup)))
+
+    return rate
+
+
+@schedule("one_cycle", fields=("warmup_steps", "final_fraction"), over_steps=True)
+def one_cycle(opt: ml_collections.ConfigDict, steps: int) -> optax.Schedule:
+    """Linear one-cycle: linear from 0 to the peak over warmup_steps, then linear down to
+    final_fraction x peak at --steps."""
+    warmup, peak = _warmup_steps(opt, steps), opt.learning_rate
+    return optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, peak, warmup),
+            optax.linear_schedule(peak, peak * opt.final_fraction, steps - warmup),
+        ],
+        [warmup],
+    )
+
+
+def learning_rate(config: ml_collections.ConfigDict) -> optax.ScalarOrSchedule:
+    """The rate `config.optimizer.schedule` gives: a number (`constant`) or a function of the
+    step."""
+    opt = config.optimizer
+    return SCHEDULES[opt.schedule].build(opt, config.steps)
+
+
+def over_steps(name: Any) -> bool:
+    """Whether schedule `name`'s rates depend on --steps (one not registered is assumed to)."""
+    return name not in SCHEDULES or SCHEDULES[name].over_steps
+
+
+# --- Parameter groups ------------------------------------------------------------------------
+
+
+def parameter_name(path: Sequence[Any]) -> str:
+    """A parameter's tree path as `layers/0/kernel` (an nnx Variable's `.value` left out): what
+    `lr_multipliers` patterns and decay masks see."""
+    return "/".join(
+        str(getattr(key, "key", getattr(key, "idx", "")))
+        for key in path
+        if not isinstance(key, jax.tree_util.GetAttrKey)
+    )
+
+
+def kernels(params: Any) -> Any:
+    """True for each kernel (a dense or convolution layer's weights), False for biases,
+    normalisation scales and the rest, as big_vision and MaxText decay them."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: parameter_name(path).rsplit("/", 1)[-1] == "kernel", params
+    )
+
+
+# config.optimizer.decay_mask -> the mask (params -> a tree of bools) handed to the optimizer;
+# None: every parameter is decayed.
+DECAY_MASKS: dict[str, Callable[[Any], Any] | None] = {"all": None, "kernels": kernels}
+
+
+def scale_groups(multipliers: Sequence[Sequence[Any]]) -> optax.GradientTransformation:
+    """Each parameter's update times the multiplier of the first (pattern, multiplier) whose
+    pattern `re.search` finds in its name (1 when none does). A pattern matching no parameter
+    is refused when the optimizer is made."""
+    compiled = [(re.compile(pattern), multiplier) for pattern, multiplier in multipliers]
+
+    def factor(path: Sequence[Any]) -> float:
+        name = parameter_name(path)
+        return next((m for pattern, m in compiled if pattern.search(name)), 1.0)
+
+    def init(params: Any) -> optax.EmptyState:
+        names = [parameter_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+        for pattern, _ in compiled:
+            if not any(pattern.search(name) for name in names):
+                raise UserError(
+                    f"--config.optimizer.lr_multipliers: {pattern.pattern!r} matches no "
+                    f"parameter; their names are {', '.join(names)}"
+                )
+        return optax.EmptyState()
+
+    def update(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple[Any, Any]:
+        del params
+        scaled = jax.tree_util.tree_map_with_path(lambda path, u: u * factor(path), updates)
+        return scaled, state
+
+    return optax.GradientTransformation(init, update)
+
+
+# --- The optimizer of a config ---------------------------------------------------------------
+
+
+def own_field_names() -> tuple[str, ...]:
+    """Every registered optimizer's own fields, each once, in order of registration."""
+    return tuple(dict.fromkeys(f for entry in OPTIMIZERS.values() for f in entry.takes))
+
+
 def own_fields(opt: ml_collections.ConfigDict) -> dict[str, Any]:
     """The chosen optimizer's own fields that are set (not left to Optax's default)."""
-    return {f: opt[f] for f in OWN_FIELDS if opt.get(f) not in (None, False)}
+    return {f: opt[f] for f in own_field_names() if opt.get(f) not in (None, False)}
 
 
 def member_hyperparams(config: ml_collections.ConfigDict, member: int) -> dict[str, float]:
@@ -101,30 +271,38 @@ def member_hyperparams(config: ml_collections.ConfigDict, member: int) -> dict[s
 def create(
     config: ml_collections.ConfigDict, member: int | None = None
 ) -> optax.GradientTransformation:
-    """The optimizer `config.optimizer` names, on the config's schedule, clipped when asked.
+    """The optimizer `config.optimizer` names, on the config's schedule, decaying the
+    parameters of its `decay_mask`, each group's updates scaled, clipped when asked.
 
-    The default (adamw, no clipping) is `optax.adamw(rate, weight_decay=...)` itself, the
-    codelab's optimizer to the bit. For ensemble member `member`, its learning rate and
-    weight decay are arrays in the optimizer's state (`optax.inject_hyperparams`): stacked,
-    the members' values form one array each, and one compiled step serves any sweep.
+    The default (adamw, every parameter decayed, no multipliers, no clipping) is
+    `optax.adamw(rate, weight_decay=...)` itself, the codelab's optimizer to the bit. For
+    ensemble member `member`, its learning rate and weight decay are arrays in the optimizer's
+    state (`optax.inject_hyperparams`): stacked, the members' values form one array each, and
+    one compiled step serves any sweep.
     """
     opt = config.optimizer
-    build, _ = OPTIMIZERS[opt.name]
-    own = own_fields(opt)
+    build = OPTIMIZERS[opt.name].build
+    own = {**own_fields(opt), "mask": DECAY_MASKS[opt.decay_mask]}
+    rate = learning_rate(config)
     if member is None:
-        tx = build(learning_rate(config), weight_decay=opt.weight_decay, **own)
+        tx = build(rate, weight_decay=opt.weight_decay, **own)
     else:  # only these two injected: the others stay Python floats, bit-exact with one run
         values = member_hyperparams(config, member)
-        if opt.schedule != "constant":  # one schedule for every member (its peak is shared)
-            values["learning_rate"] = learning_rate(config)
+        if callable(rate):  # one schedule for every member (its peak is shared)
+            values["learning_rate"] = rate
 
         def member_tx(learning_rate, weight_decay):
             return build(learning_rate, weight_decay=weight_decay, **own)
 
         tx = optax.inject_hyperparams(member_tx)(**values)
+    if opt.lr_multipliers:
+        tx = optax.chain(tx, scale_groups(opt.lr_multipliers))
     if opt.clip_norm:
         tx = optax.chain(optax.clip_by_global_norm(opt.clip_norm), tx)
     return tx
+
+
+# --- Checks ----------------------------------------------------------------------------------
 
 
 def _number(field: str, value: Any, low: float, high: float = math.inf) -> None:
@@ -134,20 +312,43 @@ def _number(field: str, value: Any, low: float, high: float = math.inf) -> None:
         raise UserError(f"--config.optimizer.{field}={value!r} must be {bounds}")
 
 
+def _check_multipliers(value: Any) -> None:
+    """`lr_multipliers`: (pattern, multiplier) pairs, each pattern a regular expression."""
+    flag = f"--config.optimizer.lr_multipliers={value!r}"
+    pairs = value if isinstance(value, tuple | list) else None
+    if pairs is None or not all(isinstance(p, tuple | list) and len(p) == 2 for p in pairs):
+        raise UserError(
+            f"{flag} must be (pattern, multiplier) pairs, e.g. '((\"head\", 0.1),)': the first "
+            "pattern found in a parameter's name (layers/0/kernel) gives its multiplier"
+        )
+    for pattern, multiplier in pairs:
+        if not isinstance(pattern, str):
+            raise UserError(f"{flag}: the pattern {pattern!r} must be a string")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise UserError(f"{flag}: {pattern!r} is not a regular expression ({exc})") from None
+        number = isinstance(multiplier, int | float) and not isinstance(multiplier, bool)
+        if not number or not 0 <= multiplier < math.inf:
+            raise UserError(f"{flag}: the multiplier of {pattern!r} must be a number >= 0")
+
+
 def check_config(opt: ml_collections.ConfigDict, steps: int) -> None:
-    """Refuse an unknown optimizer or field, a field the optimizer does not take, or a value it
-    cannot use: one line each, before anything is built."""
+    """Refuse an unknown optimizer, schedule or field, a field the optimizer does not take, or
+    a value it cannot use: one line each, before anything is built."""
     if opt.name not in OPTIMIZERS:
         raise UserError(
             f"--config.optimizer.name={opt.name!r} is not one of {', '.join(OPTIMIZERS)}"
         )
+    schedule_fields = (f for entry in SCHEDULES.values() for f in entry.fields)
+    known = tuple(dict.fromkeys((*COMMON_FIELDS, *own_field_names(), *schedule_fields)))
     for field in opt:
-        if field not in (*COMMON_FIELDS, *OWN_FIELDS):
+        if field not in known:
             raise UserError(
                 f"--config.optimizer.{field}: config.optimizer has no field {field!r}; its "
-                f"fields are {', '.join((*COMMON_FIELDS, *OWN_FIELDS))}"
+                f"fields are {', '.join(known)}"
             )
-    takes = OPTIMIZERS[opt.name][1]
+    takes = OPTIMIZERS[opt.name].takes
     for field, value in own_fields(opt).items():
         if field not in takes:
             raise UserError(
@@ -158,7 +359,7 @@ def check_config(opt: ml_collections.ConfigDict, steps: int) -> None:
         raise UserError(f"--learning_rate={opt.learning_rate} must be positive (and finite)")
     _number("weight_decay", opt.weight_decay, 0)
     _number("clip_norm", opt.clip_norm, 0)
-    for field in ("momentum", "b1", "b2"):
+    for field in FRACTION_FIELDS:
         if opt.get(field) is not None:
             _number(field, opt[field], 0, 1)
     if not isinstance(opt.nesterov, bool):
@@ -176,9 +377,18 @@ def check_config(opt: ml_collections.ConfigDict, steps: int) -> None:
     ):  # a negative end rate climbs the loss; NaN or inf ends in a non-finite loss
         raise UserError(
             f"--config.optimizer.final_fraction={opt.final_fraction!r} must be in [0, 1] (the "
-            "last rate of warmup_cosine, as a fraction of the peak)"
+            "last rate of warmup_cosine or one_cycle, as a fraction of the peak)"
         )
-    if opt.schedule == "warmup_cosine" and not 0 <= opt.warmup_steps < steps:
+    for field in SCHEDULES[opt.schedule].fields:
+        if field not in opt:
+            raise UserError(
+                f"--config.optimizer.schedule={opt.schedule} reads config.optimizer.{field}, "
+                "which this config lacks: give it a value in the config's get_config()"
+            )
+    SCHEDULES[opt.schedule].build(opt, steps)  # the schedule's own checks
+    if opt.decay_mask not in DECAY_MASKS:
         raise UserError(
-            f"--config.optimizer.warmup_steps={opt.warmup_steps} must be below --steps={steps}"
+            f"--config.optimizer.decay_mask={opt.decay_mask!r} is not one of "
+            f"{', '.join(DECAY_MASKS)} (the parameters weight decay applies to)"
         )
+    _check_multipliers(opt.lr_multipliers)
