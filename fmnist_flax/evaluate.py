@@ -1,5 +1,6 @@
 """Evaluation: every metric of the task over a test set, streamed to the devices in fixed-size
-compiled calls, each an `nnx.vmap` over its batches (section 10); `predict` and its input rule.
+compiled calls, each an `nnx.vmap` over its batches (section 10), then the whole-test-set
+metrics of `config.test_set_metrics` from every prediction; `predict` and its input rule.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ def evaluate_batches(
     labels: jax.Array,
     mask: jax.Array,
     config: ml_collections.FrozenConfigDict,
-) -> tuple[dict[str, jax.Array], jax.Array]:
+) -> tuple[dict[str, jax.Array], jax.Array, jax.Array | None]:
     """Per batch of (K, B) examples, the masked sum of every metric of `task.per_example` and
     the count of real examples; and every example's predicted class. Images are uint8
     (K, B, H, W, C), normalised here; padding (mask 0) counts nowhere. For an Ensemble the
-    metrics are the ensemble's, and member k's are added as `<metric>/k`."""
+    metrics are the ensemble's, and member k's are added as `<metric>/k`; with whole-test-set
+    metrics, each member's predicted classes (K, members, B) come back too (else None)."""
+    member_predictions = bool(test_set_metric_names(config))
 
     def sums(logits, y, m):
         values = task.per_example(logits, y, config)
@@ -47,15 +50,21 @@ def evaluate_batches(
             each = model.member_logits(x)
             logits = ensemble.combine(each)
             members = jax.vmap(sums, (0, None, None))(each, y, m)
+            each_predicted = jnp.argmax(each, axis=-1) if member_predictions else None
         else:
             logits = model(x)
-            members = {}
-        return sums(logits, y, m), members, jnp.argmax(logits, axis=-1)
+            members, each_predicted = {}, None
+        return sums(logits, y, m), members, jnp.argmax(logits, axis=-1), each_predicted
 
-    totals, members, predictions = one_batch(model, images, labels, mask)
+    totals, members, predictions, each_predicted = one_batch(model, images, labels, mask)
     for name, values in members.items():  # (K, members)
         totals |= {ensemble.member_column(name, k): values[:, k] for k in range(values.shape[1])}
-    return {**totals, COUNT: jnp.sum(mask, axis=1)}, predictions
+    return {**totals, COUNT: jnp.sum(mask, axis=1)}, predictions, each_predicted
+
+
+def test_set_metric_names(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """The whole-test-set metrics a config asks for (`task.TEST_SET_METRICS`)."""
+    return tuple(config.get("test_set_metrics", ()))
 
 
 def _calls(num_batches: int, batch_size: int) -> tuple[int, int]:
@@ -79,7 +88,8 @@ def evaluate(
 
     The images stay on the host and reach the devices a call at a time, padded to whole
     batches of `batch_size` (default the config's) and masked; on a `mesh` each batch is split
-    along `data`. No examples give NaN metrics.
+    along `data`. The metrics of `config.test_set_metrics` follow the means, computed from
+    every prediction (an Ensemble's members' as `<name>/k`). No examples give NaN metrics.
     """
     frozen = ml_collections.FrozenConfigDict(config)
     batch_size = batch_size or config.batch_size
@@ -98,15 +108,41 @@ def evaluate(
         outputs.append(evaluate_batches(model, *placed, frozen))
     outputs = parallel.to_host(outputs)
     batch_sums = {
-        name: np.concatenate([sums[name] for sums, _ in outputs] or [np.zeros(0)])[:num_batches]
+        name: np.concatenate([sums[name] for sums, *_ in outputs] or [np.zeros(0)])[:num_batches]
         for name in (outputs[0][0] if outputs else {COUNT: None})
     }
-    predictions = np.concatenate([p.reshape(-1) for _, p in outputs] or [np.zeros(0, np.int32)])
+    predictions = np.concatenate([p.reshape(-1) for _, p, _ in outputs] or [np.zeros(0, np.int32)])
+    predictions = predictions[: len(labels)]
     return {
         **means(batch_sums),
-        "predictions": predictions[: len(labels)],
+        **whole_set_metrics(model, images, labels, predictions, outputs, config),
+        "predictions": predictions,
         "batch_sums": batch_sums,
     }
+
+
+def whole_set_metrics(
+    model: nnx.Module,
+    images: np.ndarray,
+    labels: np.ndarray,
+    predictions: np.ndarray,
+    outputs: list[tuple[Any, Any, Any]],
+    config: ml_collections.ConfigDict,
+) -> dict[str, float]:
+    """`config.test_set_metrics` of the predictions, and of each member's for an Ensemble
+    (`outputs`: `evaluate_batches`'s per call); {} when it names none or there are no labels."""
+    names = test_set_metric_names(config)
+    if not names or not len(labels):
+        return {}
+    image = jax.ShapeDtypeStruct((1, *images.shape[1:]), jnp.float32)
+    num_classes = nnx.eval_shape(lambda m, x: m(x), model, image).shape[-1]
+    columns = task.test_set_metrics(names, labels, predictions, num_classes)
+    if isinstance(model, ensemble.Ensemble):  # (K, members, B) per call -> (members, N)
+        each = np.concatenate([np.moveaxis(p, 1, 0).reshape(p.shape[1], -1) for *_, p in outputs], 1)
+        for k, member in enumerate(each[:, : len(labels)]):
+            found = task.test_set_metrics(names, labels, member, num_classes)
+            columns |= {ensemble.member_column(n, k): v for n, v in found.items()}
+    return columns
 
 
 def means(batch_sums: dict[str, np.ndarray], num_batches: int | None = None) -> dict[str, Any]:

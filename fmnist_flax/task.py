@@ -5,14 +5,23 @@ batch (and differentiates `loss`), each logged row over the steps since the row 
 evaluation (during training, `--mode=eval`) over the test set with padding masked out; the
 test set's appear as `test_<name>` in metrics.jsonl, TensorBoard, the tables and the report.
 Add a metric or a loss term here and every one of those shows it.
+
+`TEST_SET_METRICS` are the metrics that are not a mean over examples (an F1 score): each is
+computed from every test example's label and predicted class at each evaluation, for the
+names in `config.test_set_metrics` (none by default), and reaches the same places.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
+
+from fmnist_flax.errors import UserError
 
 
 def per_example(
@@ -32,3 +41,69 @@ def per_example(
         "loss": loss,
         "accuracy": (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32),
     }
+
+
+# --- Whole-test-set metrics -------------------------------------------------------------------
+
+
+def class_accuracy(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> np.ndarray:
+    """Each class's accuracy (its recall): the fraction of its examples predicted as it; NaN
+    for a class with no test examples."""
+    correct = np.bincount(labels[predictions == labels], minlength=num_classes)
+    count = np.bincount(labels, minlength=num_classes)
+    with np.errstate(invalid="ignore"):
+        return correct / count
+
+
+def macro_f1(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> float:
+    """The unweighted mean of each class's F1, 2 TP / (2 TP + FP + FN), over the classes that
+    occur among the labels or the predictions (as scikit-learn's f1_score(average="macro"))."""
+    true_positives = np.bincount(labels[predictions == labels], minlength=num_classes)
+    either = np.bincount(labels, minlength=num_classes) + np.bincount(
+        predictions, minlength=num_classes
+    )
+    seen = either > 0
+    return float(np.mean(2 * true_positives[seen] / either[seen])) if seen.any() else float("nan")
+
+
+# config.test_set_metrics names -> fn(labels, predictions, num_classes): one number, or one per
+# class (the columns `<name>_<class index>`).
+TEST_SET_METRICS: dict[str, Callable[[np.ndarray, np.ndarray, int], float | np.ndarray]] = {
+    "macro_f1": macro_f1,
+    "class_accuracy": class_accuracy,
+}
+CLASS_COLUMN = "{name}_{index}"  # a per-class value's column: class_accuracy_3, never name/k
+
+
+def check_test_set_metrics(names: Sequence[str]) -> None:
+    """Refuse anything but a tuple of names in TEST_SET_METRICS, in one line."""
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise UserError(
+            f"--config.test_set_metrics={names!r} must be a tuple of names, e.g. "
+            '\'("macro_f1", "class_accuracy")\''
+        )
+    for name in names:
+        if name not in TEST_SET_METRICS:
+            raise UserError(
+                f"--config.test_set_metrics: {name!r} is not one of "
+                f"{', '.join(TEST_SET_METRICS)} (add it to TEST_SET_METRICS in "
+                "fmnist_flax/task.py)"
+            )
+
+
+def test_set_metrics(
+    names: Sequence[str], labels: np.ndarray, predictions: np.ndarray, num_classes: int
+) -> dict[str, float]:
+    """The named TEST_SET_METRICS of every test example's label and predicted class, as
+    columns: `name` for one number, `name_<class index>` for a value per class."""
+    labels, predictions = np.asarray(labels, np.int64), np.asarray(predictions, np.int64)
+    columns = {}
+    for name in names:
+        value = np.asarray(TEST_SET_METRICS[name](labels, predictions, num_classes), np.float64)
+        if value.ndim == 0:
+            columns[name] = float(value)
+        else:
+            columns |= {
+                CLASS_COLUMN.format(name=name, index=k): float(v) for k, v in enumerate(value)
+            }
+    return columns

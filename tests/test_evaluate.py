@@ -3,14 +3,20 @@ and every one of the 10,000, in fixed-size calls."""
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import load_config
+from conftest import load_config, run_main
 from flax import nnx
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fmnist_flax import evaluate, input_pipeline, parallel
+from fmnist_flax import evaluate, input_pipeline, parallel, task
+from fmnist_flax import model as model_lib
+from fmnist_flax.errors import UserError
 from fmnist_flax.model import MLP
 
 
@@ -114,3 +120,113 @@ def test_label_smoothing_is_part_of_the_evaluated_loss_as_of_the_trained_one(
     expected = float(np.mean(optax.softmax_cross_entropy(logits, targets)))
     np.testing.assert_allclose(smoothed["loss"], expected, rtol=1e-5)
     assert smoothed["accuracy"] == plain["accuracy"] and smoothed["loss"] != plain["loss"]
+
+
+# --- Whole-test-set metrics (task.TEST_SET_METRICS) -------------------------------------------
+
+WHOLE_SET = ("macro_f1", "class_accuracy")
+
+
+def test_whole_set_metrics_by_hand():
+    """Labels 0 0 1 1 2, predicted 0 1 1 1 0, four classes: class 3 never occurs."""
+    labels, predictions = np.array([0, 0, 1, 1, 2]), np.array([0, 1, 1, 1, 0])
+    columns = task.test_set_metrics(WHOLE_SET, labels, predictions, 4)
+    # F1 per class: 2*1/(2+1+1), 2*2/(4+1+0), 0; class 3 is neither a label nor predicted.
+    assert columns["macro_f1"] == pytest.approx((0.5 + 0.8 + 0.0) / 3)
+    assert [columns[f"class_accuracy_{k}"] for k in range(3)] == [0.5, 1.0, 0.0]
+    assert np.isnan(columns["class_accuracy_3"])
+    assert list(columns) == ["macro_f1", *(f"class_accuracy_{k}" for k in range(4))]
+
+
+@pytest.mark.parametrize(
+    ("names", "expected"),
+    [
+        (("macro_f1", "auc"), "'auc' is not one of macro_f1, class_accuracy (add it to"),
+        ("macro_f1", "must be a tuple of names"),
+    ],
+)
+def test_unknown_whole_set_metrics_are_one_line(names, expected):
+    with pytest.raises(UserError, match=expected.replace("(", r"\(")):
+        task.check_test_set_metrics(names)
+    task.check_test_set_metrics(WHOLE_SET)
+    task.check_test_set_metrics(())
+
+
+def test_whole_set_metrics_come_from_every_prediction_of_the_evaluation(model, real_dataset):
+    """Streamed in calls, the last padded: the columns are those of the returned predictions,
+    beside the means; a config without them (the default) gets none."""
+    config = load_config("default")
+    images, labels = real_dataset.test_images[:1_000], real_dataset.test_labels[:1_000]
+    plain = evaluate.evaluate(model, images, labels, config, batch_size=384)
+    config.test_set_metrics = WHOLE_SET
+    result = evaluate.evaluate(model, images, labels, config, batch_size=384)
+    expected = task.test_set_metrics(WHOLE_SET, labels, result["predictions"], 10)
+    assert {k: result[k] for k in expected} == expected and len(expected) == 11
+    assert set(result) - set(plain) == set(expected)
+    assert result["accuracy"] == plain["accuracy"]
+    counts = evaluate.confusion_matrix(labels, result["predictions"], 10)
+    np.testing.assert_allclose(
+        [result[f"class_accuracy_{k}"] for k in range(10)], counts.diagonal() / counts.sum(1)
+    )
+
+
+def test_an_ensembles_whole_set_metrics_are_its_own_and_each_members(real_dataset):
+    """The columns `name` come from the ensemble's predictions, `name/k` from member k's: its
+    class accuracies, weighted by the class counts, give its own accuracy `accuracy/k`."""
+    config = load_config("default")
+    config.test_set_metrics = WHOLE_SET
+    config.ensemble.size = 2
+    members = model_lib.create_model(config, (28, 28, 1), 10)
+    images, labels = real_dataset.test_images[:600], real_dataset.test_labels[:600]
+    result = evaluate.evaluate(members, images, labels, config, batch_size=256)
+    assert result["macro_f1"] == task.macro_f1(labels, result["predictions"], 10)
+    share = np.bincount(labels, minlength=10) / len(labels)
+    for k in range(2):
+        per_class = [result[f"class_accuracy_{c}/{k}"] for c in range(10)]
+        assert np.dot(per_class, share) == pytest.approx(result[f"accuracy/{k}"], abs=1e-12)
+        assert 0 < result[f"macro_f1/{k}"] < 1
+    assert result["accuracy/0"] != result["accuracy/1"]
+
+
+WHOLE_SET_CONFIG = """
+from fmnist_flax import config as default_config
+
+
+def get_config():
+    config = default_config.get_config()
+    config.steps, config.log_every, config.eval_every = 40, 10, 20
+    config.report = "basic"
+    config.test_set_metrics = ("macro_f1", "class_accuracy")
+    return config
+"""
+
+
+@pytest.mark.slow
+def test_whole_set_metrics_reach_every_output_of_a_run_and_eval(tmp_path: pathlib.Path):
+    """metrics.jsonl at each evaluation, TensorBoard, the tables, the report, summary.json
+    and --mode=eval: the same columns, the same values."""
+    (tmp_path / "whole_set.py").write_text(WHOLE_SET_CONFIG)
+    workdir = tmp_path / "w"
+    done = run_main(f"--config={tmp_path / 'whole_set.py'}", f"--workdir={workdir}")
+    assert done.returncode == 0, done.stderr
+    columns = ["test_macro_f1", *(f"test_class_accuracy_{k}" for k in range(10))]
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    tested = {row["step"]: row for row in rows if "test_loss" in row}
+    assert sorted(tested) == [20, 40]
+    assert all(set(columns) <= set(row) for row in tested.values())
+    assert not any(set(columns) & set(row) for row in rows if row["step"] not in tested)
+    assert 0.5 < tested[40]["test_macro_f1"] < 1
+    reader = EventAccumulator(str(workdir / "tensorboard"))
+    reader.Reload()
+    for name in columns:
+        written = {e.step: e.value for e in reader.Scalars(f"test/{name.removeprefix('test_')}")}
+        assert written == pytest.approx({s: row[name] for s, row in tested.items()}, rel=1e-6)
+    for shown in (done.stdout, (workdir / "report" / "report.html").read_text()):
+        assert "Test macro f1" in shown and "Class accuracy 9" in shown
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert {k: summary[k] for k in columns} == {k: tested[40][k] for k in columns}
+    evaluated = run_main("--mode=eval", f"--workdir={workdir}", f"--output={tmp_path / 'e.json'}")
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert "Macro f1" in evaluated.stdout
+    report = json.loads((tmp_path / "e.json").read_text())
+    assert {k: report[k] for k in columns} == {k: summary[k] for k in columns}
