@@ -138,7 +138,7 @@ def whole_set_metrics(
     num_classes = nnx.eval_shape(lambda m, x: m(x), model, image).shape[-1]
     columns = task.test_set_metrics(names, labels, predictions, num_classes)
     if isinstance(model, ensemble.Ensemble):  # (K, members, B) per call -> (members, N)
-        each = np.concatenate([np.moveaxis(p, 1, 0).reshape(p.shape[1], -1) for *_, p in outputs], 1)
+        each = np.concatenate([np.concatenate(list(p), axis=1) for *_, p in outputs], axis=1)
         for k, member in enumerate(each[:, : len(labels)]):
             found = task.test_set_metrics(names, labels, member, num_classes)
             columns |= {ensemble.member_column(n, k): v for n, v in found.items()}
