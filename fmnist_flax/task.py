@@ -77,17 +77,15 @@ CLASS_COLUMN = "{name}_{index}"  # a per-class value's column: class_accuracy_3,
 
 def check_test_set_metrics(names: Sequence[str]) -> None:
     """Refuse anything but a tuple of names in TEST_SET_METRICS, in one line."""
+    example = 'e.g. --config.test_set_metrics=\'("macro_f1", "class_accuracy")\''
     if isinstance(names, str) or not isinstance(names, Sequence):
-        raise UserError(
-            f"--config.test_set_metrics={names!r} must be a tuple of names, e.g. "
-            '\'("macro_f1", "class_accuracy")\''
-        )
+        raise UserError(f"--config.test_set_metrics={names!r} must be a tuple of names, {example}")
     for name in names:
         if name not in TEST_SET_METRICS:
             raise UserError(
                 f"--config.test_set_metrics: {name!r} is not one of "
-                f"{', '.join(TEST_SET_METRICS)} (add it to TEST_SET_METRICS in "
-                "fmnist_flax/task.py)"
+                f"{', '.join(TEST_SET_METRICS)} ({example}; a new one goes in TEST_SET_METRICS "
+                "in fmnist_flax/task.py)"
             )
 
 

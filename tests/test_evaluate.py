@@ -141,7 +141,7 @@ def test_whole_set_metrics_by_hand():
 @pytest.mark.parametrize(
     ("names", "expected"),
     [
-        (("macro_f1", "auc"), "'auc' is not one of macro_f1, class_accuracy (add it to"),
+        (("macro_f1", "auc"), "'auc' is not one of macro_f1, class_accuracy (e.g. --config"),
         ("macro_f1", "must be a tuple of names"),
     ],
 )
