@@ -719,7 +719,7 @@ def load_arrays(data_dir: pathlib.Path) -> Dataset:
 
 @register("records", needs="record files written by --mode=prepare --output=DIR")
 def load_records(data_dir: pathlib.Path) -> Dataset:
-    """ArrayRecord shards that `--mode=prepare` wrote (fmnist_flax/records.py): images stay
+    """Record shards that `--mode=prepare` wrote (fmnist_flax/records.py): images stay
     in the files and are read a batch at a time; labels are read whole (4 bytes each)."""
     from fmnist_flax import records
 
@@ -741,7 +741,9 @@ def load_records(data_dir: pathlib.Path) -> Dataset:
         train_labels=labels["train"],
         test_images=images["test"],
         test_labels=labels["test"],
-        sources=tuple(str(data_dir / f"{split}-*.array_record") for split in records.SPLITS),
+        sources=tuple(
+            str(data_dir / f"{split}-*{records.SHARD_SUFFIX}") for split in records.SPLITS
+        ),
         origin=f"record files (prepared from {info['source']['dataset']})",
         checked=bool(info["source"]["checked"]),
     )

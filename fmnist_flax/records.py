@@ -1,12 +1,17 @@
-"""Record files: any dataset written once as ArrayRecord shards (`--mode=prepare`) and read back
-a batch at a time, so that host memory does not grow with the data (`dataset.name=records`).
+"""Record files: any dataset written once as fixed-size records (`--mode=prepare`) and read back
+a block at a time straight into NumPy buffers, so that host memory does not grow with the data
+and reading scales with threads (`dataset.name=records`).
 
-A directory holds `train-0000k-of-0000n.array_record` and `test-...` shards, `labels.npz` (each
+A directory holds `train-0000k-of-0000n.records` and `test-...` shards, `labels.npz` (each
 split's labels: 4 bytes an example, kept in memory) and `info.json` (image shape, class names,
-counts, sizes, the source and each file's SHA-256). Each record is one example: its label as a
-little-endian int32, then its H * W * C uint8 pixels (row-major H, W, C). Records are written
-one per chunk (`group_size:1`, uncompressed) for fast random access; Riegeli's chunk hashes
-catch a damaged record when it is read.
+counts, sizes, the source, the set's id and labels.npz's SHA-256). A shard is a header (the
+set's id, split, shard number, first record, count, image shape: checked against info.json
+when the set is loaded), then its records, each its label as a little-endian int32 and its
+H * W * C uint8 pixels (row-major H, W, C), zero-padded to a multiple of 8 bytes, then one
+uint64 check a record. A block is read with one `np.take` per shard from a read-only mapping
+(NumPy copies without the GIL: no Python object a record), each record's check and label
+compared with what was written as it is read (a damaged record, a shard of another set or
+edited labels: one line naming the file), and each mapped window let go after it is read.
 """
 
 from __future__ import annotations
@@ -14,13 +19,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import itertools
 import json
+import mmap
 import os
 import pathlib
 import resource
+import secrets
 import shutil
+import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,18 +39,30 @@ from fmnist_flax.errors import UserError
 
 INFO_FILE = "info.json"
 LABELS_FILE = "labels.npz"
-FORMAT = "fmnist-flax records 1"
-RECORD_LAYOUT = "int32 little-endian label, then H*W*C uint8 pixels (row-major H, W, C)"
+FORMAT = "fmnist-flax records 2"
+OLD_FORMATS = ("fmnist-flax records 1",)  # ArrayRecord shards: read a Python bytes a record
+RECORD_LAYOUT = (
+    "int32 little-endian label, then H*W*C uint8 pixels (row-major H, W, C), zero-padded to a "
+    "multiple of 8 bytes; after the records, one little-endian uint64 check a record"
+)
+SHARD_SUFFIX = ".records"
+MAGIC = b"FMNFREC2"  # a shard's first bytes
+HEADER_BYTES = 4096  # the magic, then the header's JSON, zero-padded: records start page-aligned
 LABEL_BYTES = 4
+WORD = np.dtype("<u8")  # a record's check folds its 8-byte words
 SPLITS = ("train", "test")
-WRITER_OPTIONS = "group_size:1,uncompressed"  # one record a chunk: random reads stay cheap
-READER_OPTIONS = "readahead_buffer_size:0"  # random access: no read-ahead
-READ_CHUNK = 8192  # records read at once when a whole split is asked for
+READ_CHUNK = 8192  # records read or written at once when a whole split is asked for
+WINDOW_BYTES = 8 << 20  # mapped records let go after each window read: memory flat in the data
+CHECK_ROWS = 1024  # records whose checks are computed at once: their products stay in the cache
 SPARE_FILES = 128  # open files left for all but the shards when --shards is checked
+# Odd multipliers, one a word position (words swapped or moved within a record change the
+# check), and one for the record's number (a record moved to another place does).
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_INDEX_MULTIPLIER = np.uint64(0xD6E8FEB86659FD93)
 
 
 def shard_names(split: str, shards: int) -> list[str]:
-    return [f"{split}-{k:05d}-of-{shards:05d}.array_record" for k in range(shards)]
+    return [f"{split}-{k:05d}-of-{shards:05d}{SHARD_SUFFIX}" for k in range(shards)]
 
 
 def _sha256(path: pathlib.Path) -> str:
@@ -52,11 +73,73 @@ def _sha256(path: pathlib.Path) -> str:
     return digest.hexdigest()
 
 
+def record_bytes(pixels: int) -> int:
+    """A record's size in a shard: the label and the pixels, padded to whole 8-byte words."""
+    return -(-(LABEL_BYTES + pixels) // WORD.itemsize) * WORD.itemsize
+
+
+def record_checks(rows: np.ndarray, index: np.ndarray, salt: int) -> np.ndarray:
+    """Each record's check (n,) uint64: its words times their position's odd multiplier, folded
+    by XOR, mixed with its number in the split (`index`) and the set's id (`salt`). Vectorized,
+    CHECK_ROWS records at a time (they stay in the cache): NumPy computes it without the GIL,
+    and every change of a single word alters it."""
+    words = rows.view(WORD)
+    position = np.arange(1, words.shape[1] + 1, dtype=np.uint64)
+    multipliers = position * _GOLDEN | np.uint64(1)
+    folded = np.empty(len(words), np.uint64)
+    scratch = np.empty((min(CHECK_ROWS, len(words)), words.shape[1]), np.uint64)
+    for start in range(0, len(words), CHECK_ROWS):
+        part = scratch[: len(words[start : start + CHECK_ROWS])]
+        np.multiply(words[start : start + CHECK_ROWS], multipliers, out=part)
+        np.bitwise_xor.reduce(part, axis=1, out=folded[start : start + CHECK_ROWS])
+    return folded ^ (index.astype(np.uint64) * _INDEX_MULTIPLIER) ^ np.uint64(salt)
+
+
+class PrepareStopped(UserError):
+    """SIGINT or SIGTERM stopped --mode=prepare; its exit status is 128 + the signal's number."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class _Signalled(BaseException):
+    """Raised by the signal handler while a prepare writes: not an error the writer handles."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_stop_writing() -> Iterator[None]:
+    """While active (in the main thread), the first SIGINT or SIGTERM raises `_Signalled` so the
+    temporary directory is removed (SIGTERM's default would leave it); later ones are ignored
+    while that happens."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stopping = []
+
+    def handle(signum: int, frame: Any) -> None:
+        if not stopping:
+            stopping.append(signum)
+            raise _Signalled(signum)
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def write_dataset(dataset: Any, output: str | os.PathLike, shards: int = 4) -> dict[str, Any]:
     """Write `dataset` (a datasets.Dataset) as record files in `output`, which must not exist
     or be empty; returns its info. Written into a sibling temporary directory and renamed at
-    the end, so a stopped or failed prepare never leaves a half-written record set behind
-    (a killed one's temporary directory goes at the next prepare of the same output)."""
+    the end, so a stopped or failed prepare never leaves a half-written record set behind: a
+    SIGINT or SIGTERM removes it and is one line (`PrepareStopped`); a killed one's goes at the
+    next prepare of the same output."""
     from fmnist_flax import workdir as workdir_lib
 
     check_output(output, shards)
@@ -74,23 +157,36 @@ def write_dataset(dataset: Any, output: str | os.PathLike, shards: int = 4) -> d
         raise UserError(f"--output {output}: its directory {out.parent} does not exist")
     _remove_abandoned(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    done = False
     try:
-        tmp.mkdir()
-        info = _write_files(dataset, tmp, shards)
-        try:
-            tmp.rename(out)  # over an empty directory too; not over a filled one
-        except OSError:
-            raise UserError(
-                f"--output {output} was filled by another process meanwhile; "
-                "nothing of this prepare was kept"
-            ) from None
-    except (OSError, RuntimeError, ValueError) as exc:  # the writer's errors are RuntimeErrors
+        with _signals_stop_writing():
+            try:
+                tmp.mkdir()
+                info = _write_files(dataset, tmp, shards)
+                try:
+                    tmp.rename(out)  # over an empty directory too; not over a filled one
+                except OSError:
+                    raise UserError(
+                        f"--output {output} was filled by another process meanwhile; "
+                        "nothing of this prepare was kept"
+                    ) from None
+                done = True
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    except _Signalled as stop:
+        name = signal.Signals(stop.signum).name
+        raise PrepareStopped(
+            f"--mode=prepare stopped by {name} after {output} was complete; it is kept"
+            if done
+            else f"--mode=prepare stopped by {name} while writing {output}; nothing was kept "
+            "(its temporary files are removed): run it again to write the records",
+            stop.signum,
+        ) from None
+    except (OSError, RuntimeError, ValueError) as exc:
         raise UserError(
             f"--mode=prepare could not write {output} "
             f"({workdir_lib.disk_problem(out.parent, exc)}); nothing was kept"
         ) from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return info
 
 
@@ -128,44 +224,80 @@ def _remove_abandoned(out: pathlib.Path) -> None:
 
 
 def _write_files(dataset: Any, tmp: pathlib.Path, shards: int) -> dict[str, Any]:
-    """Every file of the record set in `tmp`; returns its info."""
-    from array_record.python.array_record_module import ArrayRecordWriter
-
+    """Every file of the record set in `tmp`, under a new random set id; returns its info."""
+    set_id = secrets.randbits(64)
+    shape = [int(s) for s in dataset.image_shape]
     splits = {}
     labels = {}
     for split in SPLITS:
         images = getattr(dataset, f"{split}_images")
         labels[split] = np.asarray(getattr(dataset, f"{split}_labels"), np.int32)
         names = shard_names(split, shards)
-        counts = []
-        parts = np.array_split(np.arange(len(images)), shards)
-        for name, rows in zip(names, parts, strict=True):
-            writer = ArrayRecordWriter(str(tmp / name), WRITER_OPTIONS)
-            for i in rows:
-                writer.write(labels[split][i].astype("<i4").tobytes() + images[i].tobytes())
-            writer.close()
-            counts.append(len(rows))
+        counts = [len(part) for part in np.array_split(np.arange(len(images)), shards)]
+        firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        for k, (name, first, count) in enumerate(zip(names, firsts, counts, strict=True)):
+            header = {
+                "format": FORMAT,
+                "set": f"{set_id:016x}",
+                "split": split,
+                "shard": k,
+                "shards": shards,
+                "first": first,
+                "count": count,
+                "image_shape": shape,
+                "record_bytes": record_bytes(int(np.prod(shape))),
+            }
+            _write_shard(tmp / name, header, images, labels[split], set_id)
         splits[split] = {"examples": len(images), "shards": names, "counts": counts}
     np.savez(tmp / LABELS_FILE, **labels)
     info = {
         "format": FORMAT,
         "record": RECORD_LAYOUT,
+        "set": f"{set_id:016x}",
         "name": dataset.name,
         "title": dataset.title,
         "class_names": list(dataset.class_names),
-        "image_shape": list(dataset.image_shape),
+        "image_shape": shape,
         "splits": splits,
         "source": {
             "dataset": dataset.name,
             "files": list(dataset.sources),
             "checked": dataset.checked,
         },
-        "files": {
-            p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())
-        },
+        "files": {p.name: {"bytes": p.stat().st_size} for p in sorted(tmp.iterdir())},
     }
+    info["files"][LABELS_FILE]["sha256"] = _sha256(tmp / LABELS_FILE)
     (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return info
+
+
+def _write_shard(
+    path: pathlib.Path, header: dict[str, Any], images: Any, labels: np.ndarray, set_id: int
+) -> None:
+    """One shard: its header, its records (READ_CHUNK at a time), then their checks."""
+    first, count, size = header["first"], header["count"], header["record_bytes"]
+    pixels = int(np.prod(header["image_shape"]))
+    checks = np.empty(count, WORD)
+    with path.open("wb") as f:
+        f.write((MAGIC + json.dumps(header).encode()).ljust(HEADER_BYTES, b"\0"))
+        for start in range(first, first + count, READ_CHUNK):
+            stop = min(first + count, start + READ_CHUNK)
+            rows = np.zeros((stop - start, size), np.uint8)
+            rows[:, :LABEL_BYTES] = labels[start:stop].astype("<i4").view(np.uint8).reshape(-1, 4)
+            rows[:, LABEL_BYTES : LABEL_BYTES + pixels] = _images(images, start, stop)
+            checks[start - first : stop - first] = record_checks(
+                rows, np.arange(start, stop), set_id
+            )
+            f.write(rows.data)
+        f.write(checks.data)
+
+
+def _images(images: Any, start: int, stop: int) -> np.ndarray:
+    """Images start..stop-1 as (n, H*W*C) uint8: a slice of an array, else one by one (a
+    lazy sequence that makes each image on request)."""
+    if isinstance(images, np.ndarray):
+        return images[start:stop].reshape(stop - start, -1)
+    return np.stack([np.asarray(images[i]) for i in range(start, stop)]).reshape(stop - start, -1)
 
 
 def read_info(directory: pathlib.Path) -> dict[str, Any]:
@@ -178,6 +310,11 @@ def read_info(directory: pathlib.Path) -> dict[str, Any]:
         )
     try:
         info = json.loads(path.read_text())
+        if isinstance(info, dict) and info.get("format") in OLD_FORMATS:
+            raise UserError(
+                f"{path}: record files of an older format ({info['format']!r}, read a record "
+                f"at a time); write them again with --mode=prepare ({FORMAT!r})"
+            )
         _check_info(info)
         files = {name: int(f["bytes"]) for name, f in info["files"].items()}
         for split in SPLITS:
@@ -213,6 +350,11 @@ def _whole(value: Any, low: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
+def _set_id(value: Any) -> bool:
+    """A set id as prepare writes it: 16 lowercase hexadecimal digits."""
+    return isinstance(value, str) and len(value) == 16 and set(value) <= set("0123456789abcdef")
+
+
 def _check_info(info: Any) -> None:
     """Every field of info.json the reader uses, of the type and range prepare writes: a
     ValueError or TypeError saying which is not."""
@@ -223,6 +365,8 @@ def _check_info(info: Any) -> None:
         raise ValueError(
             f"image_shape {_short(shape)} is not three positive whole numbers (H, W, C)"
         )
+    if not _set_id(info["set"]):
+        raise ValueError(f"set {_short(info['set'])} is not a set id (16 hexadecimal digits)")
     names = info["class_names"]
     if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)):
         raise ValueError("class_names is not a list of names")
@@ -235,6 +379,8 @@ def _check_info(info: Any) -> None:
         raise ValueError(
             f"source {_short(source)} does not say whether it was checked (true/false)"
         )
+    if not isinstance(info["files"][LABELS_FILE]["sha256"], str):
+        raise ValueError(f"{LABELS_FILE}'s sha256 is not a string")
     for split in SPLITS:
         entry = info["splits"][split]
         shards, counts = entry["shards"], entry["counts"]
@@ -251,56 +397,132 @@ def _check_info(info: Any) -> None:
 
 class RecordSource:
     """Random access to a split's records: `source[i]` is one (pixels, label), `source[keys]`
-    for an index array (any shape) reads every record in bulk, one read per shard, and gives
-    (pixels (*keys.shape, H*W*C) uint8, labels (*keys.shape) int32). A Grain data source;
-    safe to call from several threads (the readers are opened once, on first use)."""
+    for an index array (any shape) reads every record in bulk, one `np.take` per shard and
+    mapped window, and gives (pixels (*keys.shape, H*W*C) uint8, labels (*keys.shape) int32).
+    Each record read is checked (its check, and its label against `labels`, labels.npz's). A
+    Grain data source; safe to call from several threads (the shards are mapped once, on first
+    use, or by `check`)."""
 
-    def __init__(self, paths: Sequence[pathlib.Path], counts: Sequence[int], pixels: int):
+    def __init__(
+        self,
+        paths: Sequence[pathlib.Path],
+        counts: Sequence[int],
+        image_shape: Sequence[int],
+        set_id: str,
+        labels: np.ndarray,
+        split: str,
+    ):
         self.paths = [pathlib.Path(p) for p in paths]
-        self.pixels = int(pixels)
+        self.image_shape = [int(s) for s in image_shape]
+        self.pixels = int(np.prod(self.image_shape))
+        self.record_bytes = record_bytes(self.pixels)
         self.counts = [int(c) for c in counts]
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self._readers: list[Any] | None = None
+        self.set_id, self.split = set_id, split
+        self.salt = int(set_id, 16)
+        self.labels = np.asarray(labels, np.int32)
+        self._maps: list[tuple[mmap.mmap, np.ndarray, np.ndarray]] | None = None
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def __getstate__(self) -> dict[str, Any]:  # for worker processes: readers reopen there
-        return {**self.__dict__, "_readers": None, "_lock": None}
+    def __getstate__(self) -> dict[str, Any]:  # for worker processes: the maps reopen there
+        return {**self.__dict__, "_maps": None, "_lock": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__ |= state | {"_lock": threading.Lock()}
 
-    def _open(self) -> list[Any]:
-        from array_record.python.array_record_module import ArrayRecordReader
+    def check(self) -> None:
+        """Map every shard now, each header checked against info.json: a wrong shard is one
+        line when the set is loaded, not when training first reads it."""
+        self._open()
 
+    def _open(self) -> list[tuple[mmap.mmap, np.ndarray, np.ndarray]]:
         with self._lock:
-            if self._readers is None:
-                readers = []
+            if self._maps is None:
+                opened: list[mmap.mmap] = []
                 try:
-                    for path, count in zip(self.paths, self.counts, strict=True):
-                        try:
-                            readers.append(ArrayRecordReader(str(path), READER_OPTIONS))
-                            opened = readers[-1].ok()
-                            held = readers[-1].num_records()
-                        except Exception as exc:  # the reader's own error types
-                            raise _damaged(path, exc) from None
-                        if not opened:  # says nothing more: ask the system why
-                            raise _unopenable(path, len(self.paths))
-                        if held != count:  # not a damaged shard: counts that do not match it
-                            raise UserError(
-                                f"{path} holds {held:,} records but {INFO_FILE} counts "
-                                f"{count:,} for it; the counts do not match the shards: write "
-                                "the records again with --mode=prepare"
-                            )
+                    for k, path in enumerate(self.paths):
+                        opened.append(self._map(k, path))
                 except UserError:
-                    for reader in readers:  # one that failed to open raises on close
-                        with contextlib.suppress(Exception):
-                            reader.close()
+                    for m in opened:
+                        m.close()
                     raise
-                self._readers = readers
-        return self._readers
+                self._maps = [self._views(k, m) for k, m in enumerate(opened)]
+        return self._maps
+
+    def _map(self, k: int, path: pathlib.Path) -> mmap.mmap:
+        """Shard k mapped read-only, its header checked."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise _unopenable(path, len(self.paths), exc) from None
+        try:
+            self._check_header(k, path, os.pread(fd, HEADER_BYTES, 0), os.fstat(fd).st_size)
+            m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)  # holds a duplicate of fd
+        except OSError as exc:
+            raise _unopenable(path, len(self.paths), exc) from None
+        finally:
+            os.close(fd)
+        m.madvise(mmap.MADV_RANDOM)
+        return m
+
+    def _check_header(self, k: int, path: pathlib.Path, raw: bytes, size: int) -> None:
+        again = "write the records again with --mode=prepare"
+        try:
+            if not raw.startswith(MAGIC):
+                raise ValueError("it does not begin as a record shard")
+            header = json.loads(raw[len(MAGIC) :].rstrip(b"\0"))
+            held = (header["set"], header["split"], header["shard"], header["shards"])
+            count, first = int(header["count"]), int(header["first"])
+            shape, size_each = list(header["image_shape"]), int(header["record_bytes"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise _damaged(path, exc) from None
+        if held[0] != self.set_id:
+            raise UserError(
+                f"{path} is a shard of another record set (set {held[0]}, {INFO_FILE} says "
+                f"{self.set_id}): shards of different prepares mixed; {again}"
+            )
+        if held[1:] != (self.split, k, len(self.paths)):
+            raise UserError(
+                f"{path} is {held[1]} shard {held[2]} of {held[3]}, not {self.split} shard {k} "
+                f"of {len(self.paths)} as {INFO_FILE} names it: shards renamed; {again}"
+            )
+        if count != self.counts[k]:
+            raise UserError(
+                f"{path} holds {count:,} records but {INFO_FILE} counts {self.counts[k]:,} "
+                f"for it; the counts do not match the shards: {again}"
+            )
+        if first != self.offsets[k]:
+            raise UserError(
+                f"{path} holds records from {first:,} on but {INFO_FILE}'s counts place it "
+                f"at {self.offsets[k]:,}; {again}"
+            )
+        if size_each != self.record_bytes:
+            raise UserError(
+                f"{path}: its records are not {LABEL_BYTES + self.pixels} bytes each "
+                f"({LABEL_BYTES} + the {INFO_FILE} image shape {self.image_shape}): it holds "
+                f"{shape} images; {again}"
+            )
+        if shape != self.image_shape:
+            raise UserError(
+                f"{path} holds {shape} images, not the {INFO_FILE} image shape "
+                f"{self.image_shape} (the same pixels in another shape); {again}"
+            )
+        expected = HEADER_BYTES + count * (self.record_bytes + WORD.itemsize)
+        if size != expected:
+            raise UserError(
+                f"{path} has {size:,} bytes but its header says {expected:,} (truncated or "
+                f"extended); {again}"
+            )
+
+    def _views(self, k: int, m: mmap.mmap) -> tuple[mmap.mmap, np.ndarray, np.ndarray]:
+        """Shard k's records (count, record_bytes) and checks (count,), over its mapping."""
+        count = self.counts[k]
+        rows = np.frombuffer(m, np.uint8, count * self.record_bytes, HEADER_BYTES)
+        checks = np.frombuffer(m, WORD, count, HEADER_BYTES + count * self.record_bytes)
+        return m, rows.reshape(count, self.record_bytes), checks
 
     def __getitem__(self, index: Any) -> tuple[np.ndarray, np.ndarray]:
         keys = np.asarray(index, np.int64)
@@ -310,46 +532,91 @@ class RecordSource:
         pixels, labels = self.read(keys.reshape(-1))
         return pixels.reshape(*keys.shape, self.pixels), labels.reshape(keys.shape)
 
-    def read(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(pixels (n, H*W*C), labels (n,)) of the records `keys` (n,), in that order."""
+    def read(
+        self, keys: np.ndarray, out: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(pixels (n, H*W*C), labels (n,)) of the records `keys` (n,), in that order; the
+        pixels into `out` when given. The keys are read in file order, window by window."""
+        keys = np.asarray(keys, np.int64)
         if len(keys) and (keys.min() < 0 or keys.max() >= len(self)):
             raise IndexError(f"record keys out of range 0..{len(self) - 1}")
-        readers = self._open()
-        size = LABEL_BYTES + self.pixels
-        rows = np.empty((len(keys), size), np.uint8)
-        shard = np.searchsorted(self.offsets, keys, side="right") - 1
-        for k in np.unique(shard):
-            where = np.flatnonzero(shard == k)
-            try:
-                raw = readers[k].read((keys[where] - self.offsets[k]).tolist())
-            except Exception as exc:  # a damaged chunk: the reader's own error types
-                raise _damaged(self.paths[k], exc) from None
-            joined = b"".join(raw)
-            if len(joined) != len(where) * size:
-                raise UserError(
-                    f"{self.paths[k]}: its records are not {size} bytes each ({LABEL_BYTES} + the "
-                    f"{INFO_FILE} image shape); write the records again with --mode=prepare"
-                )
-            rows[where] = np.frombuffer(joined, np.uint8).reshape(len(where), size)
-        labels = rows[:, :LABEL_BYTES].copy().view("<i4").reshape(-1).astype(np.int32)
-        return rows[:, LABEL_BYTES:], labels
+        maps = self._open()
+        order = np.argsort(keys, kind="stable")
+        ordered = keys[order]
+        rows = np.empty((len(keys), self.record_bytes), np.uint8)
+        checks = np.empty(len(keys), WORD)
+        cuts = np.searchsorted(ordered, self.offsets)
+        for k in np.flatnonzero(np.diff(cuts)).tolist():
+            part = slice(cuts[k], cuts[k + 1])
+            _gather(maps[k], ordered[part] - self.offsets[k], rows[part], checks[part])
+        self._verify(rows, checks, ordered)
+        pixels = np.empty((len(keys), self.pixels), np.uint8) if out is None else out
+        pixels[order] = rows[:, LABEL_BYTES : LABEL_BYTES + self.pixels]
+        return pixels, self.labels[keys]
 
-
-def _unopenable(path: pathlib.Path, shards: int) -> UserError:
-    """Why a shard the reader could not open cannot be opened: too many open files (a set of
-    many shards under a low `ulimit -n`) is not a damaged file."""
-    try:
-        os.close(os.open(path, os.O_RDONLY))
-    except OSError as exc:
-        if exc.errno == errno.EMFILE:
-            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-            return UserError(
-                f"{path} cannot be opened: too many open files ({shards:,} shards a split "
-                f"held open, ulimit -n {soft}); raise the limit or write the records again "
-                "with fewer --shards"
+    def _verify(self, rows: np.ndarray, checks: np.ndarray, keys: np.ndarray) -> None:
+        """Each record's check and label: a damaged record, or one whose label differs from
+        labels.npz, is one line naming its shard."""
+        bad = np.flatnonzero(record_checks(rows, keys, self.salt) != checks)
+        if len(bad):
+            key = int(keys[bad[0]])
+            raise _damaged(self._path_of(key), ValueError(f"record {key} fails its check"))
+        held = rows[:, :LABEL_BYTES].copy().view("<i4").reshape(-1)
+        wrong = np.flatnonzero(held != self.labels[keys])
+        if len(wrong):
+            key = int(keys[wrong[0]])
+            raise UserError(
+                f"{self._path_of(key)}: record {key}'s label {held[wrong[0]]} differs from "
+                f"{LABELS_FILE}'s {self.labels[key]}; write the records again with --mode=prepare"
             )
-        return _damaged(path, exc)
-    return _damaged(path, RuntimeError("the record reader could not open it"))
+
+    def _path_of(self, key: int) -> pathlib.Path:
+        return self.paths[int(np.searchsorted(self.offsets, key, side="right")) - 1]
+
+
+def _gather(
+    shard: tuple[mmap.mmap, np.ndarray, np.ndarray],
+    local: np.ndarray,
+    rows: np.ndarray,
+    checks: np.ndarray,
+) -> None:
+    """Records `local` (ascending) of one shard into `rows` and their checks into `checks`,
+    WINDOW_BYTES of the file at a time, each window's pages let go once read (a mapped page
+    counts as this process's memory until then)."""
+    m, records, stored = shard
+    size = records.shape[1]
+    window = np.asarray(local) // max(1, WINDOW_BYTES // size)
+    cuts = np.concatenate([[0], np.flatnonzero(np.diff(window)) + 1, [len(local)]]).tolist()
+    for start, stop in itertools.pairwise(cuts):
+        np.take(records, local[start:stop], axis=0, out=rows[start:stop], mode="clip")
+        _let_go(
+            m,
+            HEADER_BYTES + int(local[start]) * size,
+            HEADER_BYTES + int(local[stop - 1] + 1) * size,
+        )
+    np.take(stored, local, out=checks, mode="clip")
+    end = HEADER_BYTES + len(records) * size
+    _let_go(m, end + int(local[0]) * WORD.itemsize, end + int(local[-1] + 1) * WORD.itemsize)
+
+
+def _let_go(m: mmap.mmap, start: int, stop: int) -> None:
+    """Unmap the pages of bytes start..stop of `m` from this process (the page cache keeps
+    them; a later read maps them again)."""
+    first = start - start % mmap.PAGESIZE
+    m.madvise(mmap.MADV_DONTNEED, first, stop - first)
+
+
+def _unopenable(path: pathlib.Path, shards: int, exc: OSError) -> UserError:
+    """Why a shard cannot be opened or mapped: too many open files (a set of many shards
+    under a low `ulimit -n`) is not a damaged file."""
+    if exc.errno == errno.EMFILE:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return UserError(
+            f"{path} cannot be opened: too many open files ({shards:,} shards a split "
+            f"held open, ulimit -n {soft}); raise the limit or write the records again "
+            "with fewer --shards"
+        )
+    return _damaged(path, exc)
 
 
 def _damaged(path: pathlib.Path, exc: BaseException) -> UserError:
@@ -390,7 +657,7 @@ class RecordImages:
         keys = np.asarray(self.keys, np.int64)
         out = np.empty((len(keys), int(np.prod(self.image_shape))), np.uint8)
         for first in range(0, len(keys), READ_CHUNK):
-            out[first : first + READ_CHUNK] = self.source.read(keys[first : first + READ_CHUNK])[0]
+            self.source.read(keys[first : first + READ_CHUNK], out[first : first + READ_CHUNK])
         out = out.reshape(self.shape)
         return out if dtype is None else out.astype(dtype)
 
@@ -402,8 +669,8 @@ def read_splits(
     directory: pathlib.Path,
 ) -> tuple[dict[str, Any], dict[str, RecordImages], dict[str, np.ndarray]]:
     """The record set in `directory`: its info, each split's images (`RecordImages`) and
-    labels; every file checked against info.json, and the first and last record of each split
-    against labels.npz (a wrong image shape or mixed-up files: one line)."""
+    labels; every file checked against info.json (labels.npz by its SHA-256, each shard by its
+    header: set, place, count and image shape), each record as it is read."""
     info = read_info(directory)
     shape = tuple(info["image_shape"])
     try:
@@ -414,7 +681,6 @@ def read_splits(
             f"{directory / LABELS_FILE} cannot be read ({errors.reason(exc)}); "
             "write the records again with --mode=prepare"
         ) from None
-    images = {}
     for split in SPLITS:
         entry = info["splits"][split]
         name = f"{directory / LABELS_FILE}[{split}]"
@@ -430,14 +696,22 @@ def read_splits(
                 f"{name}: label {raw[outside[0]]} at index {outside[0]} is outside "
                 f"0..{len(info['class_names']) - 1}; write the records again with --mode=prepare"
             )
-        source = RecordSource(
-            [directory / s for s in entry["shards"]], entry["counts"], int(np.prod(shape))
+    if _sha256(directory / LABELS_FILE) != info["files"][LABELS_FILE]["sha256"]:
+        raise UserError(
+            f"{directory / LABELS_FILE} does not match its SHA-256 in {INFO_FILE} (labels "
+            "edited or the file replaced); write the records again with --mode=prepare"
         )
-        ends = np.unique([0, len(source) - 1])[: len(source)]
-        if not np.array_equal(source[ends][1], labels[split][ends]):
-            raise UserError(
-                f"{directory}: the {split} records' labels differ from "
-                f"{LABELS_FILE}; write the records again with --mode=prepare"
-            )
+    images = {}
+    for split in SPLITS:
+        entry = info["splits"][split]
+        source = RecordSource(
+            [directory / s for s in entry["shards"]],
+            entry["counts"],
+            shape,
+            info["set"],
+            labels[split],
+            split,
+        )
+        source.check()
         images[split] = RecordImages(source, shape)
     return info, images, {split: labels[split].astype(np.int32) for split in SPLITS}

@@ -11,10 +11,12 @@ import resource
 import shutil
 import signal
 import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
-from conftest import assert_one_line_error, run_main, small_arrays
+from conftest import REPO, assert_one_line_error, run_main, small_arrays
 
 from fmnist_flax import datasets, evaluate, grain_pipeline, parallel, records, train
 from fmnist_flax.errors import UserError
@@ -44,7 +46,7 @@ def test_prepared_records_read_back_as_the_dataset_they_came_from(real_dataset, 
     assert loaded.info() == {**real_dataset.info(), "name": "records"}  # same fingerprint
     assert sorted(p.name for p in fmnist_records.iterdir())[:2] == ["info.json", "labels.npz"]
     info = json.loads((fmnist_records / "info.json").read_text())
-    assert info["splits"]["train"]["shards"][3] == "train-00003-of-00004.array_record"
+    assert info["splits"]["train"]["shards"][3] == "train-00003-of-00004.records"
     assert info["splits"]["test"]["examples"] == 10_000 and info["image_shape"] == [28, 28, 1]
     np.testing.assert_array_equal(np.asarray(loaded.test_images), real_dataset.test_images)
     np.testing.assert_array_equal(loaded.train_labels, real_dataset.train_labels)
@@ -99,12 +101,12 @@ def test_grain_reads_the_same_batches_from_records_as_from_arrays(real_dataset, 
         (lambda d: (d / "info.json").unlink(), "info.json is missing"),
         (lambda d: (d / "info.json").write_text("{"), "is not a record set's info"),
         (
-            lambda d: (d / "test-00001-of-00002.array_record").unlink(),
-            "test-00001-of-00002.array_record is missing",
+            lambda d: (d / "test-00001-of-00002.records").unlink(),
+            "test-00001-of-00002.records is missing",
         ),
         (
-            lambda d: _truncate(d / "train-00000-of-00002.array_record"),
-            "train-00000-of-00002.array_record has",
+            lambda d: _truncate(d / "train-00000-of-00002.records"),
+            "train-00000-of-00002.records has",
         ),
         (lambda d: (d / "labels.npz").write_bytes(b"junk" * 10), "labels.npz"),
         (lambda d: _rewrite_info(d, image_shape=[14, 14, 1]), "records are not 200 bytes each"),
@@ -120,7 +122,24 @@ def test_grain_reads_the_same_batches_from_records_as_from_arrays(real_dataset, 
         ),
         (
             lambda d: _rewrite_counts(d, [40, 0]),
-            "train-00000-of-00002.array_record holds 20 records but info.json counts 40 for it",
+            "train-00000-of-00002.records holds 20 records but info.json counts 40 for it",
+        ),
+        (
+            lambda d: _rewrite_counts(d, [21, 19]),  # a train count off by one, the sum kept
+            "train-00000-of-00002.records holds 20 records but info.json counts 21 for it",
+        ),
+        (
+            lambda d: _rewrite_info(d, image_shape=[14, 56, 1]),  # 784 pixels: scrambled images
+            r"train-00000-of-00002.records holds \[28, 28, 1\] images, not the info.json image "
+            r"shape \[14, 56, 1\]",
+        ),
+        (
+            lambda d: _swap(d / "train-00000-of-00002.records", d / "train-00001-of-00002.records"),
+            "train-00000-of-00002.records is train shard 1 of 2, not train shard 0 of 2",
+        ),
+        (
+            lambda d: _rewrite_info(d, format="fmnist-flax records 1"),
+            "record files of an older format",
         ),
     ],
 )
@@ -130,6 +149,56 @@ def test_damaged_record_sets_are_refused_in_one_line_naming_the_file(tmp_path, d
     with pytest.raises(UserError, match=expected) as raised:
         datasets.load_records(directory)
     assert "\n" not in str(raised.value) and "--mode=prepare" in str(raised.value)
+
+
+def _swap(one: pathlib.Path, other: pathlib.Path) -> None:
+    one.rename(one.with_name("swap"))
+    other.rename(one)
+    one.with_name("swap").rename(other)
+
+
+def test_a_shard_of_another_prepared_set_is_refused_naming_it(tmp_path):
+    """Train shard 1 replaced by the same shard of another prepare (inverted images, labels + 3:
+    it trained to 0.8198 without a word), the sizes equal."""
+    (train_x, train_y), (test_x, test_y) = small_arrays(40, 1), small_arrays(12, 2)
+    other = datasets.make_dataset(
+        "other",
+        "Other",
+        [str(k) for k in range(10)],
+        (255 - train_x, (train_y + 3) % 10),
+        (test_x, test_y),
+        sources=("a", "b"),
+        origin="arrays",
+    )
+    records.write_dataset(other, tmp_path / "other", 2)
+    directory = small_set(tmp_path)
+    shard = "train-00001-of-00002.records"
+    shutil.copyfile(tmp_path / "other" / shard, directory / shard)
+    with pytest.raises(UserError, match=rf"{shard} is a shard of another record set") as raised:
+        datasets.load_records(directory)
+    assert "\n" not in str(raised.value) and "--mode=prepare" in str(raised.value)
+
+
+def test_labels_edited_in_the_middle_are_refused_naming_labels_npz(tmp_path):
+    """A test label changed to another class, the file's size unchanged (test accuracy 0.0035
+    without a word); with info.json's SHA-256 made to match, the record's own label tells."""
+    directory = small_set(tmp_path)
+    saved = dict(np.load(directory / "labels.npz"))
+    saved["test"][6] = (saved["test"][6] + 1) % 10
+    size = (directory / "labels.npz").stat().st_size
+    np.savez(directory / "labels.npz", **saved)
+    assert (directory / "labels.npz").stat().st_size == size
+    with pytest.raises(UserError, match=r"labels\.npz does not match its SHA-256 in info\.json"):
+        datasets.load_records(directory)
+    info = json.loads((directory / "info.json").read_text())
+    info["files"]["labels.npz"]["sha256"] = records._sha256(directory / "labels.npz")
+    (directory / "info.json").write_text(json.dumps(info))
+    loaded = datasets.load_records(directory)
+    with pytest.raises(
+        UserError, match=r"test-00001-of-00002\.records: record 6's label"
+    ) as raised:
+        np.asarray(loaded.test_images)
+    assert "differs from labels.npz's" in str(raised.value)
 
 
 def _truncate(path: pathlib.Path) -> None:
@@ -228,7 +297,7 @@ def _rewrite_counts(directory: pathlib.Path, counts: list[int]) -> None:
 
 def test_a_corrupted_record_is_refused_when_read_naming_its_file(tmp_path):
     directory = small_set(tmp_path, shards=1)
-    shard = directory / "train-00000-of-00001.array_record"
+    shard = directory / "train-00000-of-00001.records"
     data = bytearray(shard.read_bytes())
     at = data.find(small_arrays(40, 1)[0][13].tobytes())  # record 13's pixels
     assert at > 0
@@ -236,7 +305,7 @@ def test_a_corrupted_record_is_refused_when_read_naming_its_file(tmp_path):
     shard.write_bytes(bytes(data))
     _rewrite_info(directory)  # sizes unchanged: only reading can tell (Riegeli's hashes)
     loaded = datasets.load_records(directory)
-    with pytest.raises(UserError, match=r"train-00000-of-00001\.array_record cannot be read"):
+    with pytest.raises(UserError, match=r"train-00000-of-00001\.records cannot be read"):
         np.asarray(loaded.train_images)
 
 
@@ -257,7 +326,7 @@ def test_prepare_then_train_from_records_matches_the_device_pipeline(tmp_path, f
     the device pipeline's accuracy within 0.005 (another data order); bad input one line."""
     prepared = run_main("--mode=prepare", f"--output={tmp_path / 'rec'}", "--shards=2")
     assert prepared.returncode == 0, prepared.stderr
-    assert "train-00001-of-00002.array_record" in {p.name for p in (tmp_path / "rec").iterdir()}
+    assert "train-00001-of-00002.records" in {p.name for p in (tmp_path / "rec").iterdir()}
     again = run_main("--mode=prepare", f"--output={tmp_path / 'rec'}")
     assert_one_line_error(again, "already exists and is not empty")
     runs = {}
@@ -356,4 +425,31 @@ def test_prepare_on_a_full_disk_is_one_line_and_keeps_nothing(tmp_path):
     result = run_main("--mode=prepare", f"--output={tmp_path / 'rec'}", preexec_fn=small_files)
     assert_one_line_error(result, "--mode=prepare could not write")
     assert "File too large" in result.stderr and "nothing was kept" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_prepare_stopped_by_a_signal_removes_its_files_and_says_so(tmp_path, signum):
+    """SIGTERM left a 53 MB temporary directory; SIGINT said "checkpoints saved so far are
+    kept". Signalled while it writes (its temporary directory there): one line, 128 + signal."""
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "main.py"), "--mode=prepare", f"--output={tmp_path / 'rec'}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.iterdir()) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    process.send_signal(signum)
+    _, err = process.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert process.returncode == 128 + signum, err
+    assert lines == [
+        f"error: --mode=prepare stopped by {signal.Signals(signum).name} while writing "
+        f"{tmp_path / 'rec'}; nothing was kept (its temporary files are removed): run it again "
+        "to write the records"
+    ]
     assert list(tmp_path.iterdir()) == []
