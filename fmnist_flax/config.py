@@ -15,7 +15,7 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
-from fmnist_flax import optimizer
+from fmnist_flax import optimizer, task
 from fmnist_flax.errors import UserError
 from fmnist_flax.model import COMPUTE_DTYPES
 from fmnist_flax.parallel import PARAM_SHARDINGS
@@ -56,6 +56,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.max_to_keep = 3  # newest checkpoints kept in <workdir>/checkpoints
     config.fused_steps = True  # several steps per compiled call (False: one step per call)
     config.label_smoothing = 0.0  # optax.smooth_labels on the one-hot targets when > 0
+    # Metrics of the whole test set's predictions beside the per-example ones, by name in
+    # task.TEST_SET_METRICS, e.g. ("macro_f1", "class_accuracy"); () adds none
+    config.test_set_metrics = ()
     # Start from another run's model (WORKDIR[:STEP][@MEMBER], STEP a number or `best`): its
     # parameters, a fresh optimizer. Used only when the run starts, not when it resumes.
     config.init_from = ""
@@ -165,6 +168,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     optimizer.check_config(config.optimizer, config.steps)
     if not 0 <= config.label_smoothing < 1:
         raise UserError(f"--config.label_smoothing={config.label_smoothing} must be in [0, 1)")
+    task.check_test_set_metrics(config.test_set_metrics)
     for name, least in (("workers", 0), ("block_examples", 1), ("prefetch", 1)):
         if not least <= config.grain[name] <= MAX_COUNT:
             raise UserError(
@@ -254,6 +258,7 @@ RESUMABLE_FIELDS = (
     "fused_steps",
     "param_sharding",
     "eval_examples",
+    "test_set_metrics",
     "init_from",
     "ensemble.shards",
     "ensemble.members_per_pass",
