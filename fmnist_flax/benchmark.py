@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import itertools
 import json
 import pathlib
@@ -11,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from flax import nnx
 
@@ -201,6 +205,67 @@ def grain_alone_runner(config, device_data: input_pipeline.DeviceData, dataset) 
         return placed[-1]
 
     return run_steps
+
+
+READ_THREADS = (1, 2)  # reader threads timed side by side in `record_reads`
+
+
+def record_reads(
+    source: records.RecordSource, block: int, repeats: int, threads: Sequence[int] = READ_THREADS
+) -> list[dict[str, Any]]:
+    """The record reader alone (`RecordSource.read` into a block's buffer, no Grain, no device)
+    on `threads` threads at once, each reading random blocks of `block` records: records/s per
+    thread count (median of `repeats`, the counts alternated so each repeat sees the same
+    minutes of a shared machine) and its ratio to one thread's, the median of the pairs."""
+    rng = np.random.default_rng(COMPARISON_SEED)
+    keys = [rng.permutation(len(source))[:block] for _ in range(4 * max(threads))]
+
+    def rate(count: int) -> float:
+        def read(first: int) -> None:
+            out = np.empty((block, source.pixels), np.uint8)
+            for k in range(first, len(keys), count):
+                source.read(keys[k], out)
+
+        workers = [threading.Thread(target=read, args=(i,)) for i in range(count)]
+        start = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        return len(keys) * block / (time.perf_counter() - start)
+
+    rate(1)  # maps every shard
+    rates = {count: [] for count in threads}
+    for _ in range(repeats):
+        for count in threads:
+            rates[count].append(rate(count))
+    return [
+        {
+            "threads": count,
+            "records_per_sec": statistics.median(rates[count]),
+            "range": [min(rates[count]), max(rates[count])],
+            "ratio_to_one": statistics.median(
+                [r / one for r, one in zip(rates[count], rates[threads[0]], strict=True)]
+            ),
+        }
+        for count in threads
+    ]
+
+
+def record_reads_table(rows: Sequence[dict[str, Any]]) -> str:
+    return Table.of(
+        "Record reader alone, into a block's buffer (median of repeats)",
+        ("Threads", "Records/s", "Range", "vs 1 thread"),
+        [
+            (
+                r["threads"],
+                f"{r['records_per_sec']:,.0f}",
+                f"{r['range'][0]:,.0f}..{r['range'][1]:,.0f}",
+                f"{r['ratio_to_one']:.2f}x",
+            )
+            for r in rows
+        ],
+    )
 
 
 def chunk_for(config, device_data, graphdef, model) -> tuple[Callable[..., Any], train.Metrics]:
@@ -545,6 +610,71 @@ def fused_reference(
     return steps * config.batch_size / result["seconds"]
 
 
+def whole_loop(
+    config: ml_collections.ConfigDict,
+    device_data: input_pipeline.DeviceData,
+    steps: int,
+    repeats: int = 3,
+) -> dict[str, Any]:
+    """`train.train_and_evaluate` (the loop main.py runs: logging, the checkpoint policy; its
+    evaluations' time left out of its rate, as in summary.json) and the fused path, alternated
+    in this process: each one's median examples/s and the median of their ratios."""
+    run_config = ml_collections.ConfigDict(config.to_dict())
+    run_config.update(steps=steps, report="none")
+    loops, fused, ratios = [], [], []
+    for _ in range(repeats):
+        quiet = contextlib.redirect_stdout(io.StringIO())  # its tables and progress bar
+        with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp, quiet:
+            summary = train.train_and_evaluate(run_config, tmp)
+        loops.append(summary["train_examples_per_sec"])
+        fused.append(fused_reference(config, device_data, steps))
+        ratios.append(loops[-1] / fused[-1])
+    return {
+        "steps": steps,
+        "loop_examples_per_sec": statistics.median(loops),
+        "fused_examples_per_sec": statistics.median(fused),
+        "ratio": statistics.median(ratios),
+    }
+
+
+def logging_cost(config: ml_collections.ConfigDict, rows: int = 200) -> dict[str, float]:
+    """The loop's own seconds per logged row, the row's values fresh from the device (a step
+    that does nothing else): written in the loop, as before the log had a thread, against
+    handed to its thread (`train.RowLog.submit`), alternated in one process."""
+    make = jax.jit(lambda i: ({"loss": i * 1.0, "accuracy": i * 0.5}, i * 0.25))
+    jax.block_until_ready(make(0))
+    per_row = {True: [], False: []}
+    for _ in range(3):
+        for background in (False, True):
+            with tempfile.TemporaryDirectory(prefix="bench-log-") as tmp:
+                checkpoints = checkpoint.Checkpoints(tmp, max_to_keep=1)
+                quiet = contextlib.redirect_stdout(io.StringIO())
+                with (
+                    quiet,
+                    train.RowLog(pathlib.Path(tmp), config, 0, 1, checkpoints, background) as log,
+                ):
+                    for step in range(1, rows + 1):
+                        sums, grad_norm = make(step)
+                        log.submit((step, sums, 1, grad_norm), 0.0)
+                    log.drain()
+                checkpoints.close()
+            per_row[background].append(log.host_seconds / rows)
+    in_loop, handed = (statistics.median(per_row[b]) for b in (False, True))
+    return {"in_loop_us": 1e6 * in_loop, "handed_over_us": 1e6 * handed, "ratio": handed / in_loop}
+
+
+def loop_table(loop: dict[str, Any], logging: dict[str, float]) -> str:
+    """The whole loop against the fused path, and what a logged row costs the loop."""
+    return (
+        f"training loop as main.py runs it ({loop['steps']} steps, alternated with the fused "
+        f"path): {loop['loop_examples_per_sec']:,.0f} examples/s, "
+        f"{loop['ratio']:.2f}x the fused path's {loop['fused_examples_per_sec']:,.0f}\n"
+        f"the loop's time per logged row: {logging['handed_over_us']:.0f} us handed to the "
+        f"log's thread, {logging['in_loop_us']:.0f} us written in the loop "
+        f"({logging['ratio']:.3f}x)"
+    )
+
+
 def whole_run_table(whole: dict[str, Any]) -> str:
     """The whole runs side by side, main.py's own training throughput against the fused
     step's measured just before and after them (adds `vs_fused` to `whole`'s runs)."""
@@ -635,6 +765,7 @@ def run_benchmark(
     dataset = datasets.load(config)
     with tempfile.TemporaryDirectory(prefix="bench-records-") as tmp:
         records.write_dataset(dataset, pathlib.Path(tmp) / "records")
+        record_set = datasets.load_records(pathlib.Path(tmp) / "records")
         result = run_suite(
             config,
             dataset,
@@ -644,8 +775,12 @@ def run_benchmark(
             repeats=repeats,
             members=members,
             member_shards=member_shards,
-            record_set=datasets.load_records(pathlib.Path(tmp) / "records"),
+            record_set=record_set,
         )
+        result["record_reads"] = record_reads(
+            record_set.train_images.source, config.grain.block_examples, repeats
+        )
+        print(record_reads_table(result["record_reads"]))
     if whole_run_steps:
         mesh = parallel.make_mesh(jax.devices()[:1])
         device_data = input_pipeline.to_device(dataset, config.batch_size, mesh)
@@ -656,6 +791,9 @@ def run_benchmark(
         whole["fused_reference"] = (before + after) / 2
         result["whole_run"] = whole
         print(whole_run_table(whole))
+        result["loop"] = whole_loop(config, device_data, whole_run_steps, repeats)
+        result["logging"] = logging_cost(config)
+        print(loop_table(result["loop"], result["logging"]))
     result["versions"] = workdir_lib.versions()
     result["date"] = time.strftime("%Y-%m-%d")
     if output:

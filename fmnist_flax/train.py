@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import pathlib
+import queue
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -385,18 +387,6 @@ def host_row(step: int, sums: Metrics, count: int, grad_norm: jax.Array) -> dict
     return row
 
 
-def checked_row(
-    parts: tuple[int, Metrics, int, jax.Array],
-    last_finite: int,
-    checkpoints: checkpoint_lib.Checkpoints,
-) -> dict[str, float]:
-    """`host_row` of `parts` (`RunningRow.take`); a loss that is not finite stops the run."""
-    row = host_row(*parts)
-    if not np.isfinite(row["loss"]):
-        raise diverged(f"the loss became {row['loss']}", last_finite, parts[0], checkpoints)
-    return row
-
-
 def save_if_finite(
     checkpoints: checkpoint_lib.Checkpoints,
     step: int,
@@ -407,7 +397,7 @@ def save_if_finite(
     last_finite: int,
 ) -> None:
     """Checkpoint the newest (donated-into) buffers `state`, unless the parameters are no
-    longer finite: then stop, the last good checkpoint kept."""
+    longer finite (since `last_finite`): then stop, the last good checkpoint kept."""
     nnx.update((model, optimizer), state)
     if not all_finite(nnx.state(model, nnx.Param)):
         raise diverged("the parameters became non-finite", last_finite, step, checkpoints)
@@ -457,28 +447,106 @@ def must_save(step: int, signum: int, config, checkpoints: checkpoint_lib.Checkp
 
 class RowLog:
     """Where process 0 writes each logged row: metrics.jsonl, TensorBoard (with the examples/sec
-    since the row before, evaluations left out) and the progress bar."""
+    since the row before, evaluations left out) and the progress bar.
 
-    def __init__(self, workdir, config: ml_collections.ConfigDict, start_step: int, per_step: int):
+    `submit` hands a row to a writer thread and returns at once: the loop never waits for a
+    row's values to reach the host. `drain` waits until every row handed over is written; a
+    loss that was not finite then stops the run, as `check` does without waiting. With several
+    processes rows are written in the loop (fetching them may be a collective)."""
+
+    def __init__(
+        self,
+        workdir: pathlib.Path,
+        config: ml_collections.ConfigDict,
+        start_step: int,
+        per_step: int,
+        checkpoints: checkpoint_lib.Checkpoints,
+        background: bool = True,
+    ):
         self.primary = parallel.is_primary()
+        self.checkpoints = checkpoints
         self.start_step = start_step
         self.per_step = per_step
         self.last_step = start_step  # the row before's step, time and evaluation seconds
         self.last_time = time.perf_counter()
         self.last_eval = 0.0
+        self.last_finite = start_step  # the last step whose row had a finite loss
+        self.failure: tuple[float, int] | None = None  # a non-finite loss and its step
+        self.error: BaseException | None = None  # what stopped the writer thread
+        self.host_seconds = 0.0  # the loop's time in `submit`: what logging costs it
+        self.submitted = 0
         if self.primary:
             path = workdir / workdir_lib.METRICS_FILE
             self.metrics = workdir_lib.MetricsLog(path, keep_until=start_step)
             self.progress = tables.ProgressBar(config.steps)
             self.board = summaries.Summaries(workdir, config, start_step)
+        self.queue: queue.Queue | None = None
+        if background and jax.process_count() == 1:
+            self.queue = queue.Queue()
+            self.thread = threading.Thread(target=self._write_submitted, daemon=True)
+            self.thread.start()
+
+    def submit(self, parts: tuple[int, Metrics, int, jax.Array], eval_seconds: float) -> None:
+        """Log the row of `parts` (`RunningRow.take`) without waiting for its values;
+        `eval_seconds`: the run's time spent evaluating so far."""
+        began = time.perf_counter()
+        if self.queue is None:
+            self._write_parts(parts, eval_seconds)
+        else:
+            self.queue.put((parts, eval_seconds))
+        self.host_seconds += time.perf_counter() - began
+        self.submitted += 1
+
+    def _write_submitted(self) -> None:
+        while (item := self.queue.get()) is not None:
+            try:
+                if self.failure is None and self.error is None:
+                    self._write_parts(*item)
+            except BaseException as exc:  # raised in the loop by `check`
+                self.error = exc
+            finally:
+                self.queue.task_done()
+        self.queue.task_done()
+
+    def _write_parts(self, parts: tuple[int, Metrics, int, jax.Array], eval_seconds: float):
+        row = host_row(*parts)
+        if np.isfinite(row["loss"]):
+            self.write(row, eval_seconds)
+        else:
+            self.failure = (row["loss"], row["step"])
+
+    def check(self) -> None:
+        """Stop the run if a row written so far had a non-finite loss (or could not be
+        written)."""
+        if self.error is not None:
+            raise self.error
+        if self.failure is not None:
+            loss, step = self.failure
+            raise diverged(f"the loss became {loss}", self.last_finite, step, self.checkpoints)
+
+    def drain(self) -> None:
+        """Wait until every submitted row is written, then `check`."""
+        if self.queue is not None:
+            self.queue.join()
+        self.check()
+
+    def checked(self, parts: tuple[int, Metrics, int, jax.Array]) -> dict[str, float]:
+        """The row of `parts` on the host now, after every submitted one; a non-finite loss
+        stops the run."""
+        self.drain()
+        row = host_row(*parts)
+        if not np.isfinite(row["loss"]):
+            self.failure = (row["loss"], row["step"])
+            self.check()
+        return row
 
     def write(self, row: dict[str, float], eval_seconds: float) -> None:
-        """Log `row`; `eval_seconds`: the run's time spent evaluating so far."""
+        """Log a finite `row` now; `eval_seconds`: the run's time spent evaluating so far."""
         now = time.perf_counter()
         seconds = now - self.last_time - (eval_seconds - self.last_eval)
         rate = (row["step"] - self.last_step) * self.per_step / seconds
         first = self.last_step == self.start_step  # its interval includes the compilation
-        self.last_step = row["step"]
+        self.last_step = self.last_finite = row["step"]
         self.last_time = now
         self.last_eval = eval_seconds
         if self.primary:
@@ -490,6 +558,9 @@ class RowLog:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.queue is not None:  # rows already handed over are written, then it stops
+            self.queue.put(None)
+            self.thread.join()
         if self.primary:
             for output in (self.metrics, self.progress, self.board):
                 output.close()
@@ -621,25 +692,20 @@ def train_and_evaluate(
         all_finite(nnx.state(model, nnx.Param))
         checkpoint_lib.warm_up(model, optimizer)
         step = start_step
-        last_finite = start_step  # the last step whose row had a finite loss
         clock = None  # (time, step) once the first call, which compiles, is done
-        pending = None  # the last stop's row, read while the next chunk runs
         # Examples/sec counts every model's: an ensemble of 8 at 1x does the work of 8 runs.
         per_step = device_data.examples_per_step * config.ensemble.size
-        with RowLog(workdir, config, start_step, per_step) as log:
+        with RowLog(workdir, config, start_step, per_step, checkpoints) as log:
             while step < config.steps:
                 stop = next_stop(step, config, per_epoch)
                 # Each call: images, labels, order, first batch index, count, first step.
                 for call in batches.chunks(step, stop):
                     state, row.sums, metrics = train_chunk(state, row.sums, *call, aug_key)
-                if pending:  # read while this chunk runs: the device's queue never drains
-                    log.write(checked_row(pending, last_finite, checkpoints), run.eval_seconds)
-                    last_finite = pending[0]
-                    pending = None
                 step = stop
                 if clock is None:  # the first call compiled: the clock starts once it is done
                     jax.block_until_ready(metrics)
                     clock = (time.perf_counter(), step)
+                log.check()  # a row written since the last stop had a non-finite loss
 
                 # Where the host looks. A signal to any process stops all of them at the same
                 # step (saving is collective).
@@ -648,14 +714,14 @@ def train_and_evaluate(
                 testing = is_eval_step(step, config, per_epoch)
                 parts = row.take(step, metrics) if testing or is_log_step(step, config) else None
                 if not (saving or testing):
-                    pending = parts  # logged after the next chunk is queued
+                    if parts:  # written by the log's thread while the next chunks run
+                        log.submit(parts, run.eval_seconds)
                     continue
 
                 # Log this step's row now, with the test metrics when it is an evaluation step.
                 tested = {}
                 if parts:
-                    values = checked_row(parts, last_finite, checkpoints)
-                    last_finite = step
+                    values = log.checked(parts)
                     if testing:
                         jax.block_until_ready(state)  # training's own asynchronous work is done
                         began = time.perf_counter()
@@ -671,9 +737,16 @@ def train_and_evaluate(
 
                 # Save: at the end, on a signal, when due; with keep_best, at each evaluation.
                 if saving or (tested and config.keep_best):
+                    log.drain()
                     progress = progress_of(step, per_epoch, config) | batches.state() | row.state()
                     save_if_finite(
-                        checkpoints, step, model, optimizer, state, progress | tested, last_finite
+                        checkpoints,
+                        step,
+                        model,
+                        optimizer,
+                        state,
+                        progress | tested,
+                        log.last_finite,
                     )
                 # Stop on a signal, the checkpoint of this step saved.
                 if signum:

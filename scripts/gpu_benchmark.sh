@@ -318,6 +318,13 @@ if bench and bench.get("whole_run"):
         f"whole runs of {w['steps']} steps, start to exit: {walls} (main.py / plain JAX "
         f"{w['wall_ratio_cold']:.2f}x cold, {w['wall_ratio_warm']:.2f}x warm)"
     )
+if bench and bench.get("loop"):
+    lp, lg = bench["loop"], bench["logging"]
+    print(
+        f"training loop as main.py runs it: {lp['loop_examples_per_sec']:,.0f} ex/s, "
+        f"{lp['ratio']:.2f}x the fused path beside it; per logged row the loop spends "
+        f"{lg['handed_over_us']:.0f} us ({lg['in_loop_us']:.0f} us writing it in the loop)"
+    )
 print(f"ex/s: training examples per second, median of repeats; files in {out}")
 EOF
 

@@ -93,6 +93,16 @@ def assert_every_field(result_json: dict, stdout: str, dtypes: list[str]) -> Non
         assert run["wall_seconds"] > 0 and run["peak_rss_mb"] > 100
         if name.startswith("main.py"):  # its own rate against the fused path's, same minutes
             assert run["vs_fused"] == run["train_examples_per_sec"] / whole["fused_reference"]
+    # The loop main.py runs, alternated with the fused path in the benchmark's process, and
+    # what a logged row costs the loop: handed to the log's thread, or written in the loop.
+    loop, logging = result_json["loop"], result_json["logging"]
+    assert loop["loop_examples_per_sec"] > 0 and loop["fused_examples_per_sec"] > 0
+    assert loop["ratio"] == pytest.approx(
+        loop["loop_examples_per_sec"] / loop["fused_examples_per_sec"]
+    )
+    assert logging["handed_over_us"] > 0 and logging["in_loop_us"] > 0
+    assert logging["ratio"] == pytest.approx(logging["handed_over_us"] / logging["in_loop_us"])
+    assert "training loop as main.py runs it" in stdout
     assert "Training step throughput" in stdout and "main.py / plain JAX wall time" in stdout
     assert "Where the fused step's time goes" in stdout
 
