@@ -265,7 +265,7 @@ def record_reads_table(rows: Sequence[dict[str, Any]]) -> str:
             )
             for r in rows
         ],
-    )
+    ).format()
 
 
 def chunk_for(config, device_data, graphdef, model) -> tuple[Callable[..., Any], train.Metrics]:

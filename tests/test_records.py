@@ -453,3 +453,14 @@ def test_a_prepare_stopped_by_a_signal_removes_its_files_and_says_so(tmp_path, s
         "to write the records"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_benchmark_times_the_reader_alone_by_thread_count(fmnist_records):
+    """`--mode=benchmark`'s reader rows: one a thread count, rates against one thread's."""
+    from fmnist_flax import benchmark
+
+    source = datasets.load_records(fmnist_records).train_images.source
+    rows = benchmark.record_reads(source, block=256, repeats=2)
+    assert [r["threads"] for r in rows] == [1, 2] and rows[0]["ratio_to_one"] == 1.0
+    assert all(r["range"][0] <= r["records_per_sec"] <= r["range"][1] for r in rows)
+    assert "Record reader alone" in benchmark.record_reads_table(rows)
