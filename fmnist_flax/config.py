@@ -8,6 +8,7 @@ fields by `datasets.get`.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from typing import Any
@@ -31,6 +32,10 @@ def get_config() -> ml_collections.ConfigDict:
     """The codelab's run: MLP 784-256-128-10, AdamW(3e-3, wd 1e-4), batch 512, 400 steps."""
     config = ml_collections.ConfigDict()
     config.seed = 0  # data shuffle and parameter init
+    # Modules of your project imported before anything else is checked (e.g. ("my_models",)):
+    # what they register (models, datasets, optimizers, schedules, metrics) is then usable here,
+    # with no edit to the template. Saved with the run, so eval and predict import them too.
+    config.imports = ()
     config.dataset = ml_collections.ConfigDict()
     # fashion_mnist | mnist | idx (any four IDX files) | arrays (train.npz, test.npz): any
     # name registered in fmnist_flax/datasets.py
@@ -142,6 +147,7 @@ def _one_of(flag: str, value: object, choices: tuple[str, ...]) -> None:
 
 def validate(config: ml_collections.ConfigDict) -> None:
     """Raise UserError naming the first generic field whose value cannot work."""
+    import_modules(config.imports)
     _one_of("--compute_dtype", config.compute_dtype, tuple(COMPUTE_DTYPES))
     _one_of("--report", config.report, REPORT_CHOICES)
     _one_of("--config.param_sharding", config.param_sharding, PARAM_SHARDINGS)
@@ -294,7 +300,25 @@ def with_defaults(saved: dict[str, Any]) -> ml_collections.ConfigDict:
                 into[key] = value
 
     fill(merged, saved)
+    import_modules(merged["imports"])
     return ml_collections.ConfigDict(merged)
+
+
+def import_modules(names: Any) -> None:
+    """Import the project's modules of `config.imports`, so that what they register exists."""
+    if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
+        raise UserError(
+            f"--config.imports={names!r} must be a tuple of module names, e.g. "
+            "--config.imports=\"('my_models',)\""
+        )
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # an ImportError, or whatever the module raised
+            raise UserError(
+                f"--config.imports: importing {name!r} failed ({type(exc).__name__}: {exc}); "
+                "put the module on PYTHONPATH or beside main.py"
+            ) from exc
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
