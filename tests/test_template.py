@@ -17,10 +17,17 @@ import sysconfig
 
 import numpy as np
 import pytest
-from conftest import EVERY_DUE_SAVE, REPO, assert_same_models, idx_bytes, load_config
+from conftest import (
+    EVERY_DUE_SAVE,
+    REPO,
+    assert_one_line_error,
+    assert_same_models,
+    idx_bytes,
+    load_config,
+)
 from PIL import Image
 
-from fmnist_flax import input_pipeline, load_model, parallel, predict, train
+from fmnist_flax import input_pipeline, load_model, parallel, predict, summaries, train
 
 PACKAGE = REPO / "fmnist_flax"
 # What a template user may delete; nothing that trains, evaluates or reports may import them.
@@ -360,7 +367,7 @@ def test_the_data_source_recipe(project):
     assert summary["dataset"]["image_shape"] == [16, 16, 3]
     assert summary["dataset"]["class_names"] == ["bright", "dark"]
     assert "as record files in" in prepared.stdout
-    assert (root / "data" / "shapes-records" / "train-00001-of-00002.array_record").is_file()
+    assert (root / "data" / "shapes-records" / "train-00001-of-00002.records").is_file()
     assert "record files (prepared from png_folders)" in from_records.stdout
     records = summary_of(root / "runs" / "png-records")
     assert (
@@ -403,3 +410,78 @@ def test_deleting_the_demonstrations_leaves_a_working_trainer_and_a_passing_fast
     tier = isolated(root, *fast_tier, "-o", f"cache_dir={REPO / '.pytest_cache'}")
     assert tier.returncode == 0, tier.stdout[-3000:] + tier.stderr[-2000:]
     assert re.search(r"\d+ passed", tier.stdout) and " failed" not in tier.stdout
+
+
+@pytest.mark.slow
+def test_the_whole_test_set_metric_recipe(project):
+    """One entry in task.py: its column, beside the shipped ones, in the rows of each
+    evaluation, the tables, TensorBoard, the summary and --mode=eval."""
+    root, values = project
+    train_run, eval_run = follow(recipe("Add a whole-test-set metric"), root, **values)
+    work = root / "runs" / "whole_set"
+    classes = [f"test_class_accuracy_{k}" for k in range(10)]
+    tested = [row for row in rows_of(work) if "test_loss" in row]
+    assert tested and all("test_macro_f1" in row for row in tested)
+    for row in tested:
+        assert row["test_worst_class_accuracy"] == min(row[name] for name in classes)
+    assert "Test worst class accuracy" in train_run.stdout and "Macro f1" in eval_run.stdout
+    events = b"".join(p.read_bytes() for p in (work / "tensorboard").glob("events.out.*"))
+    assert b"test/worst_class_accuracy" in events and b"test/class_accuracy_9" in events
+    summary = summary_of(work)
+    assert summary["test_worst_class_accuracy"] == tested[-1]["test_worst_class_accuracy"]
+    evaluation = json.loads((root / "runs/whole_set-eval.json").read_text())
+    for name in ("test_macro_f1", "test_worst_class_accuracy", *classes):
+        assert evaluation[name] == summary[name], name
+
+
+@pytest.mark.slow
+def test_the_schedule_and_kernels_only_decay_recipe(project):
+    """A schedule registered from the project's own module trains on the rates it defines,
+    and its own check of its own field is one line; the kernels-only decay and the rate
+    multipliers reach the run's record."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root, values = project
+    follow(recipe("Add a schedule; decay kernels only"), root, **values)
+
+    def rates(workdir: pathlib.Path) -> dict[int, float]:
+        reader = EventAccumulator(str(workdir / summaries.TENSORBOARD_DIR))
+        reader.Reload()
+        return {event.step: event.value for event in reader.Scalars("train/learning_rate")}
+
+    step_decay, rsqrt = root / "runs" / "step_decay", root / "runs" / "rsqrt"
+    optimizer = summary_of(step_decay)["config"]["optimizer"]
+    assert (optimizer["schedule"], optimizer["halve_every"]) == ("step_decay", 5)
+    assert optimizer["decay_mask"] == "kernels" and optimizer["weight_decay"] == 0.05
+    # Row k logs the rate of update k, made at count k - 1: halved at counts 5, 10, 15.
+    assert rates(step_decay) == pytest.approx({1: 3e-3, 10: 1.5e-3, 20: 3.75e-4})
+    assert summary_of(rsqrt)["config"]["optimizer"]["lr_multipliers"] == [["bias", 2.0]]
+    # warmup_rsqrt, 5 warm-up steps: 0 at count 0, then the peak times sqrt(5 / count).
+    expected = {1: 0.0, 10: 3e-3 * (5 / 9) ** 0.5, 20: 3e-3 * (5 / 19) ** 0.5}
+    assert rates(rsqrt) == pytest.approx(expected)
+    assert summary_of(rsqrt)["test_accuracy"] > 0.5
+    config = "--config=configs/step_decay.py"
+    refused = run(root, config, "--config.optimizer.halve_every=0", check=False)
+    assert_one_line_error(refused, "--config.optimizer.halve_every=0 must be a whole number >= 1")
+
+
+@pytest.mark.slow
+def test_the_plug_in_recipe_uses_a_projects_own_parts_with_no_template_edit(project):
+    """A model, a data source, an optimizer and a schedule from a module of the project's own,
+    named in `config.imports`, train and evaluate; the template's files are untouched, and
+    the eval (a new process) imports the module from the run's saved config."""
+    root, values = project
+    before = {p: p.read_bytes() for p in (root / "fmnist_flax").rglob("*.py")}
+    follow(recipe("Plug in a module of your own"), root, **values)
+    assert {p: p.read_bytes() for p in (root / "fmnist_flax").rglob("*.py")} == before
+    summary = summary_of(root / "runs" / "plugged")
+    assert summary["config"]["imports"] == ["my_project"]
+    assert summary["config"]["model"] == {"name": "linear"}
+    assert summary["test_accuracy"] > 0.9  # stripes: a linear model separates them
+    evaluation = json.loads((root / "runs" / "plugged-eval.json").read_text())
+    assert evaluation["class_names"] == ["horizontal", "vertical"]
+    assert evaluation["test_accuracy"] == summary["test_accuracy"]
+    refused = run(
+        root, "--config=configs/plugged.py", "--config.imports=('no_such_module',)", check=False
+    )
+    assert_one_line_error(refused, "--config.imports: importing 'no_such_module' failed")
