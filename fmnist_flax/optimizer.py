@@ -282,17 +282,17 @@ def create(
     """
     opt = config.optimizer
     build = OPTIMIZERS[opt.name].build
-    own = {**own_fields(opt), "mask": DECAY_MASKS[opt.decay_mask]}
+    fields = {**own_fields(opt), "mask": DECAY_MASKS[opt.decay_mask]}
     rate = learning_rate(config)
     if member is None:
-        tx = build(rate, weight_decay=opt.weight_decay, **own)
+        tx = build(rate, weight_decay=opt.weight_decay, **fields)
     else:  # only these two injected: the others stay Python floats, bit-exact with one run
         values = member_hyperparams(config, member)
         if callable(rate):  # one schedule for every member (its peak is shared)
             values["learning_rate"] = rate
 
         def member_tx(learning_rate, weight_decay):
-            return build(learning_rate, weight_decay=weight_decay, **own)
+            return build(learning_rate, weight_decay=weight_decay, **fields)
 
         tx = optax.inject_hyperparams(member_tx)(**values)
     if opt.lr_multipliers:
