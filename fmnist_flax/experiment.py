@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import os
 import pathlib
+import resource
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from absl import logging
 from flax import nnx
@@ -25,6 +29,7 @@ from fmnist_flax import (
     datasets,
     ensemble,
     evaluate,
+    grain_pipeline,
     input_pipeline,
     parallel,
     report,
@@ -32,6 +37,7 @@ from fmnist_flax import (
     tables,
 )
 from fmnist_flax import model as model_lib
+from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError, warning_line
 from fmnist_flax.tables import Table
@@ -94,6 +100,7 @@ def prepare(
     """Check everything a user can get wrong, claim the workdir (released on `cleanup`), load
     the data and place it on a mesh over `devices` (default: all)."""
     config_lib.validate(config)
+    check_threads(config)
     datasets.get(config)  # an unknown dataset or a missing --data_dir, before any I/O
     if jax.process_count() > 1 and not workdir:
         raise UserError(
@@ -109,7 +116,284 @@ def prepare(
     device_data = input_pipeline.to_device(
         dataset, config.batch_size, mesh, not on_host, config.optimizer.accumulate
     )
+    check_memory(config, dataset, mesh)
     return workdir, dataset, device_data
+
+
+# --- What the machine can hold: runs it cannot are refused before their models are built ---
+
+LABEL_BYTES = 4  # int32 labels
+INDEX_BYTES = 8  # a Grain block's examples are picked by int64 indices (read_block)
+BLOCKS_PLACED = 2  # GrainBatches keeps the block being trained and the next on the devices
+PROBE_MEMBERS = 8  # members an evaluation call is compiled for to size one member's share
+# What the estimates leave out: compiling, the runtime's threads and buffers (RUN_RESERVE), the
+# allocators' slack and what other processes take meanwhile (all but USABLE of what is free).
+RUN_RESERVE = 256 * 2**20
+USABLE = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes that can still be allocated, and where that figure was read."""
+
+    free: int
+    source: str
+
+    def __str__(self) -> str:
+        return f"{size_text(self.free)} available ({self.source})"
+
+    def usable(self, held: int = 0) -> int:
+        """What a run may plan to use of it, besides `held` bytes already planned."""
+        return int(self.free * USABLE) - RUN_RESERVE - held
+
+
+def size_text(size: float) -> str:
+    """Bytes for a person: 26.3 MiB, 21.78 GiB, 1,592.00 GiB."""
+    if abs(size) < 2**30:
+        return f"{size / 2**20:,.1f} MiB"
+    return f"{size / 2**30:,.2f} GiB"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def check_threads(config: ml_collections.ConfigDict) -> None:
+    """Refuse more Grain read threads than usable cores: Grain buffers at least a block per
+    thread, so threads the cores cannot run hold more memory without reading faster."""
+    workers = config.grain.workers
+    cores = usable_cores()
+    if config.input_pipeline == "grain" and workers > cores:
+        raise UserError(
+            f"--config.grain.workers={workers} is more read threads than the {cores} cores this "
+            "process may use: each thread buffers a block of examples, so threads beyond the "
+            f"cores only hold more memory; use at most {cores}, or 0 (one per core, at most "
+            f"{grain_pipeline.MAX_WORKERS})"
+        )
+
+
+def _meminfo(proc: pathlib.Path) -> list[Memory]:
+    """MemAvailable: what the kernel can hand out without swapping."""
+    with contextlib.suppress(OSError):
+        for line in (proc / "meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return [Memory(int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo")]
+    return []
+
+
+def _cgroup_left(proc: pathlib.Path, cgroups: pathlib.Path) -> list[Memory]:
+    """Each enclosing cgroup's memory limit less its usage (v1 and v2), from this process's
+    own cgroup up to its hierarchy's root: a limit holds for everything below it."""
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    left = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if not controllers:
+            root, limit_file, usage_file = cgroups, "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            root = cgroups / "memory"
+            limit_file, usage_file = "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        directory = root / path.lstrip("/")
+        while True:
+            with contextlib.suppress(OSError, ValueError):  # absent, or "max": no limit
+                limit = int((directory / limit_file).read_text())
+                usage = int((directory / usage_file).read_text())
+                name = "/" + str(directory.relative_to(root)).removeprefix(".")
+                left.append(Memory(limit - usage, f"the memory limit of cgroup {name} less use"))
+            if directory == root or root not in directory.parents:
+                break
+            directory = directory.parent
+    return left
+
+
+def _data_limit_left(proc: pathlib.Path) -> list[Memory]:
+    """RLIMIT_DATA (`ulimit -d`) less the data this process holds (VmData)."""
+    soft = resource.getrlimit(resource.RLIMIT_DATA)[0]
+    if soft == resource.RLIM_INFINITY:
+        return []
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        held = int((proc / "self" / "status").read_text().split("VmData:")[1].split()[0]) * 1024
+        return [
+            Memory(soft - held, f"ulimit -d of {size_text(soft)} less {size_text(held)} in use")
+        ]
+    return []
+
+
+def host_memory(
+    proc: pathlib.Path = pathlib.Path("/proc"),
+    cgroups: pathlib.Path = pathlib.Path("/sys/fs/cgroup"),
+) -> Memory | None:
+    """What this process may still allocate on the host: the least of /proc/meminfo's
+    MemAvailable, each enclosing cgroup's limit less its usage and `ulimit -d` less the data
+    held; None where the OS tells none of them."""
+    found = [*_meminfo(proc), *_cgroup_left(proc, cgroups), *_data_limit_left(proc)]
+    return min(found, key=lambda m: m.free) if found else None
+
+
+def device_memory(devices: list[jax.Device]) -> Memory | None:
+    """The least any of `devices` may still allocate (its `memory_stats`: bytes_limit less
+    bytes_in_use); None where they keep no such statistics (a CPU)."""
+    free = []
+    for device in devices:
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            left = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            free.append(Memory(left, f"{device}: memory_stats' bytes_limit less bytes_in_use"))
+    return min(free, key=lambda m: m.free) if free else None
+
+
+def tree_bytes(tree: Any) -> int:
+    """The bytes of every array (or abstract shape) in `tree`."""
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
+def member_bytes(
+    config: ml_collections.ConfigDict,
+    image_shape: tuple[int, int, int],
+    num_classes: int,
+    saved_copy: bool = True,
+) -> int:
+    """What each model of a run holds, sized from abstract shapes (nothing allocated): its
+    state, its parameters' gradients and its optimizer's state, with `saved_copy` the host
+    copy of state and optimizer a checkpoint writes while training goes on (in the same memory
+    on a CPU); for an ensemble also a member's share of an evaluation call, which runs every
+    member at once."""
+    model = model_lib.abstract_model(config, image_shape, num_classes)
+    optimizer = nnx.eval_shape(
+        lambda m: nnx.Optimizer(m, optimizer_lib.create(config), wrt=nnx.Param), model
+    )
+    state = tree_bytes(nnx.state(model)) + tree_bytes(nnx.state(optimizer, nnx.OptState))
+    held = state * (1 + saved_copy) + tree_bytes(nnx.state(model, nnx.Param))
+    if config.ensemble.size > 1:
+        held += evaluation_bytes_per_member(config, model, image_shape)
+    return held
+
+
+def evaluation_bytes_per_member(
+    config: ml_collections.ConfigDict, model: nnx.Module, image_shape: tuple[int, int, int]
+) -> int:
+    """One member's share of an ensemble's evaluation call: XLA's memory analysis of the call
+    compiled (not run) for up to PROBE_MEMBERS abstract members of `model`; 0 where the
+    backend gives no analysis."""
+    size = min(config.ensemble.size, PROBE_MEMBERS)
+    members = nnx.eval_shape(lambda m: ensemble.Ensemble(ensemble.stack([m] * size), size), model)
+    members.eval()
+    graphdef, state = nnx.split(members)
+    # The most batches one call holds (evaluate._calls), as uint8 images, labels and a mask.
+    shape = (max(1, evaluate.EVAL_EXAMPLES_PER_CALL // config.batch_size), config.batch_size)
+    frozen = ml_collections.FrozenConfigDict(config)
+
+    def call(state, images, labels, mask):
+        return evaluate.evaluate_batches(nnx.merge(graphdef, state), images, labels, mask, frozen)
+
+    inputs = [
+        jax.ShapeDtypeStruct((*shape, *image_shape), jnp.uint8),
+        jax.ShapeDtypeStruct(shape, jnp.int32),
+        jax.ShapeDtypeStruct(shape, jnp.float32),
+    ]
+    analysis = jax.jit(call).lower(state, *inputs).compile().memory_analysis()
+    return analysis.temp_size_in_bytes // size if analysis else 0
+
+
+def grain_blocks(
+    config: ml_collections.ConfigDict, image_shape: tuple[int, int, int]
+) -> tuple[int, int, int]:
+    """(blocks in memory at once, steps a block, bytes a block) of the Grain pipeline: Grain's
+    buffer (`prefetch`, at least a block per read thread) and the blocks on the devices; a
+    block holds this process's share of its pixels and labels, and the indices picking them."""
+    threads = grain_pipeline.read_threads(config.grain.workers)
+    steps = grain_pipeline.block_steps(config)
+    examples = steps * config.optimizer.accumulate * config.batch_size
+    share = examples // jax.process_count() * (math.prod(image_shape) + LABEL_BYTES)
+    return (
+        max(config.grain.prefetch, threads) + BLOCKS_PLACED,
+        steps,
+        share + examples * INDEX_BYTES,
+    )
+
+
+def check_memory(
+    config: ml_collections.ConfigDict, dataset: datasets.Dataset, mesh: jax.sharding.Mesh
+) -> None:
+    """Refuse, in one line, a run whose models or Grain blocks cannot fit in what is left once
+    the data is loaded and placed: the models in the devices' memory (a CPU's is the host's),
+    the blocks in the host's, each within `Memory.usable`."""
+    devices = list(mesh.devices.flat)
+    on_host = devices[0].platform == "cpu"
+    host = host_memory()
+    memory = host if on_host else device_memory(devices)
+    held = check_models(config, dataset.image_shape, dataset.num_classes, memory, on_host)
+    if config.input_pipeline == "grain" and host is not None:
+        check_grain(config, dataset.image_shape, host, held if on_host else 0)
+
+
+def check_models(
+    config: ml_collections.ConfigDict,
+    image_shape: tuple[int, int, int],
+    num_classes: int,
+    memory: Memory | None,
+    on_host: bool,
+) -> int:
+    """The bytes the run's models hold on each device (`member_bytes` each; an ensemble's
+    members split over `shards` devices, but on a CPU all in the host's memory); refused in
+    one line naming the field where `memory.usable()` cannot hold them."""
+    members = config.ensemble.size
+    try:
+        each = member_bytes(config, image_shape, num_classes, saved_copy=on_host)
+    except (TypeError, ValueError):  # a model that cannot be built: create_model says why
+        return 0
+    shards = 1 if on_host else config.ensemble.shards
+    held = members // shards * each
+    if memory is None or held <= memory.usable():
+        return held
+    parts = "parameters, gradients, optimizer state" + (
+        ", the copy a checkpoint writes" if on_host else ""
+    )
+    where = (
+        f"{'the host' if on_host else 'each device'}, which has {memory}, of which a run may "
+        f"plan {size_text(memory.usable())}"
+    )
+    if members == 1:
+        raise UserError(
+            f"--config.model: the model needs about {size_text(held)} ({parts}) on {where}; "
+            "choose a smaller model"
+        )
+    fit = memory.usable() // each * shards
+    raise UserError(
+        f"--config.ensemble.size={members}: {members:,} members need about {size_text(held)} "
+        f"({size_text(each)} each: {parts}, a share of an evaluation call) on {where}; "
+        + (f"use at most about {fit:,} members" if fit > 1 else "choose a smaller model")
+    )
+
+
+def check_grain(
+    config: ml_collections.ConfigDict,
+    image_shape: tuple[int, int, int],
+    host: Memory,
+    held: int,
+) -> None:
+    """Refuse, in one line naming the fields, Grain blocks in flight (`grain_blocks`) that do
+    not fit in what the host can use besides the `held` bytes of the models."""
+    blocks, steps, block = grain_blocks(config, image_shape)
+    if blocks * block <= host.usable(held):
+        return
+    grain = config.grain
+    raise UserError(
+        f"--config.grain.block_examples={grain.block_examples} with --config.grain.prefetch="
+        f"{grain.prefetch} and --config.grain.workers={grain.workers} keeps {blocks:,} blocks "
+        f"of {steps:,} steps in memory, about {size_text(blocks * block)} ({size_text(block)} "
+        f"a block), but the host has {host}"
+        + f", of which a run may plan {size_text(host.usable())}"
+        + "; lower block_examples or prefetch"
+    )
 
 
 def parse_init_from(value: str) -> tuple[str, int | str | None, int | str | None]:

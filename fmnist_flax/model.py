@@ -236,6 +236,15 @@ def _build(*args) -> nnx.Module:
     return nnx.merge(graphdef, _initial_state(*args))
 
 
+def abstract_model(
+    config: ml_collections.ConfigDict, image_shape: tuple[int, int, int], num_classes: int
+) -> nnx.Module:
+    """One model of the config (not an ensemble) as shapes and dtypes only (`nnx.eval_shape`):
+    what it would hold, with nothing allocated; `experiment.check_memory` sizes runs by it."""
+    static = static_args(config, image_shape, num_classes)
+    return nnx.eval_shape(lambda: _construct(*static, jnp.uint32(0)))
+
+
 def count_params(model: nnx.Module) -> int:
     """Total number of trainable scalars (235,146 for the codelab's MLP)."""
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
