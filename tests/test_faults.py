@@ -646,3 +646,35 @@ def test_an_export_that_uses_an_older_step_than_the_newest_says_so(copy, tmp_pat
     assert "Traceback" not in result.stderr
     meta = json.loads((tmp_path / "m.json").read_text())
     assert meta["source"]["step"] == 10
+
+
+# Each of these passed the checks and grew to 24 GB until the kernel killed it (89-131 s, no
+# line). The child's data is capped at DATA_LIMIT (`ulimit -d`, which the check reads): the
+# case does not depend on the host's memory, and a regression fails here, not the host.
+DATA_LIMIT = 4 * 2**30
+TOO_LARGE = {
+    "--config.ensemble.size=1000": "--config.ensemble.size=1000: 1,000 members need about",
+    "--config.grain.workers=10000": "--config.grain.workers=10000 is more read threads than",
+    "--config.grain.block_examples=2147483647": "keeps 4 blocks of 4,194,303 steps in memory",
+    "--config.grain.prefetch=100000": "keeps 100,002 blocks of 32 steps in memory",
+}
+
+
+@pytest.mark.parametrize("flag", list(TOO_LARGE))
+def test_sizes_the_machine_cannot_hold_are_one_line_before_anything_grows(flag, tmp_path):
+    def cap_data() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (DATA_LIMIT, DATA_LIMIT))
+
+    pipeline = [] if "ensemble" in flag else ["--config.input_pipeline=grain"]
+    began = time.monotonic()
+    process = start(tmp_path / "w", "--steps=1", *QUICK, *pipeline, flag, preexec_fn=cap_data)
+    stderr = process.stderr.read()
+    _, status, usage = os.wait4(process.pid, 0)  # this child's own peak RSS
+    seconds = time.monotonic() - began
+    process.returncode = os.waitstatus_to_exitcode(status)  # reaped: Popen must not wait
+    process.stderr.close()
+    result = subprocess.CompletedProcess(process.args, process.returncode, "", stderr)
+    line = the_error(result, TOO_LARGE[flag])
+    assert "ulimit -d" in line or "cores" in line, line  # the memory figure it was held to
+    assert usage.ru_maxrss * 1024 < 2 * 2**30, usage.ru_maxrss
+    assert seconds < 30, seconds
