@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import pathlib
 import resource
 from collections.abc import Callable
@@ -154,18 +153,11 @@ def size_text(size: float) -> str:
     return f"{size / 2**30:,.2f} GiB"
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def check_threads(config: ml_collections.ConfigDict) -> None:
     """Refuse more Grain read threads than usable cores: Grain buffers at least a block per
     thread, so threads the cores cannot run hold more memory without reading faster."""
     workers = config.grain.workers
-    cores = usable_cores()
+    cores = grain_pipeline.usable_cores()
     if config.input_pipeline == "grain" and workers > cores:
         raise UserError(
             f"--config.grain.workers={workers} is more read threads than the {cores} cores this "

@@ -156,9 +156,17 @@ def block_steps(config: Any) -> int:
     return max(1, config.grain.block_examples // per_step)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def read_threads(workers: int) -> int:
-    """`config.grain.workers`, 0 meaning one per core of this host, at most MAX_WORKERS."""
-    return workers or min(os.cpu_count() or 1, MAX_WORKERS)
+    """`config.grain.workers`, 0 meaning one per core this process may use, at most
+    MAX_WORKERS."""
+    return workers or min(usable_cores(), MAX_WORKERS)
 
 
 def train_source(dataset: Any) -> Any:

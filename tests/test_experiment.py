@@ -12,7 +12,7 @@ import pytest
 from conftest import load_config
 from flax import nnx
 
-from fmnist_flax import checkpoint, experiment, load_model, train
+from fmnist_flax import checkpoint, experiment, grain_pipeline, load_model, train
 from fmnist_flax.errors import UserError
 from fmnist_flax.model import create_model
 
@@ -246,7 +246,7 @@ def test_host_memory_is_the_least_of_meminfo_and_every_enclosing_cgroup(tmp_path
 
 
 def test_grain_read_threads_beyond_the_cores_are_refused(quick_config):
-    cores = experiment.usable_cores()
+    cores = grain_pipeline.usable_cores()
     quick_config.grain.workers = cores + 1
     experiment.check_threads(quick_config)  # the device pipeline starts no read threads
     quick_config.input_pipeline = "grain"
