@@ -72,6 +72,13 @@ def get_config() -> ml_collections.ConfigDict:
     config.augment.flip = False  # random left-right mirroring, on the device
     config.report = "full"  # full | basic (no extra timing comparisons) | none (no report/)
     config.param_sharding = "replicated"  # replicated | fsdp (split over the `data` mesh axis)
+    config.mesh = ml_collections.ConfigDict()
+    # Devices each annotated parameter is split over: a `model` mesh axis beside `data` (1: none)
+    config.mesh.model = 1
+    config.mesh.data = 0  # devices each batch is split over; 0: all those left
+    # Logical axis names of annotated parameters (nnx.with_partitioning) -> mesh axis: `model`,
+    # `data` or None (replicated); a name left out, or an axis the mesh lacks, is replicated.
+    config.mesh.rules = (("mlp", "model"), ("embed", None), ("classes", None))
 
     config.model = ml_collections.ConfigDict()
     config.model.name = "mlp"  # a key of fmnist_flax.model.MODELS; the other fields are its args
@@ -103,6 +110,11 @@ def get_config() -> ml_collections.ConfigDict:
     # warmup_cosine, one_cycle: the last rate, as a fraction of the peak
     config.optimizer.final_fraction = 0.01
     config.ensemble = ensemble_config()
+    config.ema = ml_collections.ConfigDict()
+    # An exponential moving average of the parameters, updated after each step, evaluated
+    # beside them (test_ema_*) and picked by --ema in eval, predict and export; e.g. 0.999
+    # averages over about the last 1,000 updates. 0: none kept.
+    config.ema.decay = 0.0
     return config
 
 
@@ -183,6 +195,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if config.augment.max_shift < 0:
         raise UserError(f"--config.augment.max_shift={config.augment.max_shift} must be >= 0")
     check_ensemble(config)
+    decay = config.ema.decay
+    if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 <= decay < 1:
+        raise UserError(
+            f"--config.ema.decay={decay!r} must be a number in [0, 1): 0 keeps no average, "
+            "e.g. 0.999 averages over about the last 1,000 updates"
+        )
 
 
 MAX_MEMBERS = 1024

@@ -32,6 +32,7 @@ from fmnist_flax import checkpoint as checkpoint_lib
 from fmnist_flax import config as config_lib
 from fmnist_flax import (
     datasets,
+    ema,
     ensemble,
     experiment,
     grain_pipeline,
@@ -69,6 +70,7 @@ def create_train_state(
 ) -> tuple[nnx.Module, nnx.Optimizer]:
     """A fresh model and its optimizer, laid out on the mesh as `config.param_sharding` says."""
     model = create_model(config, image_shape, num_classes, seed)
+    ema.attach(model, config.ema.decay)
     optimizer = create_optimizer(model, config)
     place_state(model, optimizer, mesh, config.param_sharding)
     return model, optimizer
@@ -133,6 +135,20 @@ def _accumulated(model: nnx.Module, xs: jax.Array, ys: jax.Array, config: Config
     return jax.tree.map(lambda g: g / len(xs), grads), {k: v / len(xs) for k, v in metrics.items()}
 
 
+UpdateHook = Callable[[nnx.Module, nnx.Optimizer, Config], None]
+# Run inside the compiled step after each optimizer update, in the order added; the EMA's
+# update (`ema.update`) runs after them all, so it averages the parameters they leave.
+UPDATE_HOOKS: list[UpdateHook] = []
+
+
+def after_update(hook: UpdateHook) -> UpdateHook:
+    """Decorator: run `hook(model, optimizer, config)` after each optimizer update, inside the
+    compiled step (a weight clamp, a norm constraint); it changes the model in place. Add it
+    before training starts (from a module of `config.imports`): compiled steps keep theirs."""
+    UPDATE_HOOKS.append(hook)
+    return hook
+
+
 def train_step(
     model: nnx.Module,
     optimizer: nnx.Optimizer,
@@ -145,14 +161,17 @@ def train_step(
 
     With `config.optimizer.accumulate` = K > 1, x and y hold K micro-batches (K, B, ...) whose
     mean gradient makes the one update. The norm is one more pass over every gradient, so
-    inside a fused chunk it is computed only when `log` (the chunk's last step) holds. Called
-    as is, every operation is dispatched from Python (the codelab's eager baseline).
+    inside a fused chunk it is computed only when `log` (the chunk's last step) holds. The
+    update hooks (`after_update`) run after the update. Called as is, every operation is
+    dispatched from Python (the codelab's eager baseline).
     """
     if config.optimizer.accumulate > 1:
         grads, metrics = _accumulated(model, x, y, config)
     else:
         (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, x, y, config)
     optimizer.update(model, grads)
+    for hook in (*UPDATE_HOOKS, ema.update):
+        hook(model, optimizer, config)
     if log is True:
         metrics["grad_norm"] = optax.tree.norm(grads)
     else:
@@ -607,6 +626,16 @@ def warm_start(
     return optimizer
 
 
+def ema_test_metrics(run: experiment.Run, model: nnx.Module) -> dict[str, float]:
+    """The test metrics of the model's EMA (`ema.averaged`), as test_ema_loss, ...: {} when
+    the run keeps none."""
+    if not run.config.ema.decay:
+        return {}
+    full = experiment.evaluate_test(run, ema.averaged(model))
+    tested = experiment.test_metrics(full).items()
+    return {ema.TEST_PREFIX + k.removeprefix("test_"): v for k, v in tested}
+
+
 def train_and_evaluate(
     config: ml_collections.ConfigDict,
     workdir: str | pathlib.Path | None,
@@ -693,6 +722,7 @@ def train_and_evaluate(
         checkpoint_lib.warm_up(model, optimizer)
         step = start_step
         clock = None  # (time, step) once the first call, which compiles, is done
+        averaged = {}  # the EMA's test metrics at the newest evaluation
         # Examples/sec counts every model's: an ensemble of 8 at 1x does the work of 8 runs.
         per_step = device_data.examples_per_step * config.ensemble.size
         with RowLog(workdir, config, start_step, per_step, checkpoints) as log:
@@ -728,10 +758,11 @@ def train_and_evaluate(
                         nnx.update((model, optimizer), state)
                         model.eval()
                         full = experiment.evaluate_test(run, model)
+                        averaged = ema_test_metrics(run, model)
                         model.train()
                         run.evaluation = (step, full)
                         run.eval_seconds += time.perf_counter() - began
-                        tested = experiment.test_metrics(full)
+                        tested = experiment.test_metrics(full) | averaged
                         values |= tested
                     log.write(values, run.eval_seconds)
 
@@ -759,6 +790,8 @@ def train_and_evaluate(
             seconds = time.perf_counter() - clock[0] - run.eval_seconds
             run.examples_per_sec = (config.steps - clock[1]) * per_step / seconds
         experiment.show_training(run)
+        # summary.json's EMA test metrics: the last step's, or evaluated now if none was.
+        run.summary |= averaged if run.evaluation else ema_test_metrics(run, model)
 
         # The final evaluation, the extensions' tables and figures, summary.json and report/.
         stop_if_signalled(signals, config.steps, checkpoints)
