@@ -16,12 +16,15 @@ import jax
 import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
+from ml_collections.config_flags import config_path as config_fields
+from ml_collections.config_flags import tuple_parser
 
 from fmnist_flax import (
     checkpoint,
     compilation_cache,
     datasets,
     ensemble,
+    errors,
     experiment,
     export,
     inference,
@@ -38,6 +41,13 @@ PIPE_CLOSED_STATUS = 128 + 13  # what a shell reports for a writer stopped by SI
 EXTENSIONS = ("fmnist_flax.codelab",)  # added to every run when present; delete freely
 # --mode=benchmark is offered only while its module exists (a demonstration: delete freely).
 BENCHMARK = importlib.util.find_spec("fmnist_flax.benchmark") is not None
+# The parsers of a --config.FIELD's value by the field's type, as ml_collections parses them.
+VALUE_PARSERS = {
+    int: flags.IntegerParser,
+    float: flags.FloatParser,
+    bool: flags.BooleanParser,
+    tuple: tuple_parser.TupleParser,
+}
 
 FLAGS = flags.FLAGS
 _CONFIG: flags.FlagHolder | None = None  # defined by run(): see define_config_flag
@@ -89,6 +99,11 @@ _OUTPUT = flags.DEFINE_string(
     "prepare: the new directory of record files.",
 )
 _SHARDS = flags.DEFINE_integer("shards", 4, "prepare: record files per split.")
+flags.DEFINE_bool(  # read by errors.debugging() from sys.argv: errors come before parsing
+    "debug",
+    False,
+    f"Print the full traceback above any error line (or set {errors.DEBUG_VARIABLE}=1).",
+)
 _ACCEPT_CONFIG_CHANGE = flags.DEFINE_bool(
     "accept_config_change",
     False,
@@ -153,7 +168,9 @@ flags.DEFINE_string(
 
 def fail(message: str, code: int, together: bool = False) -> None:
     """Say `message` in one line and exit with `code`. `together`: every process of a
-    multi-process run stops here at once (a signal stops all at the same saved step)."""
+    multi-process run stops here at once (a signal stops all at the same saved step).
+    With --debug (or FMNIST_FLAX_DEBUG=1) the exception being handled comes first, whole."""
+    errors.print_traceback(sys.exc_info()[1])
     error_line(message)
     # Leave at once (1) in a multi-process run: the other processes may be waiting in a
     # collective this one will never join, and a normal exit would wait for them at JAX's
@@ -193,25 +210,61 @@ def explain_config_error(argv: Sequence[str], exc: Exception) -> str:
             f"--config={path} cannot be loaded ({reason}); pass a Python file whose "
             "get_config() returns a config, e.g. configs/bf16.py"
         )
-    for arg in argv:
-        name, _, value = arg.lstrip("-").partition("=")
-        if not name.startswith("config."):
-            continue
-        node, *parents = config, "config"
-        for key in name.split(".")[1:]:
-            if not isinstance(node, ml_collections.ConfigDict) or key not in node:
-                fields = (
-                    ", ".join(node.keys()) if isinstance(node, ml_collections.ConfigDict) else ""
-                )
-                return f"--{name}: {'.'.join(parents)} has no field {key!r}" + (
-                    f"; its fields are {fields}" if fields else ""
-                )
-            node, parents = node[key], [*parents, key]
-        if value:
-            return (
-                f"--{name}={value}: not a valid {type(node).__name__} for this field ({node!r} now)"
+    overrides = [arg.lstrip("-").partition("=")[::2] for arg in argv]
+    overrides = [(name, value) for name, value in overrides if name.startswith("config.")]
+    for name, _ in overrides:  # an unknown field first: no value of it can be checked
+        missing = missing_field(config, name)
+        if missing:
+            return missing
+    said = str(exc)
+    for name, value in overrides:  # absl names the flag whose value failed to parse
+        if said.startswith(f"flag --{name}={value}: "):
+            return bad_value(config, name, value)
+    for name, value in overrides:  # else the first value its field's type refuses
+        if value and refuses(config, name.removeprefix("config."), value):
+            return bad_value(config, name, value)
+    return f"{errors.shorten(said.splitlines()[0] if said else type(exc).__name__)} (see --help)"
+
+
+def missing_field(config: ml_collections.ConfigDict, name: str) -> str | None:
+    """The line for `--config.A.B` naming a field the config lacks, or None."""
+    node, *parents = config, "config"
+    for key in name.split(".")[1:]:
+        if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+            fields = ", ".join(node.keys()) if isinstance(node, ml_collections.ConfigDict) else ""
+            return f"--{name}: {'.'.join(parents)} has no field {key!r}" + (
+                f"; its fields are {fields}" if fields else ""
             )
-    return f"{str(exc).splitlines()[0]} (see --help)"
+        node, parents = node[key], [*parents, key]
+    return None
+
+
+def refuses(config: ml_collections.ConfigDict, field: str, value: str) -> bool:
+    """Whether `value` cannot be parsed as `field`'s type (a group of fields takes none)."""
+    kind = config_fields.get_type(field, config)
+    if isinstance(kind, type) and issubclass(kind, ml_collections.ConfigDict):
+        return True
+    if kind not in VALUE_PARSERS:
+        return False
+    try:
+        VALUE_PARSERS[kind]().parse(value)
+    except ValueError:
+        return True
+    return False
+
+
+def bad_value(config: ml_collections.ConfigDict, name: str, value: str) -> str:
+    """The line for `--config.FIELD=VALUE` whose value its field cannot take."""
+    field = name.removeprefix("config.")
+    now = config_fields.get_value(field, config)
+    if isinstance(now, ml_collections.ConfigDict):
+        return (
+            f"--{name}={value}: config.{field} is a group of fields, not a value; set them one "
+            f"by one, --{name}.FIELD=VALUE; its fields are {', '.join(now.keys())}"
+        )
+    kind = config_fields.get_type(field, config)
+    shown = errors.clip(repr(now), errors.QUOTE_CHARS)
+    return f"--{name}={value}: not a valid {kind.__name__} for this field ({shown} now)"
 
 
 def parse_flags(argv: Sequence[str]) -> list[str]:
@@ -241,14 +294,14 @@ def main(argv: Sequence[str]) -> None:
         logging.set_verbosity(logging.WARNING)  # keep JAX's start-up INFO lines out of the tables
     if len(argv) > 1:
         fail(f"unexpected arguments {' '.join(argv[1:])}; flags look like --steps=400", 2)
-    if _COMPILATION_CACHE.value:
-        compilation_cache.use(_COMPILATION_CACHE.value)
     config = _CONFIG.value
     shorthands = {flag: flags.FLAGS[flag].value for flag in SHORTHANDS}
     config.update_from_flattened_dict(
         {SHORTHANDS[flag]: value for flag, value in shorthands.items() if value is not None}
     )
     try:
+        if _COMPILATION_CACHE.value:
+            compilation_cache.use(_COMPILATION_CACHE.value)
         parallel.make_cpu_devices(member_devices(_MODE.value, config))
         parallel.initialize(
             _COORDINATOR.value,

@@ -1,6 +1,23 @@
-"""The one exception type for mistakes a user can fix; the CLI prints it as one line."""
+"""The one exception type for mistakes a user can fix; the CLI prints it as one line.
 
+FMNIST_FLAX_DEBUG=1 (or main.py's --debug) adds the full traceback above every error line.
+"""
+
+import os
+import re
 import sys
+import traceback
+
+DEBUG_VARIABLE = "FMNIST_FLAX_DEBUG"
+REASON_CHARS = 240  # a library's reason longer than this is shortened at a boundary
+QUOTE_CHARS = 60  # how much of a value (a field's, a JSON item's) an error line quotes
+ELLIPSIS = " ..."  # where a shortened text leaves something out
+# A repr that names an object rather than saying anything: TensorStore's errors end in
+# `See full TensorStore details: <bound method ...spec of TensorStore({...})>`.
+_OBJECT_REPR = re.compile(r"<(bound method|function|built-in|[\w.]+ object at 0x)")
+_TENSORSTORE_SPEC = re.compile(r"\s*\[tensorstore_spec='.*$")  # the JSON spec it appends
+_LINE_BREAK = re.compile(r"\s*\n\s*")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 
 
 class UserError(Exception):
@@ -8,8 +25,9 @@ class UserError(Exception):
 
 
 def error_line(message: str) -> None:
-    """How every user-facing error reaches the terminal: one line on stderr."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    """How every user-facing error reaches the terminal: one line on stderr (a line break
+    inside a library's message joins the line)."""
+    print(f"error: {_LINE_BREAK.sub(' ', message.strip())}", file=sys.stderr, flush=True)
 
 
 def warning_line(message: str) -> None:
@@ -17,9 +35,81 @@ def warning_line(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+def debugging() -> bool:
+    """Whether errors come with their full traceback: FMNIST_FLAX_DEBUG set (not 0), or
+    --debug on the command line, read from sys.argv: a flag mistake is reported before
+    absl has parsed the flags."""
+    if os.environ.get(DEBUG_VARIABLE, "0") not in ("", "0"):
+        return True
+    wanted = False
+    for arg in sys.argv[1:]:
+        name, given, value = arg.lstrip("-").partition("=")
+        if name in ("debug", "nodebug"):
+            wanted = name == "debug" and (not given or value.lower() in ("true", "t", "1"))
+    return wanted
+
+
+def print_traceback(exc: BaseException | None) -> None:
+    """With `debugging()`, `exc`'s whole chain on stderr, oldest first, the causes a one-line
+    error hides (`raise ... from None`) included; without an exception, where it was said."""
+    if not debugging():
+        return
+    if exc is None:
+        traceback.print_stack(sys._getframe(1), file=sys.stderr)
+        return
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    for link in reversed(chain):
+        text = traceback.format_exception(type(link), link, link.__traceback__, chain=False)
+        print("".join(text), file=sys.stderr, end="", flush=True)
+
+
 def reason(exc: BaseException) -> str:
-    """What went wrong, in a few words: the exception's first line, or its type when that
-    line says nothing (some libraries' errors print as `<bound method ...>`)."""
+    """What went wrong, in a few words: the exception's first line (object reprs and
+    TensorStore specs cut out), followed by its explicit cause's, shortened at a boundary
+    (`shorten`); its type when that says nothing."""
+    text = _said(exc)
+    if exc.__cause__ is not None:
+        said = _said(exc.__cause__)
+        text = f"{text}: {said}" if text and said else text or said
+    return shorten(text) if text else type(exc).__name__
+
+
+def _said(exc: BaseException) -> str:
+    """An exception's own first line, without object reprs, TensorStore specs, or the
+    clause that introduced a repr (`See full TensorStore details:`)."""
     lines = str(exc).strip().splitlines()
-    first = lines[0][:200] if lines else ""
-    return first if first and not first.startswith("<") else type(exc).__name__
+    text = _TENSORSTORE_SPEC.sub("", lines[0]) if lines else ""
+    found = _OBJECT_REPR.search(text)
+    if found:
+        kept = _SENTENCE_END.split(text[: found.start()].rstrip())
+        text = " ".join(kept[:-1] if kept[-1].endswith(":") else kept)
+    return text.strip().rstrip(":").strip()
+
+
+def shorten(text: str, limit: int = REASON_CHARS) -> str:
+    """`text` in at most `limit` characters, never cut inside a word: a chain of nested
+    reasons (`what: where: cause`) keeps its first and last links (the cause); prose keeps
+    its first sentences; else it ends at a word with an ellipsis."""
+    if len(text) <= limit:
+        return text
+    links = text.split(": ")
+    for first in range(2, len(links)):
+        shortened = f"{links[0]}:{ELLIPSIS}: {': '.join(links[first:])}"
+        if len(shortened) <= limit:
+            return shortened
+    kept = ""
+    for sentence in _SENTENCE_END.split(text):
+        if len(kept) + 1 + len(sentence) + len(ELLIPSIS) > limit:
+            break
+        kept = f"{kept} {sentence}".strip()
+    return kept + ELLIPSIS if kept else clip(text, limit)
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` in at most `limit` characters, ending at a word with an ellipsis when cut."""
+    if len(text) <= limit:
+        return text
+    return text[: limit - len(ELLIPSIS)].rsplit(" ", 1)[0] + ELLIPSIS

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import zipfile
 
+import jax
+import jax.numpy as jnp
 import pytest
+from absl import flags
 from conftest import REPO, assert_one_line_error, run_main
+from flax import nnx
+from ml_collections import config_flags
 
-from fmnist_flax import cli
+from fmnist_flax import cli, errors
 
 
 @pytest.mark.slow
@@ -209,3 +215,98 @@ def test_config_mistakes_are_explained_in_process(tmp_path):
     assert cli.explain_config_error(["m", "--config.steps=x"], ValueError()).startswith(
         "--config.steps=x: not a valid int"
     )
+
+
+# Mistakes an attacker found blamed on an earlier valid flag, or printed as a 25-line dump.
+LATER_CONFIG_MISTAKES = [
+    (
+        ("--config.checkpoint_min_interval_secs=0", "--config.nope=2"),
+        "--config.nope: config has no field 'nope'",
+    ),
+    (
+        ("--config.dataset.name=records", "--config.grain.workers=1.5"),
+        "--config.grain.workers=1.5: not a valid int for this field (0 now)",
+    ),
+    (("--config.steps=1", "--config.steps=abc"), "--config.steps=abc: not a valid int"),
+    (("--config.optimizer=3",), "--config.optimizer=3: config.optimizer is a group of fields"),
+]
+
+
+def config_mistake(*overrides: str) -> str:
+    """The line for `overrides`, explaining the exception ml_collections really raises."""
+    argv = ["main.py", *overrides]
+    values = flags.FlagValues()
+    try:
+        holder = config_flags.DEFINE_config_file(
+            "config", cli.DEFAULT_CONFIG, flag_values=values, sys_argv=argv
+        )
+        values(argv)
+        holder.value.to_dict()
+    except Exception as exc:  # what cli.define_config_flag and cli.parse_flags catch
+        return cli.explain_config_error(argv, exc)
+    pytest.fail(f"{overrides} were accepted")
+
+
+@pytest.mark.parametrize(("overrides", "expected"), LATER_CONFIG_MISTAKES)
+def test_the_config_flag_that_fails_is_named_not_an_earlier_valid_one(overrides, expected):
+    line = config_mistake(*overrides)
+    assert line.startswith(expected), line
+    assert "\n" not in line and "FieldReference" not in line and len(line) < 400
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("overrides", "expected"), LATER_CONFIG_MISTAKES)
+def test_a_later_config_mistake_is_one_true_line_for_a_user(overrides, expected, tmp_path):
+    assert_one_line_error(run_main(*overrides, f"--workdir={tmp_path / 'w'}"), expected)
+
+
+def test_a_long_reason_is_shortened_between_words_keeping_its_cause():
+    with pytest.raises(ValueError) as flax_error:  # 231 characters, once cut at 200 mid-word
+        nnx.Param(jnp.ones(2), out_sharding=jax.sharding.PartitionSpec("x"))
+    assert errors.reason(flax_error.value) == str(flax_error.value)
+    assert errors.reason(flax_error.value).endswith("4844-var-eager-sharding.html.")
+    chain = (
+        "DATA_LOSS: Error opening driver: "
+        + "Error reading a key in the database at a local file: " * 6
+        + "Encoded length (5) is less than minimum length (16)"
+    )
+    short = errors.shorten(chain)
+    assert short.startswith("DATA_LOSS: ...: ") and len(short) <= errors.REASON_CHARS
+    assert short.endswith(": Encoded length (5) is less than minimum length (16)")
+    prose = "The model cannot be built. " + "Its reason goes on at length. " * 20
+    assert errors.shorten(prose).startswith("The model cannot be built. Its reason")
+    assert errors.shorten(prose).endswith("at length. ...")
+    words = errors.shorten("averyveryverylongword " * 30)
+    assert words.endswith("averyveryverylongword ...") and len(words) <= errors.REASON_CHARS
+
+
+@pytest.mark.parametrize(
+    ("argv", "variable", "wanted"),
+    [
+        (["--debug"], "", True),
+        (["--debug=false"], "", False),
+        (["--debug", "--nodebug"], "", False),
+        ([], "1", True),
+        ([], "0", False),
+    ],
+)
+def test_debug_is_the_flag_or_the_environment_variable(argv, variable, wanted, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["main.py", *argv])
+    monkeypatch.setenv(errors.DEBUG_VARIABLE, variable)
+    assert errors.debugging() is wanted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["--debug", errors.DEBUG_VARIABLE])
+def test_debug_prints_the_full_traceback_above_the_one_line(how, tmp_path):
+    """A flag mistake (reported before absl parses --debug) and a mode's UserError."""
+    env = {**os.environ, errors.DEBUG_VARIABLE: "1" if how != "--debug" else "0"}
+    flag = ["--debug"] if how == "--debug" else []
+    for args, said, where in [
+        (("--config.steps=abc",), "error: --config.steps=abc: not a valid int", "absl"),
+        (("--mode=eval", f"--workdir={tmp_path}"), "error: --workdir ", "inference.py"),
+    ]:
+        result = run_main(*args, *flag, env=env)
+        assert result.returncode != 0
+        assert result.stderr.splitlines()[-1].startswith(said), result.stderr
+        assert "Traceback (most recent call last)" in result.stderr and where in result.stderr
