@@ -13,14 +13,17 @@ cache written without it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
+import os
 import pathlib
 import re
+import stat
 import warnings
 
 import jax
 
-from fmnist_flax.errors import warning_line
+from fmnist_flax.errors import UserError, warning_line
 
 _FAULT = re.compile(r"Error (reading|writing) persistent compilation cache entry for '(.+?)': (.*)")
 # Reads that fail without damage: the disk or its permissions, another run's lock (the tests
@@ -29,8 +32,15 @@ _NOT_DAMAGE = ("OSError", "PermissionError", "FileNotFoundError", "Timeout")
 
 
 def use(directory: str | pathlib.Path) -> None:
-    """Keep every compiled program in `directory` (made if missing) for later runs."""
-    directory = pathlib.Path(directory)
+    """Keep every compiled program in `directory` (made if missing) for later runs; a path
+    that can be no directory is refused in one line (--compilation_cache)."""
+    directory = pathlib.Path(directory).expanduser()
+    problem = not_a_directory(directory)
+    if problem:
+        raise UserError(
+            f"--compilation_cache={directory} {problem}; pass a directory (made if missing), or '' to run "
+            "without a compilation cache"
+        )
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     shown = warnings.showwarning
@@ -51,6 +61,22 @@ def use(directory: str | pathlib.Path) -> None:
             warning_line(fault_line(kind, directory, why[:200]))
 
     warnings.showwarning = showwarning
+
+
+def not_a_directory(path: pathlib.Path) -> str | None:
+    """Why `path` can be no directory (a file, a symbolic link loop or to nothing, a path
+    under a file), or None; what only permissions forbid is left to JAX's own warnings."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:  # made when missing, unless a symbolic link names it
+        return f"is a symbolic link to nothing ({os.readlink(path)})" if path.is_symlink() else None
+    except NotADirectoryError:
+        return "lies under a file, not a directory"
+    except OSError as exc:
+        return "is a symbolic link loop" if exc.errno == errno.ELOOP else None
+    if stat.S_ISDIR(mode):
+        return None
+    return "is a file, not a directory" if stat.S_ISREG(mode) else "is not a directory"
 
 
 def drop(directory: pathlib.Path, name: str) -> None:

@@ -1,9 +1,13 @@
 """compilation_cache.drop: which files a damaged program's entries are (the faults themselves,
-a full disk and entries cut short, are caused for real in test_faults.py)."""
+a full disk and entries cut short, are caused for real in test_faults.py); a cache path that
+can be no directory, named for what it is."""
 
 from __future__ import annotations
 
+import pytest
+
 from fmnist_flax import compilation_cache
+from fmnist_flax.errors import UserError
 
 KEY = "0123456789abcdef" * 4  # JAX names an entry `{module}-{sha256 hex}-cache`
 
@@ -20,3 +24,23 @@ def test_drop_deletes_that_programs_entries_and_access_times_only(tmp_path):
         (tmp_path / name).write_bytes(b"x")
     compilation_cache.drop(tmp_path, "jit_[step]")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
+
+
+def test_a_path_that_can_be_no_directory_is_named_for_what_it_is(tmp_path):
+    """Each was reported as "entries cut short" once JAX failed to read from it."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    said = {
+        "file": "is a file, not a directory",
+        "loop": "is a symbolic link loop",
+        "file/sub": "lies under a file, not a directory",
+        "dangling": f"is a symbolic link to nothing ({tmp_path / 'nowhere'})",
+        "missing/made/when/used": None,
+        ".": None,
+    }
+    assert {name: compilation_cache.not_a_directory(tmp_path / name) for name in said} == said
+    with pytest.raises(UserError) as refused:  # before JAX's settings are touched
+        compilation_cache.use(tmp_path / "loop")
+    assert str(refused.value).startswith(f"--compilation_cache={tmp_path / 'loop'} is a symbolic")
