@@ -39,6 +39,7 @@ CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never deleted
 STEP_MARKER = "_CHECKPOINT_METADATA"  # what Orbax writes in every step it finalises
 STEP_FILES = (STEP_MARKER, "commit_success.txt")  # a step's own files besides its items
+TREE_METADATA = "_METADATA"  # what Orbax writes in an array item: its tree, shapes and dtypes
 SPACE_MARGIN = 1.5  # bytes a save needs per byte of state, metadata included (measured ~1.1)
 INODES_PER_SAVE = 100  # files and directories a save creates (measured 51 for the MLP)
 BEST_METRIC = "test_accuracy"  # what keep_best and --step=best rank steps by (higher is better)
@@ -55,6 +56,33 @@ ITEM_FIELDS = {
     "config": ("model", "compute_dtype", "batch_size", "seed"),
     "dataset": ("name", "class_names", "image_shape"),
     "changes": ("changes",),
+}
+
+
+def _whole(value: Any, least: int = 0) -> bool:
+    """Whether a JSON value is a whole number (not a bool) of at least `least`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+# What each field of a JSON item must hold, where present (a field edited by hand, or
+# damaged, is named rather than failing later): a test, and what it wants.
+FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **dict.fromkeys(("step", "epoch", "index", "seed"), (_whole, "a whole number >= 0")),
+    **dict.fromkeys(("num_batches", "batch_size"), (lambda v: _whole(v, 1), "a whole number >= 1")),
+    **dict.fromkeys(
+        ("model", "optimizer", "ensemble", "augment", "grain", "dataset", "row"),
+        (lambda v: isinstance(v, dict), "a JSON object"),
+    ),
+    **dict.fromkeys(("compute_dtype", "name", "title"), (lambda v: isinstance(v, str), "a string")),
+    "class_names": (
+        lambda v: isinstance(v, list) and bool(v) and all(isinstance(n, str) for n in v),
+        "a list of class names",
+    ),
+    "image_shape": (
+        lambda v: isinstance(v, list) and len(v) in (2, 3) and all(_whole(n, 1) for n in v),
+        "[height, width] or [height, width, channels], each >= 1",
+    ),
+    "changes": (lambda v: isinstance(v, list), "a list"),
 }
 
 
@@ -411,9 +439,12 @@ class Checkpoints:
     def rotated(self, step: int) -> bool:
         """For a reader, whether `step` looks rotated away by a live training run rather than
         damaged: it is no longer complete, or the run has completed a step newer than any
-        this reader listed."""
+        this reader listed. A step directory no run of this project left is refused."""
         if not self.read_only:
             return False
+        path = self.directory / str(step)
+        if path.is_dir() and not (path / STEP_MARKER).exists() and not half_deleted(path):
+            raise not_a_checkpoint(path)  # what no save or rotation of this project leaves
         done, listed = complete_steps(self.directory), self.steps()
         return step not in done or (bool(listed) and done[-1] > listed[-1])
 
@@ -479,10 +510,16 @@ def prepare_directory(directory: pathlib.Path) -> None:
             if not path.exists():
                 logging.warning("%s was half deleted when its run stopped; removed it", path)
                 continue
-        raise UserError(
-            f"{path} is not a checkpoint this project wrote (no {STEP_MARKER}); move it out "
-            f"of {directory}, where the newest {CHECKPOINT_DIR} are rotated away"
-        )
+        raise not_a_checkpoint(path)
+
+
+def not_a_checkpoint(path: pathlib.Path) -> UserError:
+    """The line for a step directory this project did not write (put there by hand, or by
+    another program)."""
+    return UserError(
+        f"{path} is not a checkpoint this project wrote (no {STEP_MARKER}); move it out of "
+        f"{path.parent}, where the newest {CHECKPOINT_DIR} are rotated away"
+    )
 
 
 def complete_steps(directory: pathlib.Path) -> list[int]:
@@ -524,12 +561,41 @@ def check_readable(step_dir: pathlib.Path) -> None:
             )
 
 
+def _shown(value: Any) -> str:
+    """A JSON value as a reason quotes it, cut between words."""
+    return errors.clip(json.dumps(value), errors.QUOTE_CHARS)
+
+
 def item_problem(item: str, value: Any) -> str | None:
-    """What makes a restored JSON item unusable (not an object, a field missing), or None."""
+    """What makes a restored JSON item unusable (not an object, a field missing or of the
+    wrong kind), or None."""
     if not isinstance(value, dict):
-        return f"its {item} item is {json.dumps(value)[:40]}, not a JSON object"
+        return f"its {item} item is {_shown(value)}, not a JSON object"
     missing = [field for field in ITEM_FIELDS.get(item, ()) if field not in value]
-    return f"its {item} item lacks {', '.join(missing)}" if missing else None
+    if missing:
+        return f"its {item} item lacks {', '.join(missing)}"
+    for field in sorted(value.keys() & FIELD_RULES.keys()):
+        fits, wanted = FIELD_RULES[field]
+        if not fits(value[field]):
+            return f"its {item} item has {field}={_shown(value[field])}, not {wanted}"
+    return None
+
+
+def tree_metadata_problem(item_dir: pathlib.Path) -> str | None:
+    """What is wrong with an array item's description of its tree (missing, not JSON), named
+    as a file: Orbax reports neither in words."""
+    if not item_dir.is_dir() and item_dir.parent.is_dir():
+        return f"its {item_dir.name} item is missing"
+    path = item_dir / TREE_METADATA
+    try:
+        json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return f"its {item_dir.name} item has no {TREE_METADATA} file"
+    except ValueError as exc:
+        return f"{path} is not valid JSON ({errors.reason(exc)})"
+    except OSError:  # the step vanished, or permissions: restore() tells which
+        pass
+    return None
 
 
 def saved_item(directory: pathlib.Path, step: int, item: str) -> dict[str, Any] | None:
@@ -544,9 +610,10 @@ def saved_item(directory: pathlib.Path, step: int, item: str) -> dict[str, Any] 
         if not (directory / str(step)).is_dir():
             raise StepVanished(step) from None
         return None
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read the saved {item} {path}: {exc}") from None
-    problem = item_problem(item, value)
+    except (OSError, ValueError) as exc:  # not JSON, not text, or not a file
+        problem = f"its {item} item cannot be read as JSON ({errors.reason(exc)})"
+    else:
+        problem = item_problem(item, value)
     if problem:
         raise UserError(
             f"checkpoint {step} in {directory} is damaged: {problem}; move {directory / str(step)}"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +44,7 @@ from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.checkpoint import (
     BEST,
     READ_ATTEMPTS,
+    STEP_MARKER,
     Checkpoints,
     StepVanished,
     Unreadable,
@@ -56,6 +58,7 @@ MAX_IMAGE_SIDE = 4096  # larger image files are refused before they are decoded
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # grayscale, scaled by 1/65535
 PICTURE_MODES = {1: "L", 3: "RGB", 4: "RGBA"}  # the Pillow mode of each channel count
 GREY_MODES = ("L", "F", *SIXTEEN_BIT_MODES)  # read as they are, the channel copied for colour
+REMOVAL_SECONDS = 1.0  # a rotated-away step's directory is gone this soon after it vanishes
 
 
 # What restore_model assumes for a checkpoint written before the `dataset` item existed.
@@ -100,14 +103,29 @@ def restore_model(
                 return ensemble.select_member(restored, member, checkpoints, flag)
             except StepVanished as gone:
                 if step is not None or attempt == READ_ATTEMPTS - 1:
-                    raise UserError(
-                        f"checkpoint {gone.step} in {checkpoints.directory} was removed while "
-                        "being read: the run training there rotated it away; read a kept step "
-                        "with --step, or wait for that run to end"
-                    ) from None
+                    raise _vanished(checkpoints.directory / str(gone.step)) from None
                 checkpoints.reload()
     finally:
         checkpoints.close()
+
+
+def _vanished(path: pathlib.Path) -> UserError:
+    """The line for a step that went on vanishing as it was read: rotated away by a live run
+    (its directory gone once the removal ends), or one that stays incomplete."""
+    deadline = time.monotonic() + REMOVAL_SECONDS
+    while path.is_dir() and time.monotonic() < deadline:
+        time.sleep(REMOVAL_SECONDS / 20)
+    if path.is_dir():
+        return UserError(
+            f"{path} is an incomplete checkpoint (no {STEP_MARKER}) that no run is removing: "
+            "left by a run killed while removing it, or put there by hand; move it out of "
+            f"{path.parent} (training in this workdir again removes it)"
+        )
+    return UserError(
+        f"checkpoint {path.name} in {path.parent} was removed while being read: the run "
+        "training there rotated it away; read a kept step with --step, or wait for that run "
+        "to end"
+    )
 
 
 def _restore_best(checkpoints: Checkpoints, compute_dtype, mesh, flag) -> tuple:
@@ -143,16 +161,24 @@ def _restore_model(
         raise UserError(f"{flag} {path}: no checkpoint has an intact saved config")
     config = config_lib.with_defaults(saved)
     info = checkpoints.saved("dataset", chosen)[1] or FASHION_MNIST_INFO
-    if compute_dtype is not None:
-        config.compute_dtype = compute_dtype
-    if config.compute_dtype not in model_lib.COMPUTE_DTYPES:
+    if compute_dtype is not None and compute_dtype not in model_lib.COMPUTE_DTYPES:
         raise UserError(
-            f"--compute_dtype={config.compute_dtype!r} is not supported; "
+            f"--compute_dtype={compute_dtype!r} is not supported; "
             f"use one of {', '.join(model_lib.COMPUTE_DTYPES)}"
         )
+    config.compute_dtype = compute_dtype or config.compute_dtype
     shape = datasets.as_hwc(info["image_shape"])
     classes = len(info["class_names"])
-    model = model_lib.create_model(config, shape, classes)
+    try:
+        if config.compute_dtype not in model_lib.COMPUTE_DTYPES:
+            raise UserError(f"compute_dtype={config.compute_dtype!r} is not supported")
+        model = model_lib.create_model(config, shape, classes)
+    except UserError as exc:  # the saved config's, not a flag's
+        said = str(exc).replace("--config.", "config.")
+        raise UserError(
+            f"checkpoint {chosen} in {checkpoints.directory}: its saved config builds no model "
+            f"here ({said}); read another step with --step"
+        ) from None
     if mesh is not None:
         stacked = isinstance(model, ensemble.Ensemble)
         parallel.place_module(model, mesh, config.param_sharding, stacked)
@@ -377,6 +403,7 @@ def run_predict(
         try:
             images, notes = read_images(pathlib.Path(path), info["image_shape"])
         except UserError as exc:
+            errors.print_traceback(exc)  # with --debug
             failures.append(str(exc))
             continue
         named += images

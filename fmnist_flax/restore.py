@@ -24,6 +24,7 @@ from fmnist_flax.checkpoint import (
     check_readable,
     item_problem,
     key_data,
+    tree_metadata_problem,
     wrap_keys,
 )
 from fmnist_flax.errors import UserError
@@ -76,8 +77,12 @@ def check_shapes(
 def restore_step(checkpoints: Checkpoints, step: int, targets: dict[str, Any]) -> dict[str, Any]:
     """The named items of one step: array items into the shapes of their targets (checked
     first), JSON items checked for their fields. Any damage raises (ValueError or Orbax's)."""
-    metadata = checkpoints.manager.item_metadata(step)
     arrays = {name: key_data(t) for name, t in targets.items() if name in ARRAY_ITEMS}
+    for name in arrays:
+        problem = tree_metadata_problem(checkpoints.directory / str(step) / name)
+        if problem:
+            raise ValueError(problem)
+    metadata = checkpoints.manager.item_metadata(step)
     for name, target in arrays.items():
         stored = metadata[name]
         if stored is None:

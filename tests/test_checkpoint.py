@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 import shutil
 import signal
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import EVERY_DUE_SAVE, REPO, load_config
 
-from fmnist_flax import checkpoint, inference, load_model, parallel, restore, train
+from fmnist_flax import checkpoint, errors, inference, load_model, parallel, restore, train
 from fmnist_flax.errors import UserError
 
 
@@ -381,3 +382,83 @@ def test_keep_best_keeps_the_best_evaluated_step_beside_the_newest(tmp_path):
     assert reader.best_steps()[0] == 3
     reader.close()
     assert inference.restore_model(tmp_path, checkpoint.BEST)[1] == 3
+
+
+def truncate(path: pathlib.Path, size: int) -> None:
+    path.write_bytes(path.read_bytes()[:size])
+
+
+# Damage of several kinds to step 200's model item, and the words that name it (it said
+# `See full TensorStore details: <bound method pybind11_detail_function_record...`).
+MODEL_DAMAGE = {
+    "data cut short": (
+        lambda model: [truncate(p, 10) for p in model.rglob("d/*")],
+        "Requested byte range",
+    ),
+    "_METADATA deleted": (lambda model: (model / "_METADATA").unlink(), "has no _METADATA file"),
+    "_METADATA cut short": (lambda model: truncate(model / "_METADATA", 20), "is not valid JSON"),
+    "manifest cut short": (
+        lambda model: truncate(model / "manifest.ocdbt", 5),
+        "Error decoding manifest",
+    ),
+    "item deleted": (shutil.rmtree, "its model item is missing"),
+}
+
+
+@pytest.mark.parametrize("damage", MODEL_DAMAGE)
+def test_each_kind_of_damage_is_named_in_words(damage, trained, tmp_path):
+    workdir = tmp_path / "w"
+    shutil.copytree(trained[0], workdir)
+    do, expected = MODEL_DAMAGE[damage]
+    do(workdir / "checkpoints" / "200" / "model")
+    with pytest.raises(restore.Damaged) as exc:
+        load_model(workdir, 200)
+    line = str(exc.value)
+    assert line.startswith(f"checkpoint 200 in {workdir / 'checkpoints'} is damaged: "), line
+    assert expected in line and "\n" not in line
+    assert "<" not in line and "bound method" not in line and "tensorstore_spec" not in line
+    reason = line.split(" is damaged: ", 1)[1]
+    assert len(reason) <= errors.REASON_CHARS + 100  # a path besides the library's reason
+
+
+# Saved JSON items edited by hand, and the field each line names (each was a traceback).
+EDITED_ITEMS = [
+    ("config", {"model": None}, "is damaged: its config item has model=null, not a JSON object"),
+    ("dataset", {"image_shape": "x"}, 'its dataset item has image_shape="x", not [height, width]'),
+    ("dataset", {"image_shape": [-1, 784, 1]}, "its dataset item has image_shape=[-1, 784, 1]"),
+    ("dataset", {"class_names": 3}, "its dataset item has class_names=3, not a list"),
+    ("config", {"ensemble": 5}, "its config item has ensemble=5, not a JSON object"),
+    (
+        "config",
+        {"model": {"name": "mlp", "hidden": "x"}},
+        "its saved config builds no model here (config.model.hidden='x' must be",
+    ),
+]
+
+
+@pytest.mark.parametrize(("item", "edit", "expected"), EDITED_ITEMS)
+def test_an_edited_json_item_is_one_line_naming_the_checkpoint_and_field(
+    item, edit, expected, trained, tmp_path
+):
+    workdir = tmp_path / "w"
+    shutil.copytree(trained[0], workdir)
+    for step in (100, 200):
+        path = workdir / "checkpoints" / str(step) / item / "metadata"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    with pytest.raises(UserError) as exc:
+        load_model(workdir)
+    line = str(exc.value)
+    assert line.startswith(f"checkpoint 200 in {workdir / 'checkpoints'}") and expected in line
+    assert "--config." not in line  # nothing the user passed is blamed
+
+
+def test_a_foreign_step_directory_is_named_for_a_reader(trained, tmp_path):
+    """A reader took it for a step a live run rotated away."""
+    workdir = tmp_path / "w"
+    shutil.copytree(trained[0], workdir)
+    foreign = workdir / "checkpoints" / "999"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=f"^{re.escape(str(foreign))} is not a checkpoint this"):
+        load_model(workdir)
+    assert (foreign / "notes.txt").read_text() == "mine"
