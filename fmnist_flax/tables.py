@@ -163,12 +163,17 @@ def metric_names(row: dict[str, float]) -> list[str]:
 
 
 def spread_cell(row: dict[str, Any], name: str) -> str:
-    """A row's `name`, with the members' range after it for an ensemble."""
+    """A row's `name`, with the members' range after it for an ensemble. A training metric
+    is the members' mean; a test metric is the ensemble's own (of the members' mean
+    probabilities), which can lie outside their range, and says so."""
     cell = metric_cell(name, row[name])
     values = member_values(row, name)
     if not values:
         return cell
-    return f"{cell} ({metric_cell(name, min(values))}-{metric_cell(name, max(values))})"
+    spread = f"{metric_cell(name, min(values))}-{metric_cell(name, max(values))}"
+    if name.startswith("test_"):
+        return f"{cell} ensemble (members {spread})"
+    return f"{cell} ({spread})"
 
 
 def members_table(members: Sequence[dict[str, Any]], best: int) -> Table:

@@ -117,6 +117,18 @@ def test_table_cells_show_control_characters_escaped():
     assert tables.printable("Ankle boot / Überzieher") == "Ankle boot / Überzieher"
 
 
+def test_an_ensembles_test_value_is_labelled_its_own_not_the_members_mean(tmp_path):
+    """The ensemble's test loss (of its mean probabilities) lay outside the members' range
+    under a label that read as their mean."""
+    row = {"step": 30, "loss": 0.59, "loss/0": 0.58, "loss/1": 0.6}
+    row |= {"test_loss": 0.544, "test_loss/0": 0.5554, "test_loss/1": 0.6032}
+    with (tmp_path / "log").open("w") as stream:
+        tables.ProgressBar(30, stream).update(row)
+    line = (tmp_path / "log").read_text()
+    assert "  loss 0.5900 (0.5800-0.6000)  " in line  # a training metric: the members' mean
+    assert line.endswith("  test_loss 0.5440 ensemble (members 0.5554-0.6032)\n")
+
+
 @pytest.mark.slow
 def test_class_names_with_escape_sequences_are_printed_escaped(tmp_path, capsys):
     """A classes.txt with terminal escape sequences: eval's confusion table and predict's
