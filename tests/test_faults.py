@@ -678,3 +678,72 @@ def test_sizes_the_machine_cannot_hold_are_one_line_before_anything_grows(flag, 
     assert "ulimit -d" in line or "cores" in line, line  # the memory figure it was held to
     assert usage.ru_maxrss * 1024 < 2 * 2**30, usage.ru_maxrss
     assert seconds < 30, seconds
+
+
+# --- One true line for each (issue 37) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("notes", [True, False])
+def test_a_foreign_or_stale_step_directory_is_named_for_a_reader(copy, notes):
+    """A reader said "the run training there rotated it away" of a directory nobody removes."""
+    foreign = copy / "checkpoints" / "999"
+    foreign.mkdir()
+    if notes:
+        (foreign / "notes.txt").write_text("mine")
+    result = run_main("--mode=eval", f"--workdir={copy}")
+    said = "is not a checkpoint this project wrote" if notes else "is an incomplete checkpoint"
+    line = the_error(result, f"{foreign} {said} (no {checkpoint.STEP_MARKER})")
+    assert "rotated it away" not in line and foreign.is_dir()
+
+
+@pytest.mark.parametrize(
+    ("damaged", "expected"),
+    [
+        ("model/d", "Requested byte range"),  # was `See full TensorStore details: <bound method`
+        ("model/manifest.ocdbt", "Error decoding manifest"),
+    ],
+)
+def test_a_damaged_step_asked_for_is_named_in_words(copy, damaged, expected):
+    step = copy / "checkpoints" / "20"
+    target = step / damaged
+    for path in target.rglob("*") if target.is_dir() else [target]:
+        path.write_bytes(path.read_bytes()[:5])
+    line = the_error(run_main("--mode=eval", f"--workdir={copy}", "--step=20"), expected)
+    assert line.startswith(f"error: checkpoint 20 in {copy / 'checkpoints'} is damaged: ")
+    assert "<" not in line and "tensorstore_spec" not in line
+
+
+@pytest.mark.parametrize(
+    ("item", "field", "value"),
+    [
+        ("config", "model", None),
+        ("dataset", "image_shape", "x"),
+        ("dataset", "image_shape", [-1, 784, 1]),
+    ],
+)
+def test_an_edited_json_item_is_one_line_for_predict(copy, tmp_path, item, field, value):
+    for step in (10, 20):
+        path = copy / "checkpoints" / str(step) / item / "metadata"
+        path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    images = tmp_path / "x.npy"
+    np.save(images, np.zeros((2, 28, 28), np.uint8))
+    result = run_main("--mode=predict", f"--workdir={copy}", f"--images={images}")
+    the_error(
+        result,
+        f"checkpoint 20 in {copy / 'checkpoints'} is damaged: its {item} item has "
+        f"{field}={json.dumps(value)}, not ",
+    )
+
+
+@pytest.mark.parametrize("what", ["a file", "a symbolic link loop"])
+def test_a_compilation_cache_that_can_be_no_directory_is_named(tmp_path, what):
+    """It was reported as a cache holding "entries cut short"."""
+    cache = tmp_path / "cache"
+    if what == "a file":
+        cache.write_text("mine")
+    else:
+        cache.symlink_to(tmp_path / "other")
+        (tmp_path / "other").symlink_to(cache)
+    result = run_main(f"--workdir={tmp_path / 'w'}", "--steps=2", f"--compilation_cache={cache}")
+    the_error(result, f"--compilation_cache={cache} is {what}")
+    assert not (tmp_path / "w").exists()  # refused before anything was made
