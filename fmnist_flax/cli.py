@@ -122,6 +122,12 @@ _MEMBER = flags.DEFINE_string(
     "eval/predict/export of an ensemble run: a member number, 'best' (by test accuracy) or "
     "'ensemble' (the members' mean probabilities, the default).",
 )
+_EMA = flags.DEFINE_bool(
+    "ema",
+    False,
+    "eval/predict/export: the run's EMA of its parameters instead of the parameters (a run "
+    "trained with --config.ema.decay > 0).",
+)
 
 # Multi-process runs (jax.distributed): start the same command on every host.
 _COORDINATOR = flags.DEFINE_string(
@@ -369,6 +375,7 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
             data_dir=flags.FLAGS.data_dir,
             output=_OUTPUT.value,
             member=ensemble.parse_member(_MEMBER.value),
+            ema=_EMA.value,
         )
     elif mode == "export":
         meta = export.export_model(
@@ -377,6 +384,7 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
             step=step_flag(),
             compute_dtype=flags.FLAGS.compute_dtype,
             member=ensemble.parse_member(_MEMBER.value),
+            ema=_EMA.value,
         )
         parallel.say(
             f"wrote {_OUTPUT.value} (step {meta['source']['step']}, for "
@@ -390,6 +398,7 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
             compute_dtype=flags.FLAGS.compute_dtype,
             output=_OUTPUT.value,
             member=ensemble.parse_member(_MEMBER.value),
+            ema=_EMA.value,
         )
         for line in errors:
             error_line(line)

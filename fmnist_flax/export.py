@@ -67,17 +67,21 @@ def export_model(
     step: int | str | None = None,
     compute_dtype: str | None = None,
     member: int | str | None = None,
+    ema: bool = False,
 ) -> dict[str, Any]:
     """Write a workdir's model (parameters only) to `output` as a serialized `jax.export`
     artifact and its metadata to `output` + METADATA_SUFFIX, both atomically; return the
-    metadata. `output` is checked before anything is restored."""
+    metadata. `output` is checked before anything is restored; `ema`: the run's EMA of its
+    parameters instead (`--ema`)."""
     if not output:
         raise UserError("--mode=export needs --output=FILE, the artifact to write")
     path = pathlib.Path(output).expanduser()
     meta_path = path.with_name(path.name + METADATA_SUFFIX)
     workdir_lib.check_output_path(str(output))
     workdir_lib.check_output_path(str(meta_path))
-    model, step, config, info = inference.restore_model(workdir, step, compute_dtype, member=member)
+    model, step, config, info = inference.restore_model(
+        workdir, step, compute_dtype, member=member, ema=ema
+    )
     image_shape = [int(side) for side in info["image_shape"]]
     exported = export_probabilities(model, tuple(image_shape))
     names = list(info["class_names"])
@@ -102,6 +106,7 @@ def export_model(
             "workdir": str(pathlib.Path(workdir).expanduser().absolute()),
             "step": step,
             **({"member": info["member"]} if "member" in info else {}),
+            **({"ema": True} if ema else {}),
             "dataset": info["name"],
             "model": config.model.get("name", "mlp"),
         },

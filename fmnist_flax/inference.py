@@ -39,6 +39,7 @@ from PIL import Image
 
 from fmnist_flax import config as config_lib
 from fmnist_flax import datasets, ensemble, errors, evaluate, parallel, restore, tables
+from fmnist_flax import ema as ema_lib
 from fmnist_flax import model as model_lib
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.checkpoint import (
@@ -77,12 +78,14 @@ def restore_model(
     mesh: jax.sharding.Mesh | None = None,
     flag: str = "--workdir",
     member: int | str | None = None,
+    ema: bool = False,
 ) -> tuple[nnx.Module, int, ml_collections.ConfigDict, dict[str, Any]]:
     """Rebuild a workdir's model from its saved config and restore only its parameters.
 
     Returns the model, the step it was restored from, the config (with `compute_dtype`
     applied) and the dataset's info (name, title, class names, image shape). For an ensemble
-    run, `member` picks what the model is (`ensemble.select_member`). On a `mesh` the
+    run, `member` picks what the model is (`ensemble.select_member`); `ema`: the model with
+    its EMA as parameters (`ema.averaged`; `--ema`). On a `mesh` the
     parameters are read straight into the saved run's layout over it, whatever the device and
     process count of the run that saved them. Every problem is a one-line UserError, raised
     before anything compiles, naming the workdir as `flag`.
@@ -100,13 +103,25 @@ def restore_model(
                     restored = _restore_best(checkpoints, compute_dtype, mesh, flag)
                 else:
                     restored = _restore_model(checkpoints, step, compute_dtype, mesh, flag)
-                return ensemble.select_member(restored, member, checkpoints, flag)
+                chosen = ensemble.select_member(restored, member, checkpoints, flag)
+                return _averaged(chosen, path, flag) if ema else chosen
             except StepVanished as gone:
                 if step is not None or attempt == READ_ATTEMPTS - 1:
                     raise _vanished(checkpoints.directory / str(gone.step)) from None
                 checkpoints.reload()
     finally:
         checkpoints.close()
+
+
+def _averaged(restored: tuple, path: pathlib.Path, flag: str) -> tuple:
+    """`restore_model`'s result with the model's EMA of its parameters as the model."""
+    model, step, config, info = restored
+    if not ema_lib.kept(model):
+        raise UserError(
+            f"--ema: {flag} {path} kept no average of its parameters (config.ema.decay=0); "
+            "leave out --ema, or train with --config.ema.decay=0.999"
+        )
+    return ema_lib.averaged(model), step, config, {**info, "ema": True}
 
 
 def _vanished(path: pathlib.Path) -> UserError:
@@ -173,6 +188,7 @@ def _restore_model(
         if config.compute_dtype not in model_lib.COMPUTE_DTYPES:
             raise UserError(f"compute_dtype={config.compute_dtype!r} is not supported")
         model = model_lib.create_model(config, shape, classes)
+        ema_lib.attach(model, config.ema.decay)  # a place for the average it saved
     except UserError as exc:  # the saved config's, not a flag's
         said = str(exc).replace("--config.", "config.")
         raise UserError(
@@ -195,6 +211,7 @@ def load_model(
     step: int | str | None = None,
     compute_dtype: str | None = None,
     member: int | str | None = None,
+    ema: bool = False,
 ) -> nnx.Module:
     """The trained model of a workdir (newest checkpoint by default; `step="best"`: the best
     test accuracy kept by `config.keep_best`), ready for `predict`.
@@ -202,8 +219,9 @@ def load_model(
     Only parameters are read, no optimizer state; `compute_dtype` ('float32' or 'bfloat16')
     overrides the dtype it was trained in. `class_names(workdir)` names its outputs. Of an
     ensemble run: member K (an int), "best" (by test accuracy) or "ensemble" (the default).
+    `ema=True`: the EMA of its parameters (a run trained with config.ema.decay > 0).
     """
-    return restore_model(workdir, step, compute_dtype, member=member)[0]
+    return restore_model(workdir, step, compute_dtype, member=member, ema=ema)[0]
 
 
 def class_names(workdir: str | os.PathLike, step: int | None = None) -> tuple[str, ...]:
@@ -224,6 +242,7 @@ def run_eval(
     data_dir: str | None = None,
     output: str | None = None,
     member: int | str | None = None,
+    ema: bool = False,
 ) -> dict[str, Any]:
     """Restore parameters only and evaluate every metric of the task (task.py) on the whole
     test set of the dataset the model was trained on, on every device; the results also go to
@@ -231,7 +250,9 @@ def run_eval(
     batch is the training batch rounded up to a multiple of the device count."""
     workdir_lib.check_output_path(output)
     mesh = parallel.make_mesh()
-    model, step, config, info = restore_model(workdir, step, compute_dtype, mesh, member=member)
+    model, step, config, info = restore_model(
+        workdir, step, compute_dtype, mesh, member=member, ema=ema
+    )
     dataset = datasets.load(config, data_dir)
     if list(dataset.image_shape) != list(info["image_shape"]):
         raise UserError(
@@ -255,6 +276,7 @@ def run_eval(
     report = {
         "step": step,
         **({"member": info["member"]} if "member" in info else {}),
+        **({"ema": True} if ema else {}),
         "compute_dtype": config.compute_dtype,
         **{f"test_{name}": value for name, value in metrics.items()},
         "dataset": info["name"],
@@ -265,7 +287,7 @@ def run_eval(
         return report
     print(
         tables.evaluation_table(
-            {f"test, checkpoint {step} ({config.compute_dtype})": metrics}
+            {f"test, checkpoint {step}{' EMA' if ema else ''} ({config.compute_dtype})": metrics}
         ).format(),
         tables.Table.of(
             "Confusion matrix (rows: true class, columns: predicted)",
@@ -386,6 +408,7 @@ def run_predict(
     compute_dtype: str | None = None,
     output: str | None = None,
     member: int | str | None = None,
+    ema: bool = False,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Classify each image; unreadable ones get one line each and the rest are still classified.
 
@@ -395,7 +418,7 @@ def run_predict(
         raise UserError("--mode=predict needs --images=a.png,b.npy,...")
     workdir_lib.check_output_path(output)
     mesh = parallel.make_mesh()
-    model, _, _, info = restore_model(workdir, step, compute_dtype, mesh, member=member)
+    model, _, _, info = restore_model(workdir, step, compute_dtype, mesh, member=member, ema=ema)
     names = info["class_names"]
     named = []
     failures = []

@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO, load_config
+from conftest import REPO, assert_one_line_error, load_config, run_main
 from flax import nnx
 
 from fmnist_flax import config as config_lib
-from fmnist_flax import ema, experiment, input_pipeline, parallel, train
+from fmnist_flax import ema, experiment, export, inference, input_pipeline, parallel, predict, train
 from fmnist_flax.errors import UserError
 from fmnist_flax.model import create_model
 
@@ -207,6 +207,11 @@ def test_each_ensemble_member_keeps_its_own_average(quick_config, tmp_path):
     for name in ("test_ema_accuracy", "test_ema_accuracy/0", "test_ema_accuracy/1"):
         assert 0.5 < row[name] <= 1, name
     assert summary["test_ema_accuracy"] == row["test_ema_accuracy"]
+    # --member=1 --ema: member 1 with its own averages as parameters.
+    member = params_of(inference.load_model(tmp_path, member=1, ema=True))
+    twins = [np.asarray(t[...])[1] for _, t in nnx.to_flat_state(nnx.state(kept.state, ema.EMA))]
+    for a, b in zip(member, twins, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 FSDP_CHECK = """
@@ -254,3 +259,40 @@ def test_the_twins_are_sharded_like_their_parameters_under_fsdp(tmp_path):
     assert len(pairs) == 6 and all(param == twin for param, twin in pairs)
     assert sum("data" in param for param, _ in pairs) >= 3  # the kernels, at least, are split
     assert 0.5 < result["ema"] <= 1
+
+
+@pytest.mark.slow
+def test_the_ema_flag_picks_the_average_in_eval_predict_export_and_load_model(
+    quick_config, tmp_path, jax_only
+):
+    """--ema's eval is the evaluation logged during training, its predictions are those of
+    load_model(ema=True), whose parameters are the saved twins, and its export agrees with
+    them within 1e-6; a run that kept no average is refused in one line."""
+    quick_config.ema.decay = 0.9
+    quick_config.update(steps=10, log_every=5, checkpoint_every=10)
+    work = tmp_path / "ema"
+    summary = train.train_and_evaluate(quick_config, work)
+    model, averaged = inference.load_model(work), inference.load_model(work, ema=True)
+    for a, b in zip(params_of(averaged), params_and_twins(model)[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    evaluation = inference.run_eval(work, ema=True)
+    assert evaluation["ema"] is True
+    assert evaluation["test_accuracy"] == summary["test_ema_accuracy"]
+    assert evaluation["test_loss"] == pytest.approx(summary["test_ema_loss"], rel=1e-6)
+    images = np.random.default_rng(0).integers(0, 256, (4, 28, 28, 1), dtype=np.uint8)
+    np.save(tmp_path / "x.npy", images)
+    predicted, failed = inference.run_predict(work, [str(tmp_path / "x.npy")], ema=True)
+    expected = predict(averaged, images)
+    assert not failed
+    np.testing.assert_allclose([p["probabilities"] for p in predicted], expected, rtol=1e-6)
+    assert np.abs(expected - predict(model, images)).max() > 1e-3
+    meta = export.export_model(work, tmp_path / "ema.jaxexport", ema=True)
+    assert meta["source"]["ema"] is True
+    np.testing.assert_allclose(jax_only(tmp_path / "ema.jaxexport", images), expected, atol=1e-6)
+
+    quick_config.ema.decay = 0.0
+    quick_config.steps = 5
+    train.train_and_evaluate(quick_config, tmp_path / "plain")
+    refused = run_main("--mode=eval", f"--workdir={tmp_path / 'plain'}", "--ema")
+    assert_one_line_error(refused, "--ema: --workdir")
+    assert "kept no average of its parameters (config.ema.decay=0)" in refused.stderr
