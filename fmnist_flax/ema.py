@@ -62,7 +62,7 @@ def kept(model: nnx.Module) -> bool:
     return bool(_pairs(model))
 
 
-def update(model: nnx.Module, optimizer: nnx.Optimizer, config: ml_collections.ConfigDict):
+def update(model: nnx.Module, optimizer: nnx.Optimizer, config: ml_collections.ConfigDict) -> None:
     """After update t (the optimizer's count), move each twin toward its parameter by the
     debiased weight (1 - d) / (1 - d**t): update 1 copies the parameters and the twin is
     then the mean of the updates' parameters weighted d**age (optax.ema(debias=True)'s)."""
