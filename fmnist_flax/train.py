@@ -214,6 +214,16 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         self.signum = signum
 
+    def stop_set_up(self) -> None:
+        """Before the loop a signal stops the run at once: nothing is trained yet, so nothing
+        is lost. (A multi-process run's processes agree on when to stop only in the loop.)"""
+        if self.signum and jax.process_count() == 1:
+            raise Interrupted(
+                f"{signal.Signals(self.signum).name} before training began: nothing was "
+                "trained, checkpoints saved before are kept; run the same command to start again",
+                self.signum,
+            )
+
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
@@ -604,12 +614,12 @@ def training_batches(
 
 def warm_start(
     model: nnx.Module, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
-) -> nnx.Optimizer:
+) -> tuple[nnx.Optimizer, int]:
     """Load the model of `config.init_from` (WORKDIR or WORKDIR:STEP) into `model`: its
     parameters and BatchNorm statistics, shapes checked in one line; returns a fresh
-    optimizer for it."""
+    optimizer for it and the step it was loaded from."""
     workdir, step, member = experiment.parse_init_from(config.init_from)
-    source = inference.restore_model(workdir, step, flag="--init_from", member=member)[0]
+    source, used, _, _ = inference.restore_model(workdir, step, flag="--init_from", member=member)
     source = ensemble.from_one_model(source, model, config.init_from, workdir)
     learned = nnx.Any(nnx.Param, nnx.BatchStat)
     loaded = nnx.state(source, learned)
@@ -622,8 +632,8 @@ def warm_start(
     nnx.update(model, loaded)
     optimizer = create_optimizer(model, config)
     place_state(model, optimizer, mesh, config.param_sharding)
-    parallel.say(f"initialised from {workdir} (step {step or 'newest'}): its parameters")
-    return optimizer
+    parallel.say(f"initialised from {workdir}, step {used}: its parameters, a fresh optimizer")
+    return optimizer, used
 
 
 def ema_test_metrics(run: experiment.Run, model: nnx.Module) -> dict[str, float]:
@@ -634,6 +644,39 @@ def ema_test_metrics(run: experiment.Run, model: nnx.Module) -> dict[str, float]
     full = experiment.evaluate_test(run, ema.averaged(model))
     tested = experiment.test_metrics(full).items()
     return {ema.TEST_PREFIX + k.removeprefix("test_"): v for k, v in tested}
+
+
+def compile_ahead(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    config: ml_collections.ConfigDict,
+    batches: Any,
+    step: int,
+    image_shape: tuple[int, int, int],
+    mesh: jax.sharding.Mesh,
+) -> threading.Thread:
+    """A thread compiling what the loop runs first while the set-up tables and extensions
+    run (XLA compiles without the GIL): the chunk of the first call where it is known before
+    the loop (the device pipeline's; Grain's comes from its first read), the finiteness check
+    and the save's state copy. Join it before the first step."""
+    graphdef, state = nnx.split((model, optimizer))
+    frozen = Config(config)
+    train_chunk = make_train_chunk(graphdef, frozen, image_shape, mesh)
+    sums = zero_sums(model, frozen, image_shape)
+    first = None
+    if isinstance(batches, input_pipeline.DeviceBatches):
+        first = next(iter(batches.chunks(step, step + 1)))  # any stop: the count is traced
+    params = nnx.state(model, nnx.Param)
+
+    def compile_first() -> None:
+        if first is not None:
+            train_chunk.lower(state, sums, *first, input_pipeline.augment_key(config)).compile()
+        all_finite(params)
+        checkpoint_lib.warm_up(model, optimizer)
+
+    thread = threading.Thread(target=compile_first, name="compile-ahead")
+    thread.start()
+    return thread
 
 
 def train_and_evaluate(
@@ -684,15 +727,17 @@ def train_and_evaluate(
             refresh_hyperparams(model, optimizer, config)
         if config.keep_best and jax.process_count() == 1:  # processes could not agree to move it
             restore.check_best(checkpoints, model, start_step)
+        # The step --init_from loaded (a resume keeps it in its progress).
+        init_step = resumed.get("init_from_step")
         if not start_step and config.init_from:
-            optimizer = warm_start(model, config, mesh)
+            optimizer, init_step = warm_start(model, config, mesh)
         batches = training_batches(config, dataset, device_data, resumed, start_step)
         run = experiment.Run(
             config, workdir, dataset, device_data, checkpoints, model, optimizer, start_step
         )
         run.summary["config_changes"] = changes
         if config.init_from:
-            run.summary["init_from"] = config.init_from
+            run.summary |= {"init_from": config.init_from, "init_from_step": init_step}
 
         # An unreadable summary.json (a kill while it was replaced is not one: it is written
         # atomically) is written again from the final checkpoint.
@@ -703,23 +748,26 @@ def train_and_evaluate(
                 f"--steps={config.steps} (pass a larger --steps to continue)"
             )
             return summary or {}
+        signals.stop_set_up()
+        model.train()  # dropout on, BatchNorm on batch statistics (no-ops for the MLP)
+        ahead = compile_ahead(
+            model, optimizer, config, batches, start_step, dataset.image_shape, mesh
+        )
         experiment.show_setup(run)
         for extension in extensions:
             extension.before_training(run)
+        ahead.join()
+        signals.stop_set_up()
 
         # The loop: compiled chunks of steps (`make_train_chunk`) between the steps where the
         # host looks (`next_stop`). The state lives in `state` (donated, updated in place);
         # `model` and `optimizer` are brought up to date only to evaluate or save.
-        model.train()  # dropout on, BatchNorm on batch statistics (no-ops for the MLP)
         graphdef, state = nnx.split((model, optimizer))
         frozen = Config(config)
         train_chunk = make_train_chunk(graphdef, frozen, dataset.image_shape, mesh)
         zeros = zero_sums(model, frozen, dataset.image_shape)
         row = RunningRow(zeros, start_step, resumed.get("row"))
         aug_key = input_pipeline.augment_key(config)
-        # Compile the finiteness check and the save's state copy before training's clock.
-        all_finite(nnx.state(model, nnx.Param))
-        checkpoint_lib.warm_up(model, optimizer)
         step = start_step
         clock = None  # (time, step) once the first call, which compiles, is done
         averaged = {}  # the EMA's test metrics at the newest evaluation
@@ -770,6 +818,8 @@ def train_and_evaluate(
                 if saving or (tested and config.keep_best):
                     log.drain()
                     progress = progress_of(step, per_epoch, config) | batches.state() | row.state()
+                    if init_step is not None:
+                        progress["init_from_step"] = init_step
                     save_if_finite(
                         checkpoints,
                         step,

@@ -257,6 +257,25 @@ def test_signal_saves_the_current_step_and_says_how_to_resume(signum, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_before_training_begins_stops_the_set_up_at_once(signum, tmp_path):
+    """During the set-up (building, restoring, compiling: minutes for a large model) a signal
+    stops the run at once with its line and exit code: nothing trained, nothing lost."""
+    workdir = tmp_path / "w"
+    process = start_training(workdir, "--config.ensemble.size=8")
+    assert process.stdout.readline().startswith("workdir:")  # its signal handlers are set
+    sent = time.monotonic()
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=120)
+    assert time.monotonic() - sent < 10  # not held until a first step is trained and saved
+    assert process.returncode == 128 + signum
+    assert "Traceback" not in stderr
+    [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert f"{signal.Signals(signum).name} before training began" in line
+    assert checkpoint.Checkpoints(workdir).steps() == []
+
+
+@pytest.mark.slow
 def test_sigkill_resumes_from_the_last_complete_checkpoint(tmp_path):
     workdir = tmp_path / "w"
     process = start_training(workdir, "--steps=1000000", "--checkpoint_every=20", EVERY_DUE_SAVE)

@@ -88,7 +88,7 @@ def test_the_default_run_keeps_the_codelabs_result(tmp_path):
 
 
 def test_init_from_starts_from_another_runs_parameters_with_a_fresh_optimizer(
-    quick_config, tmp_path
+    quick_config, tmp_path, capsys
 ):
     quick_config.steps, quick_config.log_every, quick_config.checkpoint_every = 20, 10, 10
     quick_config.eval_examples = 500  # the test set is not what this test is about
@@ -109,6 +109,8 @@ def test_init_from_starts_from_another_runs_parameters_with_a_fresh_optimizer(
     train.train_and_evaluate(tuned_config, tmp_path / "tuned")
     summary = json.loads((tmp_path / "tuned" / "summary.json").read_text())
     assert summary["init_from"] == f"{tmp_path / 'base'}:10"
+    assert summary["init_from_step"] == 10  # the step it used, also on the terminal
+    assert f"initialised from {tmp_path / 'base'}, step 10" in capsys.readouterr().out
     # Its first step starts from the source's step 10, far below a fresh model's first loss.
     base_rows = {row["step"]: row for row in read_metrics(tmp_path / "base")}
     first = read_metrics(tmp_path / "tuned")[0]["loss"]
@@ -120,6 +122,7 @@ def test_init_from_starts_from_another_runs_parameters_with_a_fresh_optimizer(
     tuned_config.steps = 15
     resumed = train.train_and_evaluate(tuned_config, tmp_path / "tuned")
     assert resumed["resumed_from_step"] == 10
+    assert resumed["init_from_step"] == 10  # kept in the checkpoint's progress
 
 
 def test_init_from_mistakes_are_one_line(quick_config, tmp_path):
