@@ -9,6 +9,7 @@ import importlib
 import importlib.util
 import os
 import runpy
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -408,12 +409,19 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
 
 def prepare(config: ml_collections.ConfigDict) -> None:
     """--mode=prepare: the config's dataset as record files in --output (records.py)."""
+    config_lib.import_modules(config.imports)  # a source of the project's own
     if not _OUTPUT.value:
         raise UserError("--mode=prepare needs --output=DIR, a new directory for the record files")
     if config.dataset.name == "records":
         raise UserError("--mode=prepare reads a dataset to write; it already is record files")
     records.check_output(_OUTPUT.value, _SHARDS.value)  # before the dataset is read
-    dataset = datasets.load(config)
+    try:
+        dataset = datasets.load(config)
+    except KeyboardInterrupt:
+        raise records.PrepareStopped(
+            "--mode=prepare stopped by SIGINT while reading the dataset; nothing was written",
+            signal.SIGINT,
+        ) from None
     info = records.write_dataset(dataset, _OUTPUT.value, _SHARDS.value)
     counts = ", ".join(f"{s['examples']:,} {name}" for name, s in info["splits"].items())
     parallel.say(

@@ -455,6 +455,42 @@ def test_a_prepare_stopped_by_a_signal_removes_its_files_and_says_so(tmp_path, s
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
+def test_ctrl_c_while_prepare_reads_the_dataset_says_nothing_was_written(tmp_path):
+    """Ctrl-C before writing began said "checkpoints saved so far are kept". A source of the
+    project's own (config.imports) that reads slowly is interrupted while it loads."""
+    (tmp_path / "slow_source.py").write_text(
+        "import sys, time\n"
+        "from fmnist_flax import datasets\n\n\n"
+        "@datasets.register('slow')\n"
+        "def load_slow(data_dir):\n"
+        "    print('reading', flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "main.py"),
+            "--mode=prepare",
+            "--config.dataset.name=slow",
+            "--config.imports=('slow_source',)",
+            f"--output={tmp_path / 'rec'}",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout.readline() == "reading\n"
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    done = subprocess.CompletedProcess(process.args, process.returncode, "", err)
+    assert process.returncode == 130
+    assert_one_line_error(done, "--mode=prepare stopped by SIGINT while reading the dataset")
+    assert not (tmp_path / "rec").exists()
+
+
 def test_the_benchmark_times_the_reader_alone_by_thread_count(fmnist_records):
     """`--mode=benchmark`'s reader rows: one a thread count, rates against one thread's."""
     from fmnist_flax import benchmark
