@@ -485,3 +485,30 @@ def test_the_plug_in_recipe_uses_a_projects_own_parts_with_no_template_edit(proj
         root, "--config=configs/plugged.py", "--config.imports=('no_such_module',)", check=False
     )
     assert_one_line_error(refused, "--config.imports: importing 'no_such_module' failed")
+
+
+@pytest.mark.slow
+def test_the_update_hook_and_ema_recipes(project, jax_only):
+    """A max-norm hook from the project's own module holds every kernel column to its bound
+    in the saved model; the EMA's test metrics sit beside the raw ones, and --ema's eval
+    and export are the averaged model's, as load_model(ema=True) predicts it."""
+    import orbax.checkpoint as ocp
+
+    root, values = project
+    follow(recipe("Run code after each update"), root, **values)
+    saved = ocp.StandardCheckpointer().restore(root / "runs/max_norm/checkpoints/20/model")
+    norms = [np.linalg.norm(layer["kernel"]["value"], axis=0) for layer in saved["layers"].values()]
+    assert max(n.max() for n in norms) == pytest.approx(1.0, abs=1e-5)  # it binds, and holds
+    follow(recipe("Keep an EMA of the parameters"), root, **values)
+    work = root / "runs" / "ema"
+    summary = summary_of(work)
+    tested = [row for row in rows_of(work) if "test_loss" in row]
+    assert tested and all("test_ema_loss" in row for row in tested)
+    assert summary["test_ema_accuracy"] == tested[-1]["test_ema_accuracy"] > 0.5
+    evaluation = json.loads((root / "runs/ema-eval.json").read_text())
+    assert evaluation["test_accuracy"] == summary["test_ema_accuracy"]
+    assert evaluation["test_loss"] == pytest.approx(summary["test_ema_loss"], rel=1e-6)
+    images = np.random.default_rng(0).integers(0, 256, (3, 28, 28, 1), dtype=np.uint8)
+    averaged = predict(load_model(work, ema=True), images)
+    np.testing.assert_allclose(jax_only(root / "runs/ema.jaxexport", images), averaged, atol=1e-6)
+    assert np.abs(averaged - predict(load_model(work), images)).max() > 1e-3
