@@ -38,8 +38,8 @@ def use(directory: str | pathlib.Path) -> None:
     problem = not_a_directory(directory)
     if problem:
         raise UserError(
-            f"--compilation_cache={directory} {problem}; pass a directory (made if missing), or '' to run "
-            "without a compilation cache"
+            f"--compilation_cache={directory} {problem}; pass a directory (made if missing), "
+            "or '' to run without a compilation cache"
         )
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
