@@ -478,6 +478,8 @@ def test_ctrl_c_while_prepare_reads_the_dataset_says_nothing_was_written(tmp_pat
         ],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        # Under pytest-xdist SIGINT is ignored, and an ignored signal stays ignored in a child.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
