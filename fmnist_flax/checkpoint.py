@@ -196,8 +196,9 @@ def _snapshot(tree: Any) -> Any:
 
 
 def warm_up(model: nnx.Module, optimizer: nnx.Optimizer) -> None:
-    """Compile what a save runs on the training thread, before training's clock starts."""
-    jax.block_until_ready(_snapshot(_arrays(model, optimizer)))
+    """Compile what a save runs on the training thread, before training's clock starts
+    (compiled only: nothing runs, so any thread may call it)."""
+    _snapshot.lower(_arrays(model, optimizer)).compile()
 
 
 def _check_space(directory: pathlib.Path, step: int, arrays: dict[str, Any]) -> None:

@@ -658,7 +658,8 @@ def compile_ahead(
     """A thread compiling what the loop runs first while the set-up tables and extensions
     run (XLA compiles without the GIL): the chunk of the first call where it is known before
     the loop (the device pipeline's; Grain's comes from its first read), the finiteness check
-    and the save's state copy. Join it before the first step."""
+    and the save's state copy. It compiles only, never runs: with several processes a run
+    beside the main thread's could interleave their collectives. Join it before the loop."""
     graphdef, state = nnx.split((model, optimizer))
     frozen = Config(config)
     train_chunk = make_train_chunk(graphdef, frozen, image_shape, mesh)
@@ -671,7 +672,7 @@ def compile_ahead(
     def compile_first() -> None:
         if first is not None:
             train_chunk.lower(state, sums, *first, input_pipeline.augment_key(config)).compile()
-        all_finite(params)
+        _all_finite.lower(params).compile()
         checkpoint_lib.warm_up(model, optimizer)
 
     thread = threading.Thread(target=compile_first, name="compile-ahead")
