@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from conftest import load_config
 
-from fmnist_flax import benchmark, profiling
+from fmnist_flax import benchmark, datasets, profiling
 from fmnist_flax.errors import UserError
 
 PATHS = {
@@ -166,3 +166,12 @@ def test_benchmark_refuses_an_ensemble_config():
     config.ensemble.size = 2
     with pytest.raises(UserError, match=r"builds its own ensembles \(--bench_members\); drop"):
         run_tiny(config)
+
+
+def test_the_benchmark_times_the_reader_alone_by_thread_count(fmnist_records):
+    """`--mode=benchmark`'s reader rows: one a thread count, rates against one thread's."""
+    source = datasets.load_records(fmnist_records).train_images.source
+    rows = benchmark.record_reads(source, block=256, repeats=2)
+    assert [r["threads"] for r in rows] == [1, 2] and rows[0]["ratio_to_one"] == 1.0
+    assert all(r["range"][0] <= r["records_per_sec"] <= r["range"][1] for r in rows)
+    assert "Record reader alone" in benchmark.record_reads_table(rows)

@@ -491,14 +491,3 @@ def test_ctrl_c_while_prepare_reads_the_dataset_says_nothing_was_written(tmp_pat
     assert process.returncode == 130
     assert_one_line_error(done, "--mode=prepare stopped by SIGINT while reading the dataset")
     assert not (tmp_path / "rec").exists()
-
-
-def test_the_benchmark_times_the_reader_alone_by_thread_count(fmnist_records):
-    """`--mode=benchmark`'s reader rows: one a thread count, rates against one thread's."""
-    from fmnist_flax import benchmark
-
-    source = datasets.load_records(fmnist_records).train_images.source
-    rows = benchmark.record_reads(source, block=256, repeats=2)
-    assert [r["threads"] for r in rows] == [1, 2] and rows[0]["ratio_to_one"] == 1.0
-    assert all(r["range"][0] <= r["records_per_sec"] <= r["range"][1] for r in rows)
-    assert "Record reader alone" in benchmark.record_reads_table(rows)
