@@ -503,7 +503,6 @@ class RowLog:
         self.failure: tuple[float, int] | None = None  # a non-finite loss and its step
         self.error: BaseException | None = None  # what stopped the writer thread
         self.host_seconds = 0.0  # the loop's time in `submit`: what logging costs it
-        self.submitted = 0
         if self.primary:
             path = workdir / workdir_lib.METRICS_FILE
             self.metrics = workdir_lib.MetricsLog(path, keep_until=start_step)
@@ -524,7 +523,6 @@ class RowLog:
         else:
             self.queue.put((parts, eval_seconds))
         self.host_seconds += time.perf_counter() - began
-        self.submitted += 1
 
     def _write_submitted(self) -> None:
         while (item := self.queue.get()) is not None:
@@ -647,23 +645,20 @@ def ema_test_metrics(run: experiment.Run, model: nnx.Module) -> dict[str, float]
 
 
 def compile_ahead(
-    model: nnx.Module,
-    optimizer: nnx.Optimizer,
-    config: ml_collections.ConfigDict,
+    train_chunk: Callable[..., Any],
+    state: Any,
+    sums: Metrics,
+    aug_key: jax.Array | None,
     batches: Any,
     step: int,
-    image_shape: tuple[int, int, int],
-    mesh: jax.sharding.Mesh,
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
 ) -> threading.Thread:
     """A thread compiling what the loop runs first while the set-up tables and extensions
     run (XLA compiles without the GIL): the chunk of the first call where it is known before
     the loop (the device pipeline's; Grain's comes from its first read), the finiteness check
     and the save's state copy. It compiles only, never runs: with several processes a run
     beside the main thread's could interleave their collectives. Join it before the loop."""
-    graphdef, state = nnx.split((model, optimizer))
-    frozen = Config(config)
-    train_chunk = make_train_chunk(graphdef, frozen, image_shape, mesh)
-    sums = zero_sums(model, frozen, image_shape)
     first = None
     if isinstance(batches, input_pipeline.DeviceBatches):
         first = next(iter(batches.chunks(step, step + 1)))  # any stop: the count is traced
@@ -671,7 +666,7 @@ def compile_ahead(
 
     def compile_first() -> None:
         if first is not None:
-            train_chunk.lower(state, sums, *first, input_pipeline.augment_key(config)).compile()
+            train_chunk.lower(state, sums, *first, aug_key).compile()
         _all_finite.lower(params).compile()
         checkpoint_lib.warm_up(model, optimizer)
 
@@ -750,25 +745,27 @@ def train_and_evaluate(
             )
             return summary or {}
         signals.stop_set_up()
-        model.train()  # dropout on, BatchNorm on batch statistics (no-ops for the MLP)
-        ahead = compile_ahead(
-            model, optimizer, config, batches, start_step, dataset.image_shape, mesh
-        )
-        experiment.show_setup(run)
-        for extension in extensions:
-            extension.before_training(run)
-        ahead.join()
-        signals.stop_set_up()
 
         # The loop: compiled chunks of steps (`make_train_chunk`) between the steps where the
         # host looks (`next_stop`). The state lives in `state` (donated, updated in place);
         # `model` and `optimizer` are brought up to date only to evaluate or save.
+        model.train()  # dropout on, BatchNorm on batch statistics (no-ops for the MLP)
         graphdef, state = nnx.split((model, optimizer))
         frozen = Config(config)
         train_chunk = make_train_chunk(graphdef, frozen, dataset.image_shape, mesh)
         zeros = zero_sums(model, frozen, dataset.image_shape)
         row = RunningRow(zeros, start_step, resumed.get("row"))
         aug_key = input_pipeline.augment_key(config)
+        # Its first programs compile on a thread while the set-up tables and extensions run.
+        ahead = compile_ahead(
+            train_chunk, state, row.sums, aug_key, batches, start_step, model, optimizer
+        )
+        experiment.show_setup(run)
+        for extension in extensions:
+            extension.before_training(run)
+        ahead.join()
+        signals.stop_set_up()
+        state = nnx.state((model, optimizer))  # as the extensions left it
         step = start_step
         clock = None  # (time, step) once the first call, which compiles, is done
         averaged = {}  # the EMA's test metrics at the newest evaluation
