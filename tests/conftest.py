@@ -16,6 +16,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from fmnist_flax import compilation_cache, datasets, library_workarounds, load_model
 
@@ -96,6 +97,13 @@ def assert_same_models(one: pathlib.Path, other: pathlib.Path) -> None:
         strict=True,
     ):
         np.testing.assert_array_equal(a, b)
+
+
+@nnx.jit
+def forward(model: nnx.Module, x: jax.Array) -> jax.Array:
+    """`model(x)` compiled as one program: called eagerly, each of its operations would compile
+    on its own, for each new shape."""
+    return model(x)
 
 
 def load_config(name: str):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from conftest import load_config
+from conftest import forward, load_config
 from flax import nnx
 
 from fmnist_flax import model as model_lib
@@ -43,7 +43,7 @@ def test_compute_dtype_casts_activations_and_returns_float32_logits(dtype):
     x = jnp.ones((3, 28, 28, 1))
     hidden = jax.make_jaxpr(model.layers[0])(x.reshape(3, -1).astype(dtype)).out_avals[0]
     assert hidden.dtype == dtype
-    logits = model(x)
+    logits = forward(model, x)
     assert logits.shape == (3, 10) and logits.dtype == jnp.float32
 
 

@@ -174,7 +174,8 @@ def step_with(model: nnx.Module, config: ml_collections.ConfigDict, grad: float)
     names = [optimizer.parameter_name(path) for path, _ in jax.tree.leaves_with_path(params)]
     before = jax.tree.leaves(params)  # the arrays: the Variables are updated in place
     tx = nnx.Optimizer(model, optimizer.create(config), wrt=nnx.Param)
-    tx.update(model, jax.tree.map(lambda p: jnp.full_like(p, grad), params))
+    grads = jax.tree.map(lambda p: jnp.full_like(p, grad), params)
+    nnx.jit(lambda tx, model, grads: tx.update(model, grads))(tx, model, grads)
     after = jax.tree.leaves(nnx.state(model, nnx.Param))
     return dict(zip(names, zip(before, after, strict=True), strict=True))
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import load_config
+from conftest import forward, load_config
 from flax import nnx
 
 from fmnist_flax import codelab, reference, train
@@ -16,6 +16,7 @@ from fmnist_flax.model import MLP
 RTOL = 1e-6  # float32 parity
 TASK = train.Config(load_config("default"))  # the codelab's loss: no label smoothing
 BF16_ATOL = 0.05  # bfloat16 vs float32 logits: 8 mantissa bits through three layers
+mlp = jax.jit(reference.mlp, static_argnums=2)  # one program (eagerly, each op compiles)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,8 @@ def test_logits_loss_and_grads_match_the_reference(batch):
     x, y = batch
     model = MLP(rngs=nnx.Rngs(0))
     params = reference.params_from_model(model)
-    np.testing.assert_allclose(model(x), reference.mlp(params, x), rtol=RTOL, atol=1e-6)
+    logits = forward(model, x)
+    np.testing.assert_allclose(logits, mlp(params, x, jnp.float32), rtol=RTOL, atol=1e-6)
     # Each side compiled as one program (eagerly, every op would compile on its own).
     (loss, aux), grads = nnx.jit(
         lambda m: nnx.value_and_grad(train.loss_fn, has_aux=True)(m, x, y, TASK)
@@ -78,10 +80,10 @@ def test_bfloat16_logits_match_the_reference_and_stay_near_float32(batch):
     x, _ = batch
     model = MLP(compute_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     params = reference.params_from_model(model)
-    logits = model(x)
-    np.testing.assert_allclose(logits, reference.mlp(params, x, jnp.bfloat16), rtol=RTOL)
-    np.testing.assert_allclose(logits, reference.mlp(params, x), atol=BF16_ATOL)
-    assert not np.array_equal(logits, reference.mlp(params, x))  # bf16 really was used
+    logits, float32 = forward(model, x), mlp(params, x, jnp.float32)
+    np.testing.assert_allclose(logits, mlp(params, x, jnp.bfloat16), rtol=RTOL)
+    np.testing.assert_allclose(logits, float32, atol=BF16_ATOL)
+    assert not np.array_equal(logits, float32)  # bf16 really was used
 
 
 def test_reference_init_has_the_codelab_shapes_and_scale():
