@@ -55,11 +55,13 @@ def test_fused_chunks_equal_one_step_per_call(real_dataset, quick_config, comput
         plain_metrics = train.jit_train_step(plain_model, plain_opt, x, y, task)
         plain_rows.append({k: float(v) for k, v in plain_metrics.items()})
 
-    model = create_model(quick_config, (28, 28, 1), 10)
-    optimizer = train.create_optimizer(model, quick_config)
+    # Laid out on the mesh as the loop lays it: each call then meets the types it compiled for.
+    model, optimizer = train.create_train_state(quick_config, (28, 28, 1), 10, device_data.mesh)
     graphdef, state = nnx.split((model, optimizer))
     chunk = train.make_train_chunk(graphdef, task, (28, 28, 1))
+    # The sums replicated as a chunk returns them: the three calls share one compilation.
     sums = train.zero_sums(model, task, (28, 28, 1))
+    sums = jax.device_put(sums, parallel.replicated(device_data.mesh))
     images, labels = device_data.train_images, device_data.train_labels
     state, sums, _ = chunk(state, sums, images, labels, order, 0, 5)  # chunks of 5, 1, 6 steps
     state, sums, _ = chunk(state, sums, images, labels, order, 5, 1)
