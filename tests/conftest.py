@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import hashlib
 import json
@@ -12,13 +13,16 @@ import runpy
 import struct
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
-import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-from fmnist_flax import compilation_cache, datasets, library_workarounds, load_model
+if TYPE_CHECKING:  # imported where used: xdist's controller, which runs no test, skips them
+    import jax
+    from flax import nnx
+
+    from fmnist_flax import datasets
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -30,12 +34,18 @@ def pytest_configure(config: pytest.Config) -> None:
     keep their own --compilation_cache."""
     if getattr(config, "cache", None) is None:  # -p no:cacheprovider
         return
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # xdist's controller: its workers run the tests (and import JAX)
     use_compilation_cache(config.cache.mkdir("jax"))
 
 
 def use_compilation_cache(directory: pathlib.Path) -> None:
     """Every compiled program kept in `directory`, shared by the test workers and the test
     processes that call this (mesh_worker.py)."""
+    import jax
+
+    from fmnist_flax import compilation_cache
+
     compilation_cache.use(directory)
     # A size limit turns on JAX's file lock (the filelock package): no process reads an entry
     # another is still writing. Least recently used entries go past it.
@@ -46,6 +56,8 @@ def use_compilation_cache(directory: pathlib.Path) -> None:
 def quiet_orbax() -> None:
     """Orbax's noise dropped as the command line drops it, for the tests that save and read
     checkpoints in this process (set when the session starts: after pytest's own hooks)."""
+    from fmnist_flax import library_workarounds
+
     library_workarounds.quiet_orbax()
 
 
@@ -89,7 +101,10 @@ EVERY_DUE_SAVE = "--config.checkpoint_min_interval_secs=0"  # no time floor: tes
 
 def assert_same_models(one: pathlib.Path, other: pathlib.Path) -> None:
     """The newest models of two workdirs are equal to the bit, array for array."""
+    import jax
     from flax import nnx
+
+    from fmnist_flax import load_model
 
     for a, b in zip(
         jax.tree.leaves(nnx.state(load_model(one))),
@@ -99,11 +114,17 @@ def assert_same_models(one: pathlib.Path, other: pathlib.Path) -> None:
         np.testing.assert_array_equal(a, b)
 
 
-@nnx.jit
 def forward(model: nnx.Module, x: jax.Array) -> jax.Array:
     """`model(x)` compiled as one program: called eagerly, each of its operations would compile
     on its own, for each new shape."""
-    return model(x)
+    return _compiled_call()(model, x)
+
+
+@functools.cache
+def _compiled_call():
+    from flax import nnx
+
+    return nnx.jit(lambda model, x: model(x))
 
 
 def load_config(name: str):
@@ -113,6 +134,8 @@ def load_config(name: str):
 
 def idx_bytes(array: np.ndarray, magic: int | None = None) -> bytes:
     """An IDX payload for uint8 images (N, H, W) or labels (N,)."""
+    from fmnist_flax import datasets
+
     if magic is None:
         magic = datasets.IMAGES_MAGIC if array.ndim == 3 else datasets.LABELS_MAGIC
     header = struct.pack(f">I{array.ndim}I", magic, *array.shape)
@@ -121,6 +144,8 @@ def idx_bytes(array: np.ndarray, magic: int | None = None) -> bytes:
 
 def write_idx(path: pathlib.Path, payload: bytes, *, compress: bool) -> datasets.IdxFile:
     """Write `payload` (gzipped or raw) and return the spec that publishes its MD5s."""
+    from fmnist_flax import datasets
+
     stem = path.name.removesuffix(".gz")
     blob = gzip.compress(payload) if compress else payload
     path.write_bytes(blob)
@@ -143,6 +168,8 @@ def offline(spec: datasets.DatasetSpec, root: pathlib.Path) -> datasets.DatasetS
 @pytest.fixture
 def small_dataset_dir(tmp_path: pathlib.Path) -> tuple[pathlib.Path, datasets.DatasetSpec]:
     """Four valid small IDX files (train 64, test 20) and a dataset spec with their MD5s."""
+    from fmnist_flax import datasets
+
     specs = []
     for stem, n, seed in (
         ("train-images-idx3-ubyte", 64, 1),
@@ -179,6 +206,8 @@ print(json.dumps({"dtype": str(probabilities.dtype), "probabilities": probabilit
 def jax_only(tmp_path_factory):
     """`jax_only(artifact, images)`: an exported artifact's probabilities for uint8 `images`,
     computed by a process that can import JAX_ONLY (linked from this venv) and nothing else."""
+    import jax
+
     site_packages = pathlib.Path(jax.__file__).resolve().parents[1]
     directory = tmp_path_factory.mktemp("jax_only")
     for name in JAX_ONLY:
@@ -209,6 +238,8 @@ def jax_only(tmp_path_factory):
 @pytest.fixture(scope="session")
 def real_dataset() -> datasets.Dataset:
     """The real Fashion-MNIST from Debian's dataset-fashion-mnist (never downloaded in tests)."""
+    from fmnist_flax import datasets
+
     return datasets.load_dataset(download=False)
 
 
