@@ -8,16 +8,20 @@ counts, sizes, the source, the set's id and labels.npz's SHA-256). A shard is a 
 set's id, split, shard number, first record, count, image shape: checked against info.json
 when the set is loaded), then its records, each its label as a little-endian int32 and its
 H * W * C uint8 pixels (row-major H, W, C), zero-padded to a multiple of 8 bytes, then one
-uint64 check a record. A block is read with one `np.take` per shard from a read-only mapping
-(NumPy copies without the GIL: no Python object a record), each record's check and label
-compared with what was written as it is read (a damaged record, a shard of another set or
-edited labels: one line naming the file), and each mapped window let go after it is read.
+uint64 check a record. A block's keys are put in file order (a radix sort), then read from
+read-only mappings READ_ROWS records at a time, each piece gathered by one `np.take`, checked
+and placed in the block's buffer while it is in the core's cache (NumPy copies and computes
+without the GIL: no Python object a record). Each record's check and label is compared with
+what was written (a damaged record, a shard of another set or edited labels: one line naming
+the file). The mapped pages a source holds stay within RESIDENT_BYTES: past it, all are let
+go at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import itertools
 import json
@@ -52,7 +56,10 @@ LABEL_BYTES = 4
 WORD = np.dtype("<u8")  # a record's check folds its 8-byte words
 SPLITS = ("train", "test")
 READ_CHUNK = 8192  # records read or written at once when a whole split is asked for
-WINDOW_BYTES = 8 << 20  # mapped records let go after each window read: memory flat in the data
+READ_ROWS = 1024  # records gathered, checked and placed at once: they stay in a core's cache
+WINDOW_BYTES = 8 << 20  # the span of a shard one gather reads at most before it is counted
+RESIDENT_BYTES = 64 << 20  # mapped shard bytes a source holds before letting them all go
+REGION_BYTES = 2 << 20  # the largest folio the kernel maps file pages in: spans count whole ones
 CHECK_ROWS = 1024  # records whose checks are computed at once: their products stay in the cache
 SPARE_FILES = 128  # open files left for all but the shards when --shards is checked
 # Odd multipliers, one a word position (words swapped or moved within a record change the
@@ -84,15 +91,25 @@ def record_checks(rows: np.ndarray, index: np.ndarray, salt: int) -> np.ndarray:
     CHECK_ROWS records at a time (they stay in the cache): NumPy computes it without the GIL,
     and every change of a single word alters it."""
     words = rows.view(WORD)
-    position = np.arange(1, words.shape[1] + 1, dtype=np.uint64)
-    multipliers = position * _GOLDEN | np.uint64(1)
+    multipliers = _multipliers(words.shape[1])
     folded = np.empty(len(words), np.uint64)
     scratch = np.empty((min(CHECK_ROWS, len(words)), words.shape[1]), np.uint64)
     for start in range(0, len(words), CHECK_ROWS):
         part = scratch[: len(words[start : start + CHECK_ROWS])]
         np.multiply(words[start : start + CHECK_ROWS], multipliers, out=part)
         np.bitwise_xor.reduce(part, axis=1, out=folded[start : start + CHECK_ROWS])
-    return folded ^ (index.astype(np.uint64) * _INDEX_MULTIPLIER) ^ np.uint64(salt)
+    mixed = np.multiply(index, _INDEX_MULTIPLIER, dtype=np.uint64, casting="unsafe")
+    mixed ^= np.uint64(salt)
+    return np.bitwise_xor(folded, mixed, out=folded)
+
+
+@functools.lru_cache(maxsize=8)
+def _multipliers(words: int) -> np.ndarray:
+    """Each word position's odd multiplier (1-based position times the golden ratio's)."""
+    position = np.arange(1, words + 1, dtype=np.uint64)
+    multipliers = position * _GOLDEN | np.uint64(1)
+    multipliers.flags.writeable = False
+    return multipliers
 
 
 class PrepareStopped(UserError):
@@ -397,11 +414,11 @@ def _check_info(info: Any) -> None:
 
 class RecordSource:
     """Random access to a split's records: `source[i]` is one (pixels, label), `source[keys]`
-    for an index array (any shape) reads every record in bulk, one `np.take` per shard and
-    mapped window, and gives (pixels (*keys.shape, H*W*C) uint8, labels (*keys.shape) int32).
-    Each record read is checked (its check, and its label against `labels`, labels.npz's). A
-    Grain data source; safe to call from several threads (the shards are mapped once, on first
-    use, or by `check`)."""
+    for an index array (any shape) reads every record in bulk, one `np.take` per READ_ROWS
+    records of a shard and mapped window, and gives (pixels (*keys.shape, H*W*C) uint8,
+    labels (*keys.shape) int32). Each record read is checked (its check, and its label against
+    `labels`, labels.npz's). A Grain data source; safe to call from several threads (the
+    shards are mapped once, on first use, or by `check`)."""
 
     def __init__(
         self,
@@ -423,15 +440,16 @@ class RecordSource:
         self.labels = np.asarray(labels, np.int32)
         self._maps: list[tuple[mmap.mmap, np.ndarray, np.ndarray]] | None = None
         self._lock = threading.Lock()
+        self._mapped = _Mapped(RESIDENT_BYTES)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
     def __getstate__(self) -> dict[str, Any]:  # for worker processes: the maps reopen there
-        return {**self.__dict__, "_maps": None, "_lock": None}
+        return {**self.__dict__, "_maps": None, "_lock": None, "_mapped": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__ |= state | {"_lock": threading.Lock()}
+        self.__dict__ |= state | {"_lock": threading.Lock(), "_mapped": _Mapped(RESIDENT_BYTES)}
 
     def check(self) -> None:
         """Map every shard now, each header checked against info.json: a wrong shard is one
@@ -536,37 +554,75 @@ class RecordSource:
         self, keys: np.ndarray, out: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """(pixels (n, H*W*C), labels (n,)) of the records `keys` (n,), in that order; the
-        pixels into `out` when given. The keys are read in file order, window by window."""
+        pixels into `out` when given. The keys are read in file order, READ_ROWS at a time:
+        each piece gathered from its shard, checked and placed in `out` while it is in the
+        core's cache."""
         keys = np.asarray(keys, np.int64)
         if len(keys) and (keys.min() < 0 or keys.max() >= len(self)):
             raise IndexError(f"record keys out of range 0..{len(self) - 1}")
         maps = self._open()
-        order = np.argsort(keys, kind="stable")
-        ordered = keys[order]
-        rows = np.empty((len(keys), self.record_bytes), np.uint8)
-        checks = np.empty(len(keys), WORD)
-        cuts = np.searchsorted(ordered, self.offsets)
-        for k in np.flatnonzero(np.diff(cuts)).tolist():
-            part = slice(cuts[k], cuts[k + 1])
-            _gather(maps[k], ordered[part] - self.offsets[k], rows[part], checks[part])
-        self._verify(rows, checks, ordered)
         pixels = np.empty((len(keys), self.pixels), np.uint8) if out is None else out
-        pixels[order] = rows[:, LABEL_BYTES : LABEL_BYTES + self.pixels]
+        order = _ascending(keys, len(self))
+        ordered = keys[order]
+        cuts = np.searchsorted(ordered, self.offsets).tolist()
+        rows = np.empty((min(READ_ROWS, len(keys)), self.record_bytes), np.uint8)
+        checks = np.empty(len(rows), WORD)
+        for k in np.flatnonzero(np.diff(cuts)).tolist():
+            for start in range(cuts[k], cuts[k + 1], READ_ROWS):
+                stop = min(start + READ_ROWS, cuts[k + 1])
+                part, held = rows[: stop - start], checks[: stop - start]
+                self._gather(k, maps[k], ordered[start:stop] - self.offsets[k], part, held)
+                self._verify(part, held, ordered[start:stop])
+                pixels[order[start:stop]] = part[:, LABEL_BYTES : LABEL_BYTES + self.pixels]
         return pixels, self.labels[keys]
+
+    def _gather(
+        self,
+        k: int,
+        shard: tuple[mmap.mmap, np.ndarray, np.ndarray],
+        local: np.ndarray,
+        rows: np.ndarray,
+        checks: np.ndarray,
+    ) -> None:
+        """Records `local` (ascending) of shard k into `rows` and their checks into `checks`,
+        one `np.take` per WINDOW_BYTES of the file they span, each span counted in the
+        mapped bytes (`_Mapped`) as soon as it is read."""
+        m, records, stored = shard
+        size = records.shape[1]
+        per_window = max(1, WINDOW_BYTES // size)
+        first, last = int(local[0]), int(local[-1])
+        if first // per_window == last // per_window:
+            cuts = [0, len(local)]
+        else:
+            edges = np.arange(first // per_window + 1, last // per_window + 1) * per_window
+            cuts = [0, *np.searchsorted(local, edges).tolist(), len(local)]
+        for start, stop in itertools.pairwise(cuts):
+            if start == stop:
+                continue
+            records.take(local[start:stop], axis=0, out=rows[start:stop], mode="clip")
+            self._mapped.touch(
+                (k, 0),
+                m,
+                HEADER_BYTES + int(local[start]) * size,
+                HEADER_BYTES + int(local[stop - 1] + 1) * size,
+            )
+        stored.take(local, out=checks, mode="clip")
+        end = HEADER_BYTES + len(records) * size
+        self._mapped.touch((k, 1), m, end + first * WORD.itemsize, end + (last + 1) * WORD.itemsize)
 
     def _verify(self, rows: np.ndarray, checks: np.ndarray, keys: np.ndarray) -> None:
         """Each record's check and label: a damaged record, or one whose label differs from
         labels.npz, is one line naming its shard."""
-        bad = np.flatnonzero(record_checks(rows, keys, self.salt) != checks)
-        if len(bad):
-            key = int(keys[bad[0]])
+        bad = record_checks(rows, keys, self.salt) != checks
+        if bad.any():
+            key = int(keys[bad.argmax()])
             raise _damaged(self._path_of(key), ValueError(f"record {key} fails its check"))
-        held = rows[:, :LABEL_BYTES].copy().view("<i4").reshape(-1)
-        wrong = np.flatnonzero(held != self.labels[keys])
-        if len(wrong):
-            key = int(keys[wrong[0]])
+        held = rows.view("<i4")[:, 0]
+        wrong = held != self.labels[keys]
+        if wrong.any():
+            key = int(keys[wrong.argmax()])
             raise UserError(
-                f"{self._path_of(key)}: record {key}'s label {held[wrong[0]]} differs from "
+                f"{self._path_of(key)}: record {key}'s label {held[wrong.argmax()]} differs from "
                 f"{LABELS_FILE}'s {self.labels[key]}; write the records again with --mode=prepare"
             )
 
@@ -574,36 +630,54 @@ class RecordSource:
         return self.paths[int(np.searchsorted(self.offsets, key, side="right")) - 1]
 
 
-def _gather(
-    shard: tuple[mmap.mmap, np.ndarray, np.ndarray],
-    local: np.ndarray,
-    rows: np.ndarray,
-    checks: np.ndarray,
-) -> None:
-    """Records `local` (ascending) of one shard into `rows` and their checks into `checks`,
-    WINDOW_BYTES of the file at a time, each window's pages let go once read (a mapped page
-    counts as this process's memory until then)."""
-    m, records, stored = shard
-    size = records.shape[1]
-    window = np.asarray(local) // max(1, WINDOW_BYTES // size)
-    cuts = np.concatenate([[0], np.flatnonzero(np.diff(window)) + 1, [len(local)]]).tolist()
-    for start, stop in itertools.pairwise(cuts):
-        np.take(records, local[start:stop], axis=0, out=rows[start:stop], mode="clip")
-        _let_go(
-            m,
-            HEADER_BYTES + int(local[start]) * size,
-            HEADER_BYTES + int(local[stop - 1] + 1) * size,
-        )
-    np.take(stored, local, out=checks, mode="clip")
-    end = HEADER_BYTES + len(records) * size
-    _let_go(m, end + int(local[0]) * WORD.itemsize, end + int(local[-1] + 1) * WORD.itemsize)
+def _ascending(keys: np.ndarray, bound: int) -> np.ndarray:
+    """The positions of `keys` (each in 0..bound-1) in ascending order: NumPy's radix sort of
+    16-bit integers, one pass for each 16 bits `bound` needs (a comparison sort of the int64
+    keys takes several times as long)."""
+    if bound > 1 << 32:
+        return np.argsort(keys, kind="stable")
+    order = np.argsort(keys.astype(np.uint16), kind="stable")  # the low 16 bits
+    if bound > 1 << 16:
+        order = order[np.argsort((keys >> 16).astype(np.uint16)[order], kind="stable")]
+    return order
+
+
+class _Mapped:
+    """The spans of shard mappings read since they were last let go, each widened to whole
+    REGION_BYTES (the kernel maps file pages in folios of up to that size) and merged per
+    (shard, part) into one span. Once they add up to more than `budget` bytes, every span is
+    let go at once: the pages a reader holds mapped stay bounded whatever the data's size, and
+    reader threads unmap seldom, in few calls, rather than after every window they read."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.spans: dict[tuple[int, int], tuple[mmap.mmap, int, int]] = {}
+        self.bytes = 0  # the spans' total
+        self.releases = 0
+        self.lock = threading.Lock()
+
+    def touch(self, key: tuple[int, int], m: mmap.mmap, start: int, stop: int) -> None:
+        first = start - start % REGION_BYTES
+        stop = min(len(m), -(-stop // REGION_BYTES) * REGION_BYTES)
+        with self.lock:
+            if key in self.spans:
+                _, was_first, was_stop = self.spans[key]
+                self.bytes -= was_stop - was_first
+                first, stop = min(first, was_first), max(stop, was_stop)
+            self.spans[key] = (m, first, stop)
+            self.bytes += stop - first
+            if self.bytes <= self.budget:
+                return
+            spans, self.spans, self.bytes = self.spans, {}, 0
+            self.releases += 1
+        for m, first, stop in spans.values():
+            _let_go(m, first, stop)
 
 
 def _let_go(m: mmap.mmap, start: int, stop: int) -> None:
-    """Unmap the pages of bytes start..stop of `m` from this process (the page cache keeps
-    them; a later read maps them again)."""
-    first = start - start % mmap.PAGESIZE
-    m.madvise(mmap.MADV_DONTNEED, first, stop - first)
+    """Unmap the pages of bytes start..stop of `m` (page-aligned start) from this process (the
+    page cache keeps them; a later read maps them again)."""
+    m.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
 
 def _unopenable(path: pathlib.Path, shards: int, exc: OSError) -> UserError:

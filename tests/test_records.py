@@ -295,18 +295,66 @@ def _rewrite_counts(directory: pathlib.Path, counts: list[int]) -> None:
     (directory / "info.json").write_text(json.dumps(info))
 
 
-def test_a_corrupted_record_is_refused_when_read_naming_its_file(tmp_path):
-    directory = small_set(tmp_path, shards=1)
-    shard = directory / "train-00000-of-00001.records"
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_corrupted_record_is_refused_when_read_naming_its_file(tmp_path, shards):
+    """Record 33 damaged: a read of records from every shard, in any order, is one line
+    naming its shard and the record, whichever piece of the read it falls in."""
+    directory = small_set(tmp_path, shards=shards)
+    shard = directory / f"train-{shards - 1:05d}-of-{shards:05d}.records"
     data = bytearray(shard.read_bytes())
-    at = data.find(small_arrays(40, 1)[0][13].tobytes())  # record 13's pixels
+    at = data.find(small_arrays(40, 1)[0][33].tobytes())  # record 33's pixels
     assert at > 0
     data[at + 300 : at + 364] = bytes(64)  # zeros over the middle of the picture
     shard.write_bytes(bytes(data))
     _rewrite_info(directory)  # sizes unchanged: only reading can tell (Riegeli's hashes)
     loaded = datasets.load_records(directory)
-    with pytest.raises(UserError, match=r"train-00000-of-00001\.records cannot be read"):
+    expected = (
+        f"{shard} cannot be read (record 33 fails its check); the file is damaged: write the "
+        "records again with --mode=prepare"
+    )
+    with pytest.raises(UserError) as raised:
         np.asarray(loaded.train_images)
+    assert str(raised.value) == expected
+    source = loaded.train_images.source
+    with pytest.raises(UserError) as raised:
+        source.read(np.random.default_rng(0).permutation(40))
+    assert str(raised.value) == expected
+    assert source.read(np.arange(20))[0].shape == (20, 784)  # the undamaged ones still read
+
+
+def _mapped_bytes(paths: list[pathlib.Path]) -> int:
+    """Bytes of these files' pages mapped into this process (its resident set's share of
+    them), from /proc/self/smaps."""
+    names = {str(p) for p in paths}
+    total, counting = 0, False
+    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and ":" not in fields[0]:  # a mapping's first line
+            counting = fields[-1] in names
+        elif counting and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+def test_reading_holds_at_most_the_mapped_budget_whatever_is_read(
+    monkeypatch, real_dataset, fmnist_records
+):
+    """Random blocks of the 60,000 training records (47 MB of shards) read under a budget of
+    8 MiB: after every read, the shards' pages this process holds mapped (the kernel's count,
+    from /proc/self/smaps) stay within it, and what is read is the dataset's. Under the
+    default budget the same set stays mapped: read again without unmapping anything."""
+    for budget in (8 << 20, records.RESIDENT_BYTES):
+        monkeypatch.setattr(records, "RESIDENT_BYTES", budget)
+        source = datasets.load_records(fmnist_records).train_images.source
+        size = sum(p.stat().st_size for p in source.paths)
+        rng = np.random.default_rng(0)
+        for _ in range(8):
+            keys = rng.permutation(len(source))[:16384]
+            pixels, labels = source.read(keys)
+            np.testing.assert_array_equal(pixels, real_dataset.train_images[keys].reshape(-1, 784))
+            np.testing.assert_array_equal(labels, real_dataset.train_labels[keys])
+            assert _mapped_bytes(source.paths) <= budget + records.REGION_BYTES
+        assert (source._mapped.releases > 0) == (size > budget), (size, budget)
 
 
 def test_prepare_writes_a_new_directory_or_nothing(tmp_path):
