@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import io
 import itertools
 import json
@@ -208,6 +209,7 @@ def grain_alone_runner(config, device_data: input_pipeline.DeviceData, dataset) 
 
 
 READ_THREADS = (1, 2)  # reader threads timed side by side in `record_reads`
+CONTROL_BYTES = 4 << 20  # each of the control's SHA-256 pieces (hashlib hashes it without the GIL)
 
 
 def record_reads(
@@ -216,37 +218,51 @@ def record_reads(
     """The record reader alone (`RecordSource.read` into a block's buffer, no Grain, no device)
     on `threads` threads at once, each reading random blocks of `block` records: records/s per
     thread count (median of `repeats`, the counts alternated so each repeat sees the same
-    minutes of a shared machine) and its ratio to one thread's, the median of the pairs."""
+    minutes of a shared machine) and its ratio to one thread's, the median of the pairs. A
+    control beside each, SHA-256 of as many pieces on the same threads (pure CPU work that
+    scales with free cores), says how much more than one core the machine had to give:
+    `control_ratio`, its ratio to one thread the same way."""
     rng = np.random.default_rng(COMPARISON_SEED)
     keys = [rng.permutation(len(source))[:block] for _ in range(4 * max(threads))]
+    payload = rng.integers(0, 256, CONTROL_BYTES, np.uint8).tobytes()
 
-    def rate(count: int) -> float:
-        def read(first: int) -> None:
-            out = np.empty((block, source.pixels), np.uint8)
-            for k in range(first, len(keys), count):
-                source.read(keys[k], out)
+    def read(first: int, count: int) -> None:
+        out = np.empty((block, source.pixels), np.uint8)
+        for k in range(first, len(keys), count):
+            source.read(keys[k], out)
 
-        workers = [threading.Thread(target=read, args=(i,)) for i in range(count)]
+    def hash_pieces(first: int, count: int) -> None:
+        for _ in range(first, len(keys), count):
+            hashlib.sha256(payload).digest()
+
+    def rate(work: Callable[[int, int], None], count: int, units: int) -> float:
+        workers = [threading.Thread(target=work, args=(i, count)) for i in range(count)]
         start = time.perf_counter()
         for worker in workers:
             worker.start()
         for worker in workers:
             worker.join()
-        return len(keys) * block / (time.perf_counter() - start)
+        return units / (time.perf_counter() - start)
 
-    rate(1)  # maps every shard
+    rate(read, 1, 1)  # maps every shard
     rates = {count: [] for count in threads}
+    controls = {count: [] for count in threads}
     for _ in range(repeats):
         for count in threads:
-            rates[count].append(rate(count))
+            rates[count].append(rate(read, count, len(keys) * block))
+            controls[count].append(rate(hash_pieces, count, len(keys)))
+
+    def ratio(series: dict[int, list[float]], count: int) -> float:
+        pairs = zip(series[count], series[threads[0]], strict=True)
+        return statistics.median([r / one for r, one in pairs])
+
     return [
         {
             "threads": count,
             "records_per_sec": statistics.median(rates[count]),
             "range": [min(rates[count]), max(rates[count])],
-            "ratio_to_one": statistics.median(
-                [r / one for r, one in zip(rates[count], rates[threads[0]], strict=True)]
-            ),
+            "ratio_to_one": ratio(rates, count),
+            "control_ratio": ratio(controls, count),
         }
         for count in threads
     ]
@@ -254,14 +270,15 @@ def record_reads(
 
 def record_reads_table(rows: Sequence[dict[str, Any]]) -> str:
     return Table.of(
-        "Record reader alone, into a block's buffer (median of repeats)",
-        ("Threads", "Records/s", "Range", "vs 1 thread"),
+        "Record reader alone, into a block's buffer (median of repeats; control: SHA-256)",
+        ("Threads", "Records/s", "Range", "vs 1 thread", "Control vs 1 thread"),
         [
             (
                 r["threads"],
                 f"{r['records_per_sec']:,.0f}",
                 f"{r['range'][0]:,.0f}..{r['range'][1]:,.0f}",
                 f"{r['ratio_to_one']:.2f}x",
+                f"{r['control_ratio']:.2f}x",
             )
             for r in rows
         ],

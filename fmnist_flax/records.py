@@ -56,7 +56,7 @@ LABEL_BYTES = 4
 WORD = np.dtype("<u8")  # a record's check folds its 8-byte words
 SPLITS = ("train", "test")
 READ_CHUNK = 8192  # records read or written at once when a whole split is asked for
-READ_ROWS = 1024  # records gathered, checked and placed at once: they stay in a core's cache
+READ_ROWS = 2048  # records gathered, checked and placed at once, in a core's cache (1.6 MB)
 WINDOW_BYTES = 8 << 20  # the span of a shard one gather reads at most before it is counted
 RESIDENT_BYTES = 64 << 20  # mapped shard bytes a source holds before letting them all go
 REGION_BYTES = 2 << 20  # the largest folio the kernel maps file pages in: spans count whole ones
@@ -567,13 +567,17 @@ class RecordSource:
         cuts = np.searchsorted(ordered, self.offsets).tolist()
         rows = np.empty((min(READ_ROWS, len(keys)), self.record_bytes), np.uint8)
         checks = np.empty(len(rows), WORD)
+        images, in_rows = pixels, rows[:, LABEL_BYTES : LABEL_BYTES + self.pixels]
+        if len(keys) and pixels.flags.c_contiguous:  # each image one item: placed in one copy
+            images = _void_rows(pixels, 0, self.pixels)
+            in_rows = _void_rows(rows, LABEL_BYTES, self.pixels)
         for k in np.flatnonzero(np.diff(cuts)).tolist():
             for start in range(cuts[k], cuts[k + 1], READ_ROWS):
                 stop = min(start + READ_ROWS, cuts[k + 1])
                 part, held = rows[: stop - start], checks[: stop - start]
                 self._gather(k, maps[k], ordered[start:stop] - self.offsets[k], part, held)
                 self._verify(part, held, ordered[start:stop])
-                pixels[order[start:stop]] = part[:, LABEL_BYTES : LABEL_BYTES + self.pixels]
+                images[order[start:stop]] = in_rows[: stop - start]
         return pixels, self.labels[keys]
 
     def _gather(
@@ -628,6 +632,13 @@ class RecordSource:
 
     def _path_of(self, key: int) -> pathlib.Path:
         return self.paths[int(np.searchsorted(self.offsets, key, side="right")) - 1]
+
+
+def _void_rows(rows: np.ndarray, offset: int, size: int) -> np.ndarray:
+    """Bytes offset..offset+size of each row of the C-contiguous uint8 array `rows`, as one
+    void item a row (a view): NumPy places such an item in one copy, a third faster than a
+    row of bytes."""
+    return np.ndarray((len(rows),), np.dtype((np.void, size)), rows, offset, rows.strides[:1])
 
 
 def _ascending(keys: np.ndarray, bound: int) -> np.ndarray:

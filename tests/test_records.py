@@ -322,6 +322,22 @@ def test_a_corrupted_record_is_refused_when_read_naming_its_file(tmp_path, shard
     assert source.read(np.arange(20))[0].shape == (20, 784)  # the undamaged ones still read
 
 
+def test_a_read_fills_the_buffer_it_is_given_contiguous_or_not(tmp_path):
+    """Keys in any order, repeated, across both shards: the pixels land in `out` in the keys'
+    order, a contiguous buffer or every other column of a wider one."""
+    source = datasets.load_records(small_set(tmp_path)).train_images.source
+    images, classes = small_arrays(40, 1)
+    images = images.reshape(40, -1)
+    keys = np.array([39, 0, 21, 0, 5, 20, 19, 38])
+    pixels, labels = source.read(keys, np.empty((8, 784), np.uint8))
+    np.testing.assert_array_equal(pixels, images[keys])
+    np.testing.assert_array_equal(labels, classes[keys])
+    wide = np.zeros((8, 2 * 784), np.uint8)
+    source.read(keys, wide[:, ::2])
+    np.testing.assert_array_equal(wide[:, ::2], images[keys])
+    assert not wide[:, 1::2].any()
+
+
 def _mapped_bytes(paths: list[pathlib.Path]) -> int:
     """Bytes of these files' pages mapped into this process (its resident set's share of
     them), from /proc/self/smaps."""
