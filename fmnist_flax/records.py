@@ -56,7 +56,7 @@ LABEL_BYTES = 4
 WORD = np.dtype("<u8")  # a record's check folds its 8-byte words
 SPLITS = ("train", "test")
 READ_CHUNK = 8192  # records read or written at once when a whole split is asked for
-READ_ROWS = 2048  # records gathered, checked and placed at once, in a core's cache (1.6 MB)
+READ_ROWS = 2048  # records gathered, checked and placed at once: in a core's cache, few calls
 WINDOW_BYTES = 8 << 20  # the span of a shard one gather reads at most before it is counted
 RESIDENT_BYTES = 64 << 20  # mapped shard bytes a source holds before letting them all go
 REGION_BYTES = 2 << 20  # the largest folio the kernel maps file pages in: spans count whole ones
@@ -562,6 +562,10 @@ class RecordSource:
             raise IndexError(f"record keys out of range 0..{len(self) - 1}")
         maps = self._open()
         pixels = np.empty((len(keys), self.pixels), np.uint8) if out is None else out
+        if pixels.shape != (len(keys), self.pixels) or pixels.dtype != np.uint8:
+            raise ValueError(
+                f"out is {pixels.dtype} {pixels.shape}, not uint8 {len(keys), self.pixels}"
+            )
         order = _ascending(keys, len(self))
         ordered = keys[order]
         cuts = np.searchsorted(ordered, self.offsets).tolist()
@@ -636,8 +640,8 @@ class RecordSource:
 
 def _void_rows(rows: np.ndarray, offset: int, size: int) -> np.ndarray:
     """Bytes offset..offset+size of each row of the C-contiguous uint8 array `rows`, as one
-    void item a row (a view): NumPy places such an item in one copy, a third faster than a
-    row of bytes."""
+    void item a row (a view): NumPy places such an item in one copy, faster than a row of
+    bytes."""
     return np.ndarray((len(rows),), np.dtype((np.void, size)), rows, offset, rows.strides[:1])
 
 

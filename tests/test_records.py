@@ -336,6 +336,8 @@ def test_a_read_fills_the_buffer_it_is_given_contiguous_or_not(tmp_path):
     source.read(keys, wide[:, ::2])
     np.testing.assert_array_equal(wide[:, ::2], images[keys])
     assert not wide[:, 1::2].any()
+    with pytest.raises(ValueError, match=r"out is uint8 \(8, 800\), not uint8 \(8, 784\)"):
+        source.read(keys, np.empty((8, 800), np.uint8))
 
 
 def _mapped_bytes(paths: list[pathlib.Path]) -> int:
