@@ -72,6 +72,13 @@ def get_config() -> ml_collections.ConfigDict:
     config.augment.flip = False  # random left-right mirroring, on the device
     config.report = "full"  # full | basic (no extra timing comparisons) | none (no report/)
     config.param_sharding = "replicated"  # replicated | fsdp (split over the `data` mesh axis)
+    config.mesh = ml_collections.ConfigDict()
+    # Devices each annotated parameter is split over: a `model` mesh axis beside `data` (1: none)
+    config.mesh.model = 1
+    config.mesh.data = 0  # devices each batch is split over; 0: all those left
+    # Logical axis names of annotated parameters (nnx.with_partitioning) -> mesh axis: `model`,
+    # `data` or None (replicated); a name left out, or an axis the mesh lacks, is replicated.
+    config.mesh.rules = (("mlp", "model"), ("embed", None), ("classes", None))
 
     config.model = ml_collections.ConfigDict()
     config.model.name = "mlp"  # a key of fmnist_flax.model.MODELS; the other fields are its args

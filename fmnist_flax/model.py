@@ -4,7 +4,8 @@ A model's `__init__` takes its config fields, then keyword-only `image_shape` (H
 `num_classes` (both from the dataset), `compute_dtype` and `rngs`; `__call__` maps
 (B, H, W, C) float32 pixels in [0, 1] to (B, num_classes) float32 logits. An optional
 `check_config(fields, image_shape)` classmethod refuses bad values with one line before
-anything is built.
+anything is built. Parameters may carry logical axis names (`nnx.with_partitioning`, or a
+layer's `kernel_metadata={"out_sharding": ...}`): `config.mesh.rules` maps them to mesh axes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from fmnist_flax import errors
+from fmnist_flax import errors, parallel
 from fmnist_flax.ensemble import Ensemble, stack
 from fmnist_flax.errors import UserError
 
@@ -29,6 +30,25 @@ COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # He-normal as in the codelab: normal(0, 1) * sqrt(2 / fan_in); "normal" is untruncated.
 he_normal = jax.nn.initializers.variance_scaling(2.0, "fan_in", "normal")
+
+# The logical axis names of the MLP's and CNN's parameters (config.mesh.rules maps them to mesh
+# axes). Their layers alternate between splitting their outputs (`mlp`) and their inputs, as
+# Megatron's column- and row-parallel pairs do, so no weight names one mesh axis twice.
+EMBED, HIDDEN, CLASSES = "embed", "mlp", "classes"
+
+
+def layer_axes(count: int) -> list[tuple[str, str]]:
+    """(input, output) logical names of a chain of `count` layers ending in the classifier:
+    outputs alternate `mlp`, `embed`, ...; each input is the previous layer's output."""
+    outputs = [HIDDEN if i % 2 == 0 else EMBED for i in range(count - 1)] + [CLASSES]
+    return list(zip([EMBED, *outputs[:-1]], outputs, strict=True))
+
+
+def annotated(*names: str | None) -> dict[str, Any]:
+    """A layer's `kernel_metadata`/`bias_metadata`: one logical axis name per dimension, not
+    applied when built (Flax's eager sharding would need a mesh there), so the model builds
+    anywhere; `parallel.place` lays it out on the run's mesh."""
+    return {"out_sharding": names, "eager_sharding": False}
 
 
 def _check_widths(field: str, widths: Any) -> None:
@@ -59,6 +79,7 @@ class MLP(nnx.Module):
         self.compute_dtype = compute_dtype
         self.image_shape = tuple(image_shape)
         sizes = (math.prod(image_shape), *hidden, num_classes)
+        axes = layer_axes(len(sizes) - 1)
         # Linear's `dtype` casts inputs, kernel and bias to the compute dtype, as the codelab does.
         self.layers = nnx.List(
             nnx.Linear(
@@ -68,9 +89,13 @@ class MLP(nnx.Module):
                 param_dtype=jnp.float32,
                 kernel_init=he_normal,
                 bias_init=nnx.initializers.zeros,
+                kernel_metadata=annotated(name_in, name_out),
+                bias_metadata=annotated(name_out),
                 rngs=rngs,
             )
-            for fan_in, fan_out in itertools.pairwise(sizes)
+            for (fan_in, fan_out), (name_in, name_out) in zip(
+                itertools.pairwise(sizes), axes, strict=True
+            )
         )
 
     @classmethod
@@ -103,17 +128,49 @@ class CNN(nnx.Module):
         self.compute_dtype = compute_dtype
         self.image_shape = tuple(image_shape)
         channels = (image_shape[2], *features)
+        *conv_axes, dense_axes, head_axes = layer_axes(len(features) + 2)
         self.convs = nnx.List(
-            nnx.Conv(c_in, c_out, (3, 3), dtype=compute_dtype, rngs=rngs)
-            for c_in, c_out in itertools.pairwise(channels)
+            nnx.Conv(
+                c_in,
+                c_out,
+                (3, 3),
+                dtype=compute_dtype,
+                kernel_metadata=annotated(None, None, name_in, name_out),
+                bias_metadata=annotated(name_out),
+                rngs=rngs,
+            )
+            for (c_in, c_out), (name_in, name_out) in zip(
+                itertools.pairwise(channels), conv_axes, strict=True
+            )
         )
-        self.norms = nnx.List(nnx.BatchNorm(c, dtype=compute_dtype, rngs=rngs) for c in features)
+        self.norms = nnx.List(
+            nnx.BatchNorm(
+                c,
+                dtype=compute_dtype,
+                scale_metadata=annotated(name_out),
+                bias_metadata=annotated(name_out),
+                rngs=rngs,
+            )
+            for c, (_, name_out) in zip(features, conv_axes, strict=True)
+        )
         height, width = (side // 2 ** len(features) for side in image_shape[:2])
         self.dense = nnx.Linear(
-            height * width * features[-1], dense, dtype=compute_dtype, rngs=rngs
+            height * width * features[-1],
+            dense,
+            dtype=compute_dtype,
+            kernel_metadata=annotated(*dense_axes),
+            bias_metadata=annotated(dense_axes[1]),
+            rngs=rngs,
         )
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
-        self.head = nnx.Linear(dense, num_classes, dtype=compute_dtype, rngs=rngs)
+        self.head = nnx.Linear(
+            dense,
+            num_classes,
+            dtype=compute_dtype,
+            kernel_metadata=annotated(*head_axes),
+            bias_metadata=annotated(head_axes[1]),
+            rngs=rngs,
+        )
 
     @classmethod
     def check_config(cls, fields: dict[str, Any], image_shape: tuple[int, int, int]) -> None:
@@ -173,7 +230,8 @@ def create_model(
 ) -> nnx.Module:
     """Build the model a config describes (`config.model.name` and its other fields are the
     constructor's arguments) for the dataset's image shape and classes, initialised from
-    `seed` (default: `config.seed`).
+    `seed` (default: `config.seed`). Its arrays are not yet laid out on a mesh (annotated ones
+    included: `parallel.place_module` does that, by `config.mesh.rules`).
 
     The initialisation is compiled as one program: eagerly, each random op would compile on
     its own, which costs over a second at start-up.
@@ -196,13 +254,14 @@ def create_model(
 
 def static_args(
     config: ml_collections.ConfigDict, image_shape: tuple[int, int, int], num_classes: int
-) -> tuple[str, tuple, tuple, str]:
+) -> tuple[str, tuple, tuple, str, tuple]:
     """What the init program is compiled for (hashable): the model's name, its fields, the
-    data's shape and classes, the compute dtype."""
+    data's shape and classes, the compute dtype, the logical axis rules."""
     fields = config.model.to_dict()
     name = fields.pop("name", "mlp")
     kwargs = tuple((k, tuple(v) if isinstance(v, list | tuple) else v) for k, v in fields.items())
-    return name, kwargs, (tuple(image_shape), int(num_classes)), config.compute_dtype
+    rules = parallel.check_rules(config.mesh.rules)
+    return name, kwargs, (tuple(image_shape), int(num_classes)), config.compute_dtype, rules
 
 
 # The initialisation runs once, so LLVM's lighter optimisation is enough: its compile takes
@@ -211,21 +270,29 @@ INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
 def _construct(
-    name: str, kwargs: tuple, shape: tuple, compute_dtype: str, seed: jax.Array
+    name: str, kwargs: tuple, shape: tuple, compute_dtype: str, rules: tuple, seed: jax.Array
 ) -> nnx.Module:
+    """The model, its annotated Variables unplaced (no mesh is needed to build one: Flax's
+    eager sharding is off) and carrying `rules` as their `sharding_rules`, which
+    `parallel.place` reads."""
     key = jax.random.key(seed)
     rngs = nnx.Rngs(params=key, dropout=jax.random.fold_in(key, 1))
     image_shape, num_classes = shape
-    return MODELS[name](
-        **dict(kwargs),
-        image_shape=image_shape,
-        num_classes=num_classes,
-        compute_dtype=COMPUTE_DTYPES[compute_dtype],
-        rngs=rngs,
-    )
+    with nnx.use_eager_sharding(False):
+        model = MODELS[name](
+            **dict(kwargs),
+            image_shape=image_shape,
+            num_classes=num_classes,
+            compute_dtype=COMPUTE_DTYPES[compute_dtype],
+            rngs=rngs,
+        )
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Variable) and node.get_metadata("out_sharding", None):
+            node.set_metadata("sharding_rules", rules)
+    return model
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), compiler_options=INIT_COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), compiler_options=INIT_COMPILER_OPTIONS)
 def _initial_state(*args) -> nnx.State:
     return nnx.state(_construct(*args))
 

@@ -1,18 +1,23 @@
-"""Devices and processes: `jax.distributed`, the `data` mesh, and where every array lives.
+"""Devices and processes: `jax.distributed`, the mesh, and where every array lives.
 
 One program runs in every process (JAX's multi-controller SPMD). Batches are split along the
-mesh's `data` axis; parameters and optimizer state are replicated, or sharded along the same
-axis (FSDP) with `param_sharding="fsdp"`. XLA inserts the collectives (gradient all-reduce,
-parameter all-gathers), so the compiled steps are the same code for 1 device and for N.
+mesh's `data` axis. Parameters annotated with logical axis names (`nnx.with_partitioning`) are
+split as `config.mesh.rules` maps those names to mesh axes (e.g. `mlp` -> `model`, a
+`config.mesh.model`-sized axis); the rest is replicated, or sharded along `data` (FSDP) with
+`param_sharding="fsdp"`. XLA inserts the collectives (gradient all-reduce, parameter
+all-gathers), so the compiled steps are the same code for 1 device and for N.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import signal
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -27,6 +32,8 @@ from fmnist_flax.errors import UserError, error_line
 
 DATA_AXIS = "data"
 MEMBER_AXIS = "member"  # an ensemble's members split over devices (config.ensemble.shards)
+MODEL_AXIS = "model"  # annotated parameters split over devices (config.mesh.model)
+MESH_AXES = (MEMBER_AXIS, DATA_AXIS, MODEL_AXIS)  # the order of a mesh's axes
 PARAM_SHARDINGS = ("replicated", "fsdp")
 CONNECT_RETRY_S = 0.5
 # JAX's own deadline fires this much after ours; its failure is a C++ abort with a stack dump.
@@ -192,22 +199,96 @@ def data_size(mesh: Mesh) -> int:
     return mesh.shape[DATA_AXIS]
 
 
-def make_mesh(devices: list[jax.Device] | None = None, member_shards: int = 1) -> Mesh:
-    """A 1-D mesh over `devices` (default: every device of every process), axis `data`; with
-    `member_shards` > 1, a 2-D mesh (`member`, `data`): an ensemble's members split that many
-    ways, each part's batches over its `data` devices."""
+def make_mesh(
+    devices: list[jax.Device] | None = None,
+    member_shards: int = 1,
+    model_shards: int = 1,
+    data_shards: int = 0,
+) -> Mesh:
+    """A mesh over `devices` (default: every device of every process) with the axes `member`
+    (an ensemble's members split `member_shards` ways), `data` (each batch split over the
+    devices left, or `data_shards` of them) and `model` (annotated parameters split
+    `model_shards` ways, neighbouring devices); `member` and `model` only when larger than 1,
+    so a default mesh is the 1-D `data` one."""
     devices = jax.devices() if devices is None else devices
-    if member_shards == 1:
-        shape, names = (len(devices),), (DATA_AXIS,)
-    elif len(devices) % member_shards:
+    if len(devices) % member_shards:
         raise UserError(
             f"--config.ensemble.shards={member_shards} does not divide the {len(devices)} "
             "devices; use a divisor of both the device count and --config.ensemble.size"
         )
-    else:
-        shape, names = (member_shards, len(devices) // member_shards), (MEMBER_AXIS, DATA_AXIS)
+    left = len(devices) // member_shards
+    if left % model_shards:
+        where = f"the {len(devices)} devices"
+        if member_shards > 1:
+            where = f"the {left} devices of each of the {member_shards} member shards"
+        raise UserError(
+            f"--config.mesh.model={model_shards} does not divide {where}; use a divisor"
+        )
+    sizes = {MEMBER_AXIS: member_shards, DATA_AXIS: left // model_shards, MODEL_AXIS: model_shards}
+    if data_shards not in (0, sizes[DATA_AXIS]):
+        raise UserError(
+            f"--config.mesh.data={data_shards}: the mesh's axes must use all {len(devices)} "
+            f"devices, so with --config.mesh.model={model_shards} and "
+            f"--config.ensemble.shards={member_shards} it must be {sizes[DATA_AXIS]} "
+            "(or 0: the devices left)"
+        )
+    names = tuple(a for a in MESH_AXES if a == DATA_AXIS or sizes[a] > 1)
+    shape = tuple(sizes[a] for a in names)
     types = (jax.sharding.AxisType.Auto,) * len(shape)
     return jax.make_mesh(shape, names, axis_types=types, devices=devices)
+
+
+def mesh_for(config: Any, devices: list[jax.Device] | None = None) -> Mesh:
+    """The mesh of a run's config (`config.mesh`, `config.ensemble.shards`) over `devices`."""
+    check_mesh_config(config.mesh)
+    return make_mesh(devices, config.ensemble.shards, config.mesh.model, config.mesh.data)
+
+
+def _whole(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def check_mesh_config(mesh_config: Any) -> None:
+    """`config.mesh`: whole sizes and a rules table `check_rules` accepts; one line each."""
+    if not _whole(mesh_config.model, 1):
+        raise UserError(
+            f"--config.mesh.model={mesh_config.model!r} must be a whole number >= 1 (the "
+            "devices each annotated parameter is split over; 1: none)"
+        )
+    if not _whole(mesh_config.data, 0):
+        raise UserError(
+            f"--config.mesh.data={mesh_config.data!r} must be a whole number >= 0 (the devices "
+            "each batch is split over; 0: all those left)"
+        )
+    check_rules(mesh_config.rules)
+
+
+def check_rules(rules: Any) -> tuple[tuple[str, str | None], ...]:
+    """`config.mesh.rules` as a tuple of (logical name, mesh axis or None) pairs, each name
+    once, each axis `data` or `model`; raises one line naming what is wrong."""
+    flag = "--config.mesh.rules"
+    example = "e.g. \"(('mlp', 'model'), ('embed', None))\""
+    if isinstance(rules, str) or not isinstance(rules, tuple | list):
+        raise UserError(f"{flag}={rules!r} must be (logical name, mesh axis) pairs, {example}")
+    seen = set()
+    for rule in rules:
+        if (
+            isinstance(rule, str)
+            or not isinstance(rule, tuple | list)
+            or len(rule) != 2
+            or not isinstance(rule[0], str)
+        ):
+            raise UserError(f"{flag}: {rule!r} is not a (logical name, mesh axis) pair, {example}")
+        name, axis = rule
+        if axis not in (DATA_AXIS, MODEL_AXIS, None):
+            raise UserError(
+                f"{flag}: {name!r} -> {axis!r}: the mesh axis must be '{DATA_AXIS}', "
+                f"'{MODEL_AXIS}' or None (replicated)"
+            )
+        if name in seen:
+            raise UserError(f"{flag}: {name!r} is mapped twice; keep one pair per name")
+        seen.add(name)
+    return tuple((name, axis) for name, axis in rules)
 
 
 def member_shards(mesh: Mesh) -> int:
@@ -235,29 +316,85 @@ def batch_sharding(mesh: Mesh, axis: int = 0) -> NamedSharding:
     return NamedSharding(mesh, P(*[None] * axis, DATA_AXIS))
 
 
-def fsdp_spec(shape: tuple[int, ...], num_devices: int) -> P:
-    """Shard a leaf's largest dimension that divides evenly; replicate the leaf otherwise."""
-    candidates = [a for a, size in enumerate(shape) if size % num_devices == 0]
+def fsdp_spec(shape: tuple[int, ...], num_devices: int, free: Sequence[int] | None = None) -> P:
+    """Shard a leaf's largest dimension (of the `free` ones, default all) that divides evenly;
+    replicate the leaf otherwise."""
+    free = range(len(shape)) if free is None else free
+    candidates = [a for a in free if shape[a] % num_devices == 0]
     if num_devices == 1 or not candidates:
         return P()
     axis = max(candidates, key=lambda a: shape[a])
     return P(*[None] * axis, DATA_AXIS)
 
 
+def annotated_spec(
+    names: Sequence[Any],
+    shape: tuple[int, ...],
+    rules: Sequence[tuple[str, str | None]],
+    mesh: Mesh,
+) -> list[Any]:
+    """A leaf's logical axis names (one per dimension: a name, a tuple of names or None) as
+    mesh axes: each name through `rules` (a name no rule maps stands for itself); a mesh axis
+    the mesh lacks or that does not divide its dimension evenly, or one already used, leaves
+    the dimension replicated."""
+    table = dict(rules)
+    used: set[str] = set()
+
+    def axes(names_of_dim: Any, size: int) -> Any:
+        if names_of_dim is None:
+            return None
+        chosen = []
+        for name in names_of_dim if isinstance(names_of_dim, tuple | list) else (names_of_dim,):
+            axis = table.get(name, name)
+            if axis in mesh.shape and axis not in used and mesh.shape[axis] > 1:
+                chosen.append(axis)
+        if not chosen or size % math.prod(mesh.shape[a] for a in chosen):
+            return None
+        used.update(chosen)
+        return chosen[0] if len(chosen) == 1 else tuple(chosen)
+
+    return [axes(n, size) for n, size in zip(names, shape, strict=True)]
+
+
+def leaf_spec(
+    leaf: Any, mesh: Mesh, param_sharding: str = "replicated", stacked: bool = False
+) -> P:
+    """Where one leaf of a state lives: annotated dimensions (an `nnx.Variable`'s
+    `out_sharding`, through its `sharding_rules`) as `annotated_spec` says, a `stacked` leaf's
+    member axis along `member` when the mesh has one, then with `param_sharding="fsdp"` the
+    largest dimension left along `data`."""
+    shape = tuple(leaf.shape)
+    inner = shape[1:] if stacked else shape
+    names = leaf.get_metadata("out_sharding", None) if isinstance(leaf, nnx.Variable) else None
+    if names and len(names) != len(inner):
+        raise UserError(
+            f"a parameter of shape {inner} is annotated with {len(names)} axis names "
+            f"{tuple(names)}: give one name (or None) per dimension"
+        )
+    rules = leaf.get_metadata("sharding_rules", ()) if names else ()
+    spec = annotated_spec(names, inner, rules, mesh) if names else [None] * len(inner)
+    if stacked:
+        spec = [MEMBER_AXIS if member_shards(mesh) > 1 else None, *spec]
+    if param_sharding == "fsdp" and DATA_AXIS not in spec:
+        free = [a for a, axis in enumerate(spec) if axis is None]
+        fsdp = fsdp_spec(shape, data_size(mesh), free)
+        spec = [axis or extra for axis, extra in itertools.zip_longest(spec, fsdp)]
+    while spec and spec[-1] is None:
+        spec.pop()
+    return P(*spec)
+
+
 def state_shardings(
     tree: Any, mesh: Mesh, param_sharding: str = "replicated", stacked: bool = False
 ) -> Any:
-    """The NamedSharding of each leaf of a model/optimizer state. `stacked` leaves (an
-    ensemble's, on a mesh with a `member` axis) have their leading axis split along it, the
-    rest as `param_sharding` says."""
-    members = stacked and member_shards(mesh) > 1
+    """The NamedSharding of each leaf of a model/optimizer state (`leaf_spec`); `stacked`:
+    an ensemble's, a leading member axis on each leaf."""
 
-    def spec(shape: tuple[int, ...]) -> P:
-        inner = shape[1:] if members else shape
-        rest = fsdp_spec(inner, data_size(mesh)) if param_sharding == "fsdp" else P()
-        return P(MEMBER_AXIS, *rest) if members else rest
+    def sharding(leaf: Any) -> Any:
+        named = NamedSharding(mesh, leaf_spec(leaf, mesh, param_sharding, stacked))
+        return leaf.replace(named) if isinstance(leaf, nnx.Variable) else named
 
-    return jax.tree.map(lambda x: NamedSharding(mesh, spec(tuple(x.shape))), tree)
+    return jax.tree.map(sharding, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def place(tree: Any, mesh: Mesh, param_sharding: str = "replicated", stacked: bool = False) -> Any:
@@ -339,7 +476,23 @@ def layout(mesh: Mesh, batch_size: int, param_sharding: str) -> str:
     if member_shards(mesh) > 1:
         within = "sharded along `data`" if param_sharding == "fsdp" else "replicated"
         params = f"split by member along `member` ({within} within)"
+    if MODEL_AXIS in mesh.shape:
+        params += (
+            "; annotated ones as config.mesh.rules map their axis names to mesh axes (the "
+            "model table gives each one's layout)"
+        )
     return (
         f"mesh {dict(mesh.shape)} over {where}; batch {batch_size:,} split "
         f"{batch_size // data_size(mesh):,} per device; parameters and optimizer state {params}"
     )
+
+
+def param_layouts(model: nnx.Module) -> dict[str, str]:
+    """Each parameter's layout on its mesh ('layers.0.kernel': "P(None, 'model')", or
+    'replicated'), for summary.json."""
+    return {
+        ".".join(map(str, path)): (
+            "replicated" if v[...].sharding.is_fully_replicated else str(v[...].sharding.spec)
+        )
+        for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }

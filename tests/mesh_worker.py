@@ -1,9 +1,10 @@
 """Run by tests/test_parallel.py in a subprocess that has 8 virtual CPU devices:
-`mesh_worker.py WORKDIR CACHE`, CACHE being the tests' JAX compilation cache.
+`mesh_worker.py WORKDIR CACHE [MODEL]`, CACHE being the tests' JAX compilation cache.
 
-Trains the same config on a 1-device mesh, on all 8 devices with replicated parameters and on
-all 8 with FSDP; prints one JSON object: each run's loss curve, final parameters, evaluation,
-predictions and the `.sharding` of its arrays.
+Without MODEL: trains the same config on a 1-device mesh, on all 8 devices with replicated
+parameters and on all 8 with FSDP; prints one JSON object: each run's loss curve, final
+parameters, evaluation, predictions and the `.sharding` of its arrays. With MODEL (mlp or cnn):
+model parallelism, as `model_parallel` says.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pathlib
 import sys
 
 import jax
+import numpy as np
 from conftest import load_config, use_compilation_cache
 from flax import nnx
 
@@ -22,6 +24,8 @@ from fmnist_flax import (
     datasets,
     evaluate,
     experiment,
+    export,
+    inference,
     input_pipeline,
     parallel,
     restore,
@@ -41,6 +45,14 @@ class Trained(experiment.Extension):
 
     def after_training(self, run: experiment.Run) -> None:
         self.run = run
+
+
+def host_params(model) -> dict[str, list]:
+    """Each parameter's values, by its dotted path."""
+    return {
+        ".".join(map(str, path)): parallel.to_host(v[...]).tolist()
+        for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
 
 
 def run(dataset, config, devices, param_sharding: str, workdir: pathlib.Path) -> dict:
@@ -76,10 +88,7 @@ def run(dataset, config, devices, param_sharding: str, workdir: pathlib.Path) ->
         "test_accuracy": full["accuracy"],
         "test_examples": full["examples"],
         "predictions": evaluate.predict(model, dataset.test_images[:PREDICTED], mesh).tolist(),
-        "params": {
-            ".".join(map(str, path)): parallel.to_host(v[...]).tolist()
-            for path, v in nnx.to_flat_state(params)
-        },
+        "params": host_params(model),
         "restored_equal": all(
             bool((parallel.to_host(a) == parallel.to_host(b)).all())
             for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(params), strict=True)
@@ -96,9 +105,97 @@ def run(dataset, config, devices, param_sharding: str, workdir: pathlib.Path) ->
     }
 
 
-def main(workdir: str, cache: str) -> None:
+# Model parallelism: (data, model) of the first 50 steps, then of the resumed 10.
+MESHES = {"mlp": ((2, 4), (4, 2)), "cnn": ((4, 2), (2, 4))}
+FIRST_STEPS, ALL_STEPS = 50, 60
+EVALUATED = 1_000  # test examples evaluated (config.eval_examples)
+
+
+def train_quietly(config, workdir: pathlib.Path, devices) -> experiment.Run:
+    """A training run (or its resumption) of `config` over `devices`; the run as it ends."""
+    trained = Trained()
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON results
+        train.train_and_evaluate(config, workdir, [trained], devices=devices)
+    return trained.run
+
+
+def model_parallel(workdir: pathlib.Path, name: str, dataset) -> dict:
+    """`name` (mlp or cnn, both annotated) trained on one device for 60 steps, and on the 8
+    devices split (data, model) as MESHES says for 50 steps, then resumed to 60 on the other
+    split. The 50-step checkpoint restored on one device: evaluated, predicting, exported, its
+    parameters compared; the one-device checkpoint restored onto the (data, model) mesh."""
+    config = load_config("default" if name == "mlp" else "cnn")
+    config.optimizer.schedule = "constant"  # the same rates for 50 steps as for 60
+    config.update(
+        batch_size=128, log_every=5, report="none", eval_examples=EVALUATED, steps=FIRST_STEPS
+    )
+    (data, model), (data_after, model_after) = MESHES[name]
+    devices = jax.devices()
+    one = config.copy_and_resolve_references()
+    one.steps = ALL_STEPS
+    base = train_quietly(one, workdir / "one", devices[:1])
+    config.mesh.update(data=data, model=model)
+    split = train_quietly(config, workdir / "split", devices)
+    split_summary = json.loads((workdir / "split" / workdir_lib.SUMMARY_FILE).read_text())
+    images = dataset.test_images[:PREDICTED]
+    split_predictions = evaluate.predict(split.model, images, split.device_data.mesh)
+
+    single = parallel.make_mesh(devices[:1])
+    restored, _, saved, _ = inference.restore_model(workdir / "split", mesh=single)
+    evaluated = evaluate.evaluate(
+        restored, dataset.test_images[:EVALUATED], dataset.test_labels[:EVALUATED], saved, single
+    )
+    artifact = workdir / "split.jax"
+    export.export_model(workdir / "split", artifact)
+    exported = jax.export.deserialize(artifact.read_bytes())
+    loaded = inference.load_model(workdir / "split")
+
+    config.mesh.update(data=data_after, model=model_after)
+    config.steps = ALL_STEPS
+    resumed = train_quietly(config, workdir / "split", devices)
+
+    # The other way round: the one-device checkpoint restored onto a (data, model) mesh.
+    onto = config.copy_and_resolve_references()
+    onto.mesh.update(data=data, model=model)
+    mesh = parallel.mesh_for(onto, devices)
+    spread = inference.restore_model(workdir / "one", mesh=mesh)[0]
+    return {
+        "mesh": split_summary["mesh"],
+        "param_layouts": parallel.param_layouts(split.model),
+        "optimizer_specs": sorted(
+            {spec(leaf) for leaf in jax.tree.leaves(nnx.state(split.optimizer))}
+        ),
+        "resumed_mesh": dict(resumed.device_data.mesh.shape),
+        "resumed_layouts": parallel.param_layouts(resumed.model),
+        "one_losses": [
+            r["loss"] for r in workdir_lib.read_jsonl(workdir / "one" / "metrics.jsonl")
+        ],
+        "split_losses": [
+            r["loss"] for r in workdir_lib.read_jsonl(workdir / "split" / "metrics.jsonl")
+        ],
+        "split_params": host_params(split.model),
+        "restored_params": host_params(restored),
+        "restored_devices": sorted(
+            {len(leaf.devices()) for leaf in jax.tree.leaves(nnx.state(restored))}
+        ),
+        "split_test": [split_summary["test_accuracy"], split_summary["test_loss"]],
+        "restored_test": [evaluated["accuracy"], evaluated["loss"]],
+        "split_predictions": np.asarray(split_predictions).tolist(),
+        "restored_predictions": np.asarray(evaluate.predict(restored, images, single)).tolist(),
+        "exported_predictions": np.asarray(exported.call(images)).tolist(),
+        "loaded_predictions": np.asarray(evaluate.predict(loaded, images, single)).tolist(),
+        "one_params": host_params(base.model),
+        "spread_params": host_params(spread),
+        "spread_layouts": parallel.param_layouts(spread),
+    }
+
+
+def main(workdir: str, cache: str, model: str | None = None) -> None:
     use_compilation_cache(pathlib.Path(cache))
     dataset = datasets.load_dataset(download=False)
+    if model:
+        print(json.dumps(model_parallel(pathlib.Path(workdir), model, dataset)))
+        return
     config = load_config("default")
     config.batch_size = 128
     config.steps = 50

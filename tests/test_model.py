@@ -14,6 +14,7 @@ from conftest import forward, load_config
 from flax import nnx
 
 from fmnist_flax import model as model_lib
+from fmnist_flax import parallel
 from fmnist_flax.errors import UserError
 
 
@@ -133,3 +134,35 @@ def test_a_model_without_its_own_check_fails_in_one_line_not_a_traceback(monkeyp
     config.model = ml_collections.ConfigDict({"name": "tiny", "width": -1})
     with pytest.raises(UserError, match=r"model 'tiny' cannot be built from --config\.model: "):
         model_lib.create_model(config, (28, 28, 1), 10)
+
+
+def test_a_model_annotated_with_with_partitioning_builds_without_a_mesh(monkeypatch):
+    """The issue's case: `nnx.with_partitioning` weights built by create_model (no mesh, no
+    eager sharding), carrying the config's rules, then laid out on a mesh by parallel."""
+
+    class Patches(nnx.Module):
+        def __init__(self, *, image_shape, num_classes, compute_dtype, rngs):
+            init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("patch", "embed"))
+            self.embed = nnx.Linear(
+                math.prod(image_shape), num_classes, kernel_init=init, rngs=rngs
+            )
+
+    monkeypatch.setitem(model_lib.MODELS, "patches", Patches)
+    config = load_config("default")
+    config.model = ml_collections.ConfigDict({"name": "patches"})
+    model = model_lib.create_model(config, (28, 28, 1), 10)
+    kernel = model.embed.kernel
+    assert kernel.get_metadata("out_sharding") == ("patch", "embed")
+    assert kernel.get_metadata("sharding_rules") == tuple(map(tuple, config.mesh.rules))
+    parallel.place_module(model, parallel.make_mesh())
+    assert kernel[...].sharding.is_fully_replicated  # one device: nothing to split
+
+
+def test_the_mlp_and_cnn_layers_alternate_split_outputs_and_split_inputs():
+    """Megatron's pairs: a layer whose outputs are split (`mlp`) feeds one whose inputs are,
+    so no kernel names the `model` axis twice; the classifier's outputs are `classes`."""
+    assert model_lib.layer_axes(3) == [("embed", "mlp"), ("mlp", "embed"), ("embed", "classes")]
+    cnn = nnx.eval_shape(lambda: model_lib.CNN(rngs=nnx.Rngs(0)))  # no mesh needed
+    assert cnn.convs[1].kernel.get_metadata("out_sharding") == (None, None, "mlp", "embed")
+    assert cnn.norms[0].scale.get_metadata("out_sharding") == ("mlp",)
+    assert cnn.head.kernel.get_metadata("out_sharding") == ("mlp", "classes")
