@@ -399,9 +399,17 @@ def state_shardings(
 
 def place(tree: Any, mesh: Mesh, param_sharding: str = "replicated", stacked: bool = False) -> Any:
     """Lay a state out on the mesh: one compiled copy, so each process passes only its own
-    (identical) values and gets back arrays that span every process's devices."""
+    (identical) values and gets back arrays that span every process's devices. Arrays
+    committed to other devices (a checkpoint restored on one, for --init_from) go through
+    the host."""
     shardings = state_shardings(tree, mesh, param_sharding, stacked)
-    return jax.jit(_identity, out_shardings=shardings)(tree)
+    devices = set(mesh.devices.flat)
+
+    def movable(x: Any) -> Any:
+        elsewhere = isinstance(x, jax.Array) and x.committed and x.sharding.device_set != devices
+        return np.asarray(x) if elsewhere else x
+
+    return jax.jit(_identity, out_shardings=shardings)(jax.tree.map(movable, tree))
 
 
 def _identity(tree: Any) -> Any:
