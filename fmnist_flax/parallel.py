@@ -446,15 +446,19 @@ def to_host(tree: Any) -> Any:
 
 def check_replicas(tree: Any, what: str) -> int:
     """Fail loudly if the copies of a replicated array differ, between the devices of this
-    process or between processes; returns how many replicated arrays were compared."""
+    process or between processes, or the copies of one shard of a split array (a `model`-split
+    kernel's along `data`) between the devices of this process; returns how many replicated
+    arrays were compared."""
     local = []
     for x in jax.tree.leaves(tree):
-        if not x.is_fully_replicated:
-            continue  # one copy of each shard (FSDP): nothing to compare
-        copies = [np.asarray(shard.data) for shard in x.addressable_shards]
-        if not all(np.array_equal(copies[0], c) for c in copies[1:]):
-            raise RuntimeError(f"{what} differ between the devices of this process")
-        local.append(copies[0])
+        copies: dict[str, list[np.ndarray]] = {}  # each shard's copies (FSDP's: one each)
+        for shard in x.addressable_shards:
+            copies.setdefault(str(shard.index), []).append(np.asarray(shard.data))
+        for same in copies.values():
+            if not all(np.array_equal(same[0], c) for c in same[1:]):
+                raise RuntimeError(f"{what} differ between the devices of this process")
+        if x.is_fully_replicated:
+            local.append(next(iter(copies.values()))[0])
     if jax.process_count() > 1:
         multihost_utils.assert_equal(local, f"{what} differ between processes")
     return len(local)
@@ -486,7 +490,7 @@ def layout(mesh: Mesh, batch_size: int, param_sharding: str) -> str:
         params = f"split by member along `member` ({within} within)"
     if MODEL_AXIS in mesh.shape:
         params += (
-            "; annotated ones as config.mesh.rules map their axis names to mesh axes (the "
+            ", except annotated ones: split as config.mesh.rules map their axis names (the "
             "model table gives each one's layout)"
         )
     return (

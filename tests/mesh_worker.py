@@ -119,6 +119,20 @@ def train_quietly(config, workdir: pathlib.Path, devices) -> experiment.Run:
     return trained.run
 
 
+def diverged_replica_caught(array: jax.Array) -> bool:
+    """Whether check_replicas sees one device's copy of a split array's shard changed."""
+    shards = [s.data for s in array.addressable_shards]
+    changed = next(i for i, s in enumerate(array.addressable_shards) if s.replica_id == 1)
+    shards[changed] = shards[changed] + 1
+    diverged = jax.make_array_from_single_device_arrays(array.shape, array.sharding, shards)
+    parallel.check_replicas([array], "the kernel")  # the trained copies agree
+    try:
+        parallel.check_replicas([diverged], "the kernel")
+    except RuntimeError:
+        return True
+    return False
+
+
 def model_parallel(workdir: pathlib.Path, name: str, dataset) -> dict:
     """`name` (mlp or cnn, both annotated) trained on one device for 60 steps, and on the 8
     devices split (data, model) as MESHES says for 50 steps, then resumed to 60 on the other
@@ -164,6 +178,13 @@ def model_parallel(workdir: pathlib.Path, name: str, dataset) -> dict:
         "param_layouts": parallel.param_layouts(split.model),
         "optimizer_specs": sorted(
             {spec(leaf) for leaf in jax.tree.leaves(nnx.state(split.optimizer))}
+        ),
+        "diverged_replica_caught": diverged_replica_caught(
+            next(
+                leaf
+                for leaf in jax.tree.leaves(nnx.state(split.model, nnx.Param))
+                if "model" in str(leaf.sharding.spec)
+            )
         ),
         "resumed_mesh": dict(resumed.device_data.mesh.shape),
         "resumed_layouts": parallel.param_layouts(resumed.model),

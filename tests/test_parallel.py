@@ -134,6 +134,7 @@ def test_model_parallel_trains_like_one_device_and_moves_between_meshes(
     for layouts in (r["param_layouts"], r["resumed_layouts"], r["spread_layouts"]):
         assert MODEL_PARALLEL_LAYOUTS[name].items() <= layouts.items()
     assert "P(None, 'model')" in r["optimizer_specs"]  # Adam's moments split as their params
+    assert r["diverged_replica_caught"]  # a split kernel's copies along `data` are compared
     assert len(r["split_losses"]) == len(r["one_losses"]) == 13  # steps 1, 5, ..., 60
     np.testing.assert_allclose(r["split_losses"], r["one_losses"], rtol=LOSS_RTOL)
     # On one device: the same parameters to the bit, evaluation, predictions and export.
