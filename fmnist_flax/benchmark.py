@@ -477,7 +477,7 @@ def run_suite(
     (members x batch x steps / time): against one fused member, the speed-up over training
     its members one after another; with `member_shards` > 1 devices, also with the members
     split over them. `record_set`: `dataset` as record files (Grain rows)."""
-    mesh = parallel.make_mesh(jax.devices()[:1])
+    mesh = parallel.mesh_for(config, jax.devices()[:1])
     split = member_mesh(members, member_shards)
     device = jax.devices()[0]
     peak = matmul_peak_gflops()
@@ -799,7 +799,7 @@ def run_benchmark(
         )
         print(record_reads_table(result["record_reads"]))
     if whole_run_steps:
-        mesh = parallel.make_mesh(jax.devices()[:1])
+        mesh = parallel.mesh_for(config, jax.devices()[:1])
         device_data = input_pipeline.to_device(dataset, config.batch_size, mesh)
         before = fused_reference(config, device_data, whole_run_steps)
         with tempfile.TemporaryDirectory() as tmp:

@@ -19,7 +19,7 @@ from ml_collections import config_dict
 from fmnist_flax import optimizer, task
 from fmnist_flax.errors import UserError
 from fmnist_flax.model import COMPUTE_DTYPES
-from fmnist_flax.parallel import PARAM_SHARDINGS
+from fmnist_flax.parallel import PARAM_SHARDINGS, check_mesh_config
 
 REPORT_CHOICES = ("full", "basic", "none")
 INPUT_PIPELINES = ("device", "grain")
@@ -163,6 +163,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _one_of("--compute_dtype", config.compute_dtype, tuple(COMPUTE_DTYPES))
     _one_of("--report", config.report, REPORT_CHOICES)
     _one_of("--config.param_sharding", config.param_sharding, PARAM_SHARDINGS)
+    check_mesh_config(config.mesh)
     _one_of("--config.input_pipeline", config.input_pipeline, INPUT_PIPELINES)
     for name in POSITIVE_FIELDS:
         if not 1 <= config[name] <= MAX_COUNT:
@@ -286,6 +287,9 @@ RESUMABLE_FIELDS = (
     "init_from",
     "ensemble.shards",
     "ensemble.members_per_pass",
+    "mesh.data",
+    "mesh.model",
+    "mesh.rules",
     "grain.workers",
     "grain.block_examples",
     "grain.prefetch",

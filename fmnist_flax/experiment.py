@@ -110,7 +110,7 @@ def prepare(
         cleanup.callback(workdir_lib.Lock(workdir).release)
     dataset = datasets.load(config)
     model_lib.check_config(config.model, dataset.image_shape)
-    mesh = parallel.make_mesh(devices, member_shards=config.ensemble.shards)
+    mesh = parallel.mesh_for(config, devices)
     on_host = config.input_pipeline == "grain"
     device_data = input_pipeline.to_device(
         dataset, config.batch_size, mesh, not on_host, config.optimizer.accumulate
