@@ -638,6 +638,7 @@ def write_outputs(run: Run, evaluation: dict[str, Any], wall_seconds: float) -> 
         "mesh": dict(mesh.shape),
         "param_sharding": config.param_sharding,
         "layout": parallel.layout(mesh, config.batch_size, config.param_sharding),
+        "param_layouts": parallel.param_layouts(run.model),
         "confusion_matrix": evaluation["confusion"].tolist(),
         "report": str(report_path) if report_path else None,
         "wall_seconds": wall_seconds,

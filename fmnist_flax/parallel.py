@@ -491,7 +491,7 @@ def layout(mesh: Mesh, batch_size: int, param_sharding: str) -> str:
     if MODEL_AXIS in mesh.shape:
         params += (
             ", except annotated ones: split as config.mesh.rules map their axis names (the "
-            "model table gives each one's layout)"
+            "model table and summary.json's param_layouts give each one's layout)"
         )
     return (
         f"mesh {dict(mesh.shape)} over {where}; batch {batch_size:,} split "
