@@ -50,6 +50,7 @@ from fmnist_flax.checkpoint import (
     StepVanished,
     Unreadable,
     checkpoint_dir,
+    complete_steps,
     open_reader,
     saved_item,
 )
@@ -60,6 +61,7 @@ SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # grayscale, scale
 PICTURE_MODES = {1: "L", 3: "RGB", 4: "RGBA"}  # the Pillow mode of each channel count
 GREY_MODES = ("L", "F", *SIXTEEN_BIT_MODES)  # read as they are, the channel copied for colour
 REMOVAL_SECONDS = 1.0  # a rotated-away step's directory is gone this soon after it vanishes
+LIST_PAUSE_S = 0.05  # between listings of a rotating run's steps that found none
 
 
 # What restore_model assumes for a checkpoint written before the `dataset` item existed.
@@ -157,6 +159,18 @@ def _restore_best(checkpoints: Checkpoints, compute_dtype, mesh, flag) -> tuple:
     raise AssertionError("unreachable")
 
 
+def _listed_steps(checkpoints: Checkpoints) -> list[int]:
+    """The steps, listed again while none is: a run rotating its checkpoints may have none
+    listed for a moment (the newest not yet finalised, the previous one just removed)."""
+    for _ in range(READ_ATTEMPTS):
+        steps = checkpoints.steps()
+        if steps or not complete_steps(checkpoints.directory):
+            return steps
+        time.sleep(LIST_PAUSE_S)
+        checkpoints.reload()
+    return checkpoints.steps()
+
+
 def _restore_model(
     checkpoints: Checkpoints,
     step: int | str | None,
@@ -165,7 +179,7 @@ def _restore_model(
     flag: str,
 ) -> tuple[nnx.Module, int, ml_collections.ConfigDict, dict[str, Any]]:
     path = checkpoints.directory.parent
-    steps = checkpoints.steps()
+    steps = _listed_steps(checkpoints)
     if not steps:
         raise UserError(f"{flag} {path} has no checkpoints; train there first")
     if step is not None and step not in steps:
