@@ -1,11 +1,12 @@
 """An exponential moving average (EMA) of the parameters, kept inside the model.
 
 With `config.ema.decay` > 0 each `nnx.Param` gets a twin `EMA` variable of its shape beside it
-(`kernel` -> `kernel_ema`), so whatever handles the model's state carries the average with no
-code of its own: the mesh's shardings (by shape), checkpoints, resumes, an ensemble's stacked
-members. `update`, run by `train.train_step` after each optimizer update, moves each twin
-toward its parameter; `averaged(model)` is the model with the averages as its parameters, to
-evaluate, predict or export. BatchNorm statistics (`nnx.BatchStat`) are not averaged: an
+(`kernel` -> `kernel_ema`), with its metadata, so whatever handles the model's state carries the
+average with no code of its own: the mesh's shardings (by shape and axis names, laid out like
+its parameter), checkpoints, resumes, an ensemble's stacked members. `update`, run by
+`train.train_step` after each optimizer update, moves each twin toward its parameter;
+`averaged(model)` is the model with the averages as its parameters, to evaluate, predict or
+export. BatchNorm statistics (`nnx.BatchStat`) are not averaged: an
 averaged model normalises with the trained model's running statistics.
 """
 
@@ -40,7 +41,9 @@ def attach(model: nnx.Module, decay: float) -> None:
                     f"{type(parent).__name__}, not a module's attribute, so it has no place "
                     "for its average; hold it in a module, or train with decay 0"
                 )
-            setattr(parent, f"{path[-1]}{SUFFIX}", EMA(jnp.copy(node[...])))
+            # Its metadata too: annotated axis names lay the twin out like its parameter.
+            twin = EMA(jnp.copy(node[...]), **node.get_metadata())
+            setattr(parent, f"{path[-1]}{SUFFIX}", twin)
 
 
 def _param_path(twin_path: tuple) -> tuple:

@@ -296,3 +296,15 @@ def test_the_ema_flag_picks_the_average_in_eval_predict_export_and_load_model(
     refused = run_main("--mode=eval", f"--workdir={tmp_path / 'plain'}", "--ema")
     assert_one_line_error(refused, "--ema: --workdir")
     assert "kept no average of its parameters (config.ema.decay=0)" in refused.stderr
+
+
+def test_a_twin_keeps_its_parameters_axis_names_so_it_is_split_the_same_way():
+    """Under a (data 2, model 4) mesh each twin lies as its parameter: the MLP's first kernel
+    split along `model` by its outputs, its average too."""
+    model = create_model(small_config(0.999, hidden=(256,)), (28, 28, 1), 10)
+    ema.attach(model, 0.999)
+    mesh = jax.sharding.AbstractMesh((2, 4), (parallel.DATA_AXIS, parallel.MODEL_AXIS))
+    for layer in model.layers:
+        spec = parallel.leaf_spec(layer.kernel, mesh)
+        assert parallel.leaf_spec(layer.kernel_ema, mesh) == spec
+    assert parallel.leaf_spec(model.layers[0].kernel_ema, mesh) == jax.P(None, "model")
