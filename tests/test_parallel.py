@@ -110,29 +110,38 @@ MODEL_PARALLEL_LAYOUTS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["mlp", "cnn"])
-def test_model_parallel_trains_like_one_device_and_moves_between_meshes(
-    tmp_path, pytestconfig, name
-):
-    """The annotated MLP and CNN on 8 devices split (data, model): the losses of one device;
-    the checkpoint restores, evaluates, predicts and exports on one device and resumes on
-    another split; a one-device checkpoint restores onto the split mesh."""
+def model_parallel_worker(tmp_path, pytestconfig, name, *, project=REPO, config_file=None):
+    """mesh_worker.py's model-parallel runs of `name` (from `config_file`, in the project at
+    `project`) on 8 devices: its JSON results."""
     cache = pytestconfig.cache.mkdir("jax")
     worker = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "mesh_worker.py"), str(tmp_path), str(cache), name],
-        env=env_with_devices(8),
+        [
+            sys.executable,
+            str(REPO / "tests" / "mesh_worker.py"),
+            str(tmp_path),
+            str(cache),
+            name,
+            *([str(config_file)] if config_file else []),
+        ],
+        env={**env_with_devices(8), "PYTHONPATH": str(project)},
+        cwd=project,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert worker.returncode == 0, worker.stderr[-3000:]
-    r = json.loads(worker.stdout)
+    return json.loads(worker.stdout)
+
+
+def assert_model_parallel(r: dict, name: str, layouts: dict[str, str]) -> None:
+    """The Done-when of model parallelism on mesh_worker's results `r`: `layouts` (a subset)
+    in summary.json and after the moves; the losses of one device over 60 steps; the split
+    checkpoint evaluated, predicting and exported on one device; both ways between meshes."""
     (data, model), (data_after, model_after) = MESHES[name]
     assert r["mesh"] == {"data": data, "model": model}
     assert r["resumed_mesh"] == {"data": data_after, "model": model_after}
-    for layouts in (r["param_layouts"], r["resumed_layouts"], r["spread_layouts"]):
-        assert MODEL_PARALLEL_LAYOUTS[name].items() <= layouts.items()
+    for found in (r["param_layouts"], r["resumed_layouts"], r["spread_layouts"]):
+        assert layouts.items() <= found.items()
     assert "P(None, 'model')" in r["optimizer_specs"]  # Adam's moments split as their params
     assert r["diverged_replica_caught"]  # a split kernel's copies along `data` are compared
     assert len(r["split_losses"]) == len(r["one_losses"]) == 13  # steps 1, 5, ..., 60
@@ -145,6 +154,18 @@ def test_model_parallel_trains_like_one_device_and_moves_between_meshes(
     for key in ("restored_predictions", "exported_predictions", "loaded_predictions"):
         np.testing.assert_allclose(r[key], r["split_predictions"], atol=1e-5)
     assert r["spread_params"] == r["one_params"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_model_parallel_trains_like_one_device_and_moves_between_meshes(
+    tmp_path, pytestconfig, name
+):
+    """The annotated MLP and CNN on 8 devices split (data, model): the losses of one device;
+    the checkpoint restores, evaluates, predicts and exports on one device and resumes on
+    another split; a one-device checkpoint restores onto the split mesh."""
+    result = model_parallel_worker(tmp_path, pytestconfig, name)
+    assert_model_parallel(result, name, MODEL_PARALLEL_LAYOUTS[name])
 
 
 @pytest.mark.slow
@@ -198,6 +219,34 @@ def test_mesh_model_flag_splits_the_mlp_and_one_device_uses_its_checkpoint(tmp_p
     )
     assert warm.returncode == 0, warm.stderr[-3000:]
     assert f"initialised from {workdir}, step 30: its parameters" in warm.stdout
+
+
+@pytest.mark.slow
+def test_mesh_model_flag_splits_the_cnn_and_one_device_evaluates_it(tmp_path):
+    """The CNN's config with `--config.mesh.model=2`: its kernels split on 8 devices; one
+    device evaluates the checkpoint; the run resumes with them split 4 ways."""
+    workdir = tmp_path / "run"
+    flags = [
+        f"--config={REPO / 'configs' / 'cnn.py'}",
+        "--config.optimizer.schedule=warmup_rsqrt",  # its warm-up, with no end
+        "--config.optimizer.warmup_steps=5",
+        "--config.eval_examples=1000",
+        "--log_every=5",
+        "--report=none",
+        f"--workdir={workdir}",
+    ]
+    trained = main_py(*flags, "--steps=10", "--config.mesh.model=2", devices=8)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "mesh {'data': 4, 'model': 2} over 8 cpu device(s); batch 128 split 32" in trained.stdout
+    layouts = json.loads((workdir / "summary.json").read_text())["param_layouts"]
+    assert MODEL_PARALLEL_LAYOUTS["cnn"].items() <= layouts.items()
+    evaluated = main_py("--mode=eval", f"--workdir={workdir}", f"--output={tmp_path / 'e.json'}")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert json.loads((tmp_path / "e.json").read_text())["test_examples"] == 10_000
+    resumed = main_py(*flags, "--steps=15", "--config.mesh.model=4", devices=8)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from checkpoint 10" in resumed.stdout
+    assert "mesh {'data': 2, 'model': 4}" in resumed.stdout
 
 
 def start_two_processes(workdir, *flags: str) -> list[subprocess.Popen]:

@@ -512,3 +512,32 @@ def test_the_update_hook_and_ema_recipes(project, jax_only):
     averaged = predict(load_model(work, ema=True), images)
     np.testing.assert_allclose(jax_only(root / "runs/ema.jaxexport", images), averaged, atol=1e-6)
     assert np.abs(averaged - predict(load_model(work), images)).max() > 1e-3
+
+
+@pytest.mark.slow
+def test_the_model_parallel_recipe_trains_like_one_device_and_moves_between_meshes(
+    project, monkeypatch, tmp_path, pytestconfig
+):
+    """The guide's patch model on 8 CPU devices as it says, then mesh_worker.py's runs of it
+    in the same copy: (data 2, model 4) within 1e-5 of one device over 50 steps (and 10 more
+    resumed on (4, 2)); its checkpoint evaluated, predicting and exported on one device."""
+    from test_parallel import assert_model_parallel, model_parallel_worker
+
+    root, values = project
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    trained, _ = follow(recipe("A model-parallel model"), root, **values)
+    assert "mesh {'data': 2, 'model': 4} over 8 cpu device(s)" in trained.stdout
+    for name, layout in (("up", r"P\(None, model\)"), ("down", r"P\(model,\)")):
+        assert re.search(rf"{name}\.kernel +\([\d, ]+\) .* {layout}", trained.stdout)
+    assert re.search(r"embed\.kernel +\(49, 64\) .* replicated", trained.stdout)
+    layouts = {"up.kernel": "P(None, 'model')", "down.kernel": "P('model',)"}
+    assert layouts.items() <= summary_of(root / "runs/patches")["param_layouts"].items()
+    assert json.loads((root / "runs/patches-eval.json").read_text())["test_examples"] == 10_000
+    result = model_parallel_worker(
+        tmp_path / "worker",
+        pytestconfig,
+        "patches",
+        project=root,
+        config_file=root / "configs" / "patches.py",
+    )
+    assert_model_parallel(result, "patches", {**layouts, "embed.kernel": "replicated"})
