@@ -230,6 +230,8 @@ def model_parallel(
 def main(
     workdir: str, cache: str, model: str | None = None, config_file: str | None = None
 ) -> None:
+    if model:
+        parallel.serial_cpu_dispatch(MESHES[model][0][1])  # before the backend starts
     use_compilation_cache(pathlib.Path(cache))
     dataset = datasets.load_dataset(download=False)
     if model:

@@ -497,3 +497,17 @@ def test_a_mesh_that_cannot_use_every_device_is_one_line():
     with pytest.raises(UserError, match=r"--config.mesh.data=2: .* it must be 1 \(or 0"):
         parallel.make_mesh(data_shards=2)
     assert dict(parallel.make_mesh(data_shards=1, model_shards=1).shape) == {"data": 1}
+
+
+def test_a_model_axis_turns_the_cpus_async_dispatch_off_and_nothing_else_does():
+    import jax
+
+    before = jax.config.values["jax_cpu_enable_async_dispatch"]
+    try:
+        for shards in (1, "2", None):
+            parallel.serial_cpu_dispatch(shards)
+            assert jax.config.values["jax_cpu_enable_async_dispatch"] == before
+        parallel.serial_cpu_dispatch(2)
+        assert jax.config.values["jax_cpu_enable_async_dispatch"] is False
+    finally:
+        jax.config.update("jax_cpu_enable_async_dispatch", before)
