@@ -310,7 +310,7 @@ def main(argv: Sequence[str]) -> None:
         if _COMPILATION_CACHE.value:
             compilation_cache.use(_COMPILATION_CACHE.value)
         parallel.make_cpu_devices(member_devices(_MODE.value, config))
-        parallel.serial_cpu_dispatch(config.mesh.model)
+        library_workarounds.serial_cpu_dispatch(config.mesh.model)
         parallel.initialize(
             _COORDINATOR.value,
             _NUM_PROCESSES.value,

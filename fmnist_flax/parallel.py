@@ -183,16 +183,6 @@ def make_cpu_devices(count: int) -> int | None:
     return count
 
 
-def serial_cpu_dispatch(model_shards: Any) -> None:
-    """With a `model` axis (`model_shards` > 1), have JAX's CPU backend run each program to its
-    end before it starts the next, before that backend starts. Its virtual devices share the
-    cores: on 8 of them over 2 busy cores, a CNN on (data 4, model 2) stopped in XLA's
-    all-reduce rendezvous ("may be stuck", then an abort after 40 s) 3 times in 3, and ran
-    to its end with this. GPUs and TPUs are unaffected; a run without a `model` axis too."""
-    if isinstance(model_shards, int) and model_shards > 1:
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
-
-
 def is_primary() -> bool:
     """Process 0 alone prints, logs and writes files; every process computes."""
     return jax.process_index() == 0

@@ -29,6 +29,7 @@ from fmnist_flax import (
     export,
     inference,
     input_pipeline,
+    library_workarounds,
     parallel,
     restore,
     train,
@@ -231,7 +232,7 @@ def main(
     workdir: str, cache: str, model: str | None = None, config_file: str | None = None
 ) -> None:
     if model:
-        parallel.serial_cpu_dispatch(MESHES[model][0][1])  # before the backend starts
+        library_workarounds.serial_cpu_dispatch(MESHES[model][0][1])  # before the backend starts
     use_compilation_cache(pathlib.Path(cache))
     dataset = datasets.load_dataset(download=False)
     if model:

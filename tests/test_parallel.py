@@ -20,7 +20,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 from mesh_worker import MESHES
 
-from fmnist_flax import evaluate, inference, parallel
+from fmnist_flax import evaluate, inference, library_workarounds, parallel
 from fmnist_flax.errors import UserError
 
 # Measured on 2 CPU cores, 50 AdamW steps at batch 128: the 8-device runs differ from the
@@ -505,9 +505,9 @@ def test_a_model_axis_turns_the_cpus_async_dispatch_off_and_nothing_else_does():
     before = jax.config.values["jax_cpu_enable_async_dispatch"]
     try:
         for shards in (1, "2", None):
-            parallel.serial_cpu_dispatch(shards)
+            library_workarounds.serial_cpu_dispatch(shards)
             assert jax.config.values["jax_cpu_enable_async_dispatch"] == before
-        parallel.serial_cpu_dispatch(2)
+        library_workarounds.serial_cpu_dispatch(2)
         assert jax.config.values["jax_cpu_enable_async_dispatch"] is False
     finally:
         jax.config.update("jax_cpu_enable_async_dispatch", before)
