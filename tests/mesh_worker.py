@@ -155,6 +155,7 @@ def model_parallel(
     # weights alike) to 4e-5 (relative) by step 50; warmed up, 7.5e-7 on (4, 2).
     if name == "cnn":
         config.optimizer.update(schedule="warmup_rsqrt", warmup_steps=40)
+        config.model.update(features=(8, 16), dense=32)  # split as the shipped CNN, smaller
     else:
         config.optimizer.schedule = "constant"
     config.update(
