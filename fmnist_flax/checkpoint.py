@@ -59,16 +59,13 @@ ITEM_FIELDS = {
 }
 
 
-def _whole(value: Any, least: int = 0) -> bool:
-    """Whether a JSON value is a whole number (not a bool) of at least `least`."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
 # What each field of a JSON item must hold, where present (a field edited by hand, or
 # damaged, is named rather than failing later): a test, and what it wants.
 FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    **dict.fromkeys(("step", "epoch", "index", "seed"), (_whole, "a whole number >= 0")),
-    **dict.fromkeys(("num_batches", "batch_size"), (lambda v: _whole(v, 1), "a whole number >= 1")),
+    **dict.fromkeys(("step", "epoch", "index", "seed"), (errors.is_whole, "a whole number >= 0")),
+    **dict.fromkeys(
+        ("num_batches", "batch_size"), (lambda v: errors.is_whole(v, 1), "a whole number >= 1")
+    ),
     **dict.fromkeys(
         ("model", "optimizer", "ensemble", "augment", "grain", "dataset", "row"),
         (lambda v: isinstance(v, dict), "a JSON object"),
@@ -79,7 +76,9 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "a list of class names",
     ),
     "image_shape": (
-        lambda v: isinstance(v, list) and len(v) in (2, 3) and all(_whole(n, 1) for n in v),
+        lambda v: (
+            isinstance(v, list) and len(v) in (2, 3) and all(errors.is_whole(n, 1) for n in v)
+        ),
         "[height, width] or [height, width, channels], each >= 1",
     ),
     "changes": (lambda v: isinstance(v, list), "a list"),

@@ -24,6 +24,12 @@ class UserError(Exception):
     """Bad input (flags, files, directories): the message says what is wrong and how to fix it."""
 
 
+def is_whole(value: object, least: int = 0) -> bool:
+    """Whether a value read from a user (a flag, a JSON file) is a whole number, not a bool,
+    of at least `least`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 def error_line(message: str) -> None:
     """How every user-facing error reaches the terminal: one line on stderr (a line break
     inside a library's message joins the line)."""

@@ -244,18 +244,14 @@ def mesh_for(config: Any, devices: list[jax.Device] | None = None) -> Mesh:
     return make_mesh(devices, config.ensemble.shards, config.mesh.model, config.mesh.data)
 
 
-def _whole(value: Any, least: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
 def check_mesh_config(mesh_config: Any) -> None:
     """`config.mesh`: whole sizes and a rules table `check_rules` accepts; one line each."""
-    if not _whole(mesh_config.model, 1):
+    if not errors.is_whole(mesh_config.model, 1):
         raise UserError(
             f"--config.mesh.model={mesh_config.model!r} must be a whole number >= 1 (the "
             "devices each annotated parameter is split over; 1: none)"
         )
-    if not _whole(mesh_config.data, 0):
+    if not errors.is_whole(mesh_config.data, 0):
         raise UserError(
             f"--config.mesh.data={mesh_config.data!r} must be a whole number >= 0 (the devices "
             "each batch is split over; 0: all those left)"

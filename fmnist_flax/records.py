@@ -363,10 +363,6 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _whole(value: Any, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
 def _set_id(value: Any) -> bool:
     """A set id as prepare writes it: 16 lowercase hexadecimal digits."""
     return isinstance(value, str) and len(value) == 16 and set(value) <= set("0123456789abcdef")
@@ -378,7 +374,9 @@ def _check_info(info: Any) -> None:
     if not isinstance(info, dict):
         raise TypeError(f"a JSON {type(info).__name__}, not an object")
     shape = info["image_shape"]
-    if not (isinstance(shape, list) and len(shape) == 3 and all(_whole(s, 1) for s in shape)):
+    if not (
+        isinstance(shape, list) and len(shape) == 3 and all(errors.is_whole(s, 1) for s in shape)
+    ):
         raise ValueError(
             f"image_shape {_short(shape)} is not three positive whole numbers (H, W, C)"
         )
@@ -406,8 +404,8 @@ def _check_info(info: Any) -> None:
             and all(isinstance(s, str) for s in shards)
             and isinstance(counts, list)
             and len(counts) == len(shards)
-            and all(_whole(c, 0) for c in counts)
-            and _whole(entry["examples"], 0)
+            and all(errors.is_whole(c, 0) for c in counts)
+            and errors.is_whole(entry["examples"], 0)
         ):
             raise ValueError(f"split {split}'s shards and counts disagree")
 
