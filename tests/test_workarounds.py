@@ -73,3 +73,24 @@ def test_importing_the_package_changes_nothing_global_and_install_does():
     for key in ("absl_filters", "asyncio_filters", "unraisablehook"):
         assert installed[key] != imported[key], key
     assert installed["atexit_callbacks"] == imported["atexit_callbacks"] + 1
+
+
+def test_orbax_reading_an_unfinished_saves_empty_metadata_is_dropped_and_nothing_else(
+    tmp_path, caplog
+):
+    """A full disk leaves a save's metadata file empty in its unfinished directory, and Orbax
+    logs an error reading it while checkpoint.py reports the failed save in one line: that
+    error is dropped (quiet_orbax, installed for the tests as for the command line); the same
+    file in a finished step's directory is still logged."""
+    from orbax.checkpoint._src.metadata import checkpoint as orbax_metadata
+
+    store = orbax_metadata.metadata_store(enable_write=False)
+    for name in ("10.orbax-checkpoint-tmp", "10"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "_CHECKPOINT_METADATA").write_text("")
+    with caplog.at_level("ERROR"):
+        assert store.read(tmp_path / "10.orbax-checkpoint-tmp" / "_CHECKPOINT_METADATA") is None
+    assert not [r for r in caplog.records if "Metadata file" in r.getMessage()]
+    with caplog.at_level("ERROR"):
+        assert store.read(tmp_path / "10" / "_CHECKPOINT_METADATA") is None
+    assert [r for r in caplog.records if "Failed to json parse Metadata file" in r.getMessage()]
