@@ -67,6 +67,7 @@ class Codelab(Extension):
     def after_training(self, run: Run) -> None:
         run.checkpoints.wait()  # the final save's writer thread would otherwise share the CPU
         if run.config.report == "full":
+            run.figures_drawn()  # and so would the figure thread
             self._timing(run, DISPATCH, "mode", dispatch_vs_jit(run), "dispatch_vs_jit")
             self._timing(run, PRECISION, "dtype", precision_comparison(run), "precision")
         heading = "Throughput in tokens"

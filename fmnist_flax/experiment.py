@@ -60,11 +60,17 @@ class Run:
     examples_per_sec: float = float("nan")
     evaluation: tuple[int, dict[str, Any]] | None = None  # the newest (step, full evaluation)
     eval_seconds: float = 0.0  # spent evaluating during training, outside examples_per_sec
+    painter: report.Painter | None = None  # draws the figures where this process reports
 
     @property
     def reporting(self) -> bool:
-        """Whether this process writes report/ (process 0, unless --report=none)."""
-        return self.config.report != "none" and parallel.is_primary()
+        """Whether this process writes report/ (`start_painter`)."""
+        return self.painter is not None
+
+    def figures_drawn(self) -> None:
+        """Wait for the figures being drawn: before a timing that needs the CPU alone."""
+        if self.painter:
+            self.painter.wait()
 
     def show(self, heading: str, table: Table) -> None:
         """Print a table once (process 0) and keep it for the report's section `heading`."""
@@ -72,9 +78,10 @@ class Run:
         parallel.say(table.format())
 
     def figure(self, heading: str, name: str, make: Callable[[], report.Figure]) -> None:
-        """Add the figure `make()` builds as `name` (a PNG) to a section, only when reporting."""
-        if self.reporting:
-            self.sections.setdefault(heading, []).append((name, make()))
+        """Add the figure `make()` builds as `name` (a PNG) to a section, only when reporting.
+        `make` runs later, on the painter's thread: give it values that stay as they are."""
+        if self.painter:
+            self.sections.setdefault(heading, []).append((name, self.painter.draw(make)))
 
     def note(self, heading: str, text: str) -> None:
         self.sections.setdefault(heading, []).append(text)
@@ -88,6 +95,18 @@ class Extension:
 
     def after_training(self, run: Run) -> None:
         """After the evaluation, before the summary and report are written."""
+
+
+def start_painter(
+    config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack
+) -> report.Painter | None:
+    """The thread drawing the report's figures (closed on `cleanup`), where this process
+    writes report/: process 0, unless --report=none."""
+    if config.report == "none" or not parallel.is_primary():
+        return None
+    painter = report.Painter()
+    cleanup.callback(painter.close)
+    return painter
 
 
 def prepare(
@@ -485,19 +504,14 @@ def show_training(run: Run) -> None:
         return
     run.history = workdir_lib.read_jsonl(run.workdir / workdir_lib.METRICS_FILE)
     run.show("Training", tables.training_log_table(run.history, run.examples_per_sec))
-    steps = [h["step"] for h in run.history]
+    steps, losses, accuracies = ([h[k] for h in run.history] for k in ("step", "loss", "accuracy"))
     tested = [h for h in run.history if "test_accuracy" in h]
     test = tuple([h[k] for h in tested] for k in ("step", "test_loss", "test_accuracy"))
+    title = run.dataset.title
     run.figure(
         "Training",
         "training_curve.png",
-        lambda: report.training_curve(
-            steps,
-            [h["loss"] for h in run.history],
-            [h["accuracy"] for h in run.history],
-            run.dataset.title,
-            test,
-        ),
+        lambda: report.training_curve(steps, losses, accuracies, title, test),
     )
     run.note(
         "Training",
@@ -550,21 +564,17 @@ def evaluate_model(run: Run) -> dict[str, Any]:
         run.summary |= {"members": members, "best_member": best}
         run.show("Evaluation", tables.members_table(members, best))
         summaries.write_members(run.workdir, members, run.config.steps)
-        losses = [ensemble.member_values(h, "loss") for h in run.history]
+        steps = [h["step"] for h in run.history]
+        losses = list(zip(*(ensemble.member_values(h, "loss") for h in run.history), strict=True))
         run.figure(
             "Evaluation",
             "members.png",
-            lambda: report.members_figure(
-                [h["step"] for h in run.history], list(zip(*losses, strict=True)), members, d.title
-            ),
+            lambda: report.members_figure(steps, losses, members, d.title),
         )
     picks = report.sample_indices(len(labels))
+    shown = d.test_images[picks], labels[picks], full["predictions"][picks]
     run.figure(
-        "Evaluation",
-        "predictions.png",
-        lambda: report.prediction_grid(
-            d.test_images[picks], labels[picks], full["predictions"][picks], d.class_names
-        ),
+        "Evaluation", "predictions.png", lambda: report.prediction_grid(*shown, d.class_names)
     )
     run.figure(
         "Evaluation", "confusion_matrix.png", lambda: report.confusion_figure(counts, d.class_names)

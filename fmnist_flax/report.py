@@ -1,16 +1,19 @@
 """The figures and one self-contained report.html: plain arrays in, files out.
 
 A report is a dict of sections (heading -> tables, figures, notes) that the run and its
-extensions fill; `write_report` orders them, saves each figure as a PNG and inlines it.
+extensions fill; a `Painter` draws each figure into PNG bytes on its own thread while the run
+goes on, and `write_report` orders the sections, writes each PNG and inlines it.
 """
 
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import html
+import io
 import json
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,7 +23,8 @@ from fmnist_flax.tables import Table
 if TYPE_CHECKING:  # matplotlib, a slow import, is imported by the first figure drawn
     from matplotlib.figure import Figure
 
-Item = Table | tuple[str, "Figure"] | str  # a table, (PNG file name, figure) or a note
+# A table, (PNG file name, the PNG's bytes to come) or a note.
+Item = Table | tuple[str, concurrent.futures.Future[bytes]] | str
 
 BLUE = "#0969da"
 GREEN = "#1a7f37"
@@ -29,7 +33,13 @@ DPI = 100
 CONFUSION_LABEL_AT = 0.08  # cells at or above this fraction (and the diagonal) show a percentage
 PREDICTION_SAMPLES = 25
 PREDICTION_SEED = 7
-SUPTITLE_INCHES = 0.7  # room above a grid of images for the figure's title
+# A grid of images: room above it for the figure's title, above each image for its own, below
+# it, and beside it (a fraction of the width); the gap between columns (of an image's width).
+SUPTITLE_INCHES = 0.7
+TITLE_INCHES = 0.3
+BOTTOM_INCHES = 0.15
+SIDE_MARGIN = 0.015
+COLUMN_GAP = 0.08
 # Where known sections go in the report; any other section follows them in the order added.
 SECTION_ORDER = (
     "Set-up",
@@ -53,22 +63,49 @@ def new_figure(width: float, height: float) -> Figure:
     return Figure(figsize=(width, height))
 
 
-def image_grid(fig: Figure, rows: int, cols: int, hspace: float) -> list[Any]:
-    """rows x cols axes for titled images under the figure's suptitle, laid out by fixed
-    margins: `tight_layout` would draw the whole figure once more to measure it."""
-    height = fig.get_figheight()
-    margins = {"left": 0.015, "right": 0.985, "wspace": 0.08, "hspace": hspace}
-    spec = {"bottom": 0.15 / height, "top": 1 - SUPTITLE_INCHES / height, **margins}
-    return list(fig.subplots(rows, cols, squeeze=False, gridspec_kw=spec).flat)
-
-
-def show_image(ax: Any, image: np.ndarray) -> None:
-    """One (H, W, C) uint8 image: grayscale (C = 1) in grey, RGB or RGBA in colour, any other
-    channel count by its first channel."""
-    if image.shape[-1] in (3, 4):
-        ax.imshow(image)
+def image_grid(
+    fig: Figure,
+    images: Sequence[np.ndarray | None],
+    titles: Sequence[tuple[str, str]],
+    cols: int,
+    fontsize: int,
+) -> Any:
+    """(H, W, C) uint8 images in rows of `cols` under the figure's title, each under its (title,
+    colour); `None` leaves a cell empty. One picture in one axes: an axes an image took 3-4x as
+    long to draw. Grey images (C not 3 or 4: their first channel) are each scaled to their own
+    range, as `imshow` scales one image; colour ones are shown as they are."""
+    h, w, channels = next(i.shape for i in images if i is not None)
+    colour = channels in (3, 4)
+    rows = -(-len(titles) // cols)
+    width, height = fig.get_size_inches()
+    across = width * (1 - 2 * SIDE_MARGIN)
+    down = height - SUPTITLE_INCHES - BOTTOM_INCHES
+    gap = max(1, round(COLUMN_GAP * w))
+    per_pixel = min(across / (cols * (w + gap) - gap), (down / rows - TITLE_INCHES) / h)
+    band = int(np.ceil(TITLE_INCHES / per_pixel))  # the pixels above an image for its title
+    size = (rows * (band + h), cols * (w + gap) - gap)
+    # Empty cells stay transparent: NaN (masked) in a grey picture, alpha 0 in a colour one.
+    canvas = np.zeros((*size, 4), np.uint8) if colour else np.full(size, np.nan)
+    ax = fig.add_axes((SIDE_MARGIN, BOTTOM_INCHES / height, across / width, down / height))
+    ax.axis("off")
+    for cell, (image, (title, color)) in enumerate(zip(images, titles, strict=True)):
+        top, left = (cell // cols) * (band + h) + band, (cell % cols) * (w + gap)
+        if image is not None:
+            tile = canvas[top : top + h, left : left + w]
+            if colour:
+                tile[..., :channels] = image
+                tile[..., 3:] = image[..., 3:] if channels == 4 else 255
+            else:
+                grey = image[..., 0].astype(np.float64)
+                span = grey.max() - grey.min()
+                tile[...] = (grey - grey.min()) / span if span else 0.0
+        x, y = left + (w - 1) / 2, top - 1
+        ax.text(x, y, title, ha="center", va="bottom", fontsize=fontsize, color=color)
+    if colour:
+        ax.imshow(canvas)
     else:
-        ax.imshow(image[..., 0], cmap="gray")
+        ax.imshow(np.ma.masked_invalid(canvas), cmap="gray", vmin=0.0, vmax=1.0)
+    return ax
 
 
 def examples_per_class(
@@ -77,13 +114,9 @@ def examples_per_class(
     """Section 3: the first training example of each class, 5 a row, titled with its class."""
     rows = -(-len(class_names) // 5)
     fig = new_figure(10, 2.5 * rows)
-    for label, ax in enumerate(image_grid(fig, rows, 5, hspace=0.0)):
-        ax.axis("off")
-        found = np.flatnonzero(labels == label)
-        if label < len(class_names) and len(found):
-            show_image(ax, images[found[0]])
-        if label < len(class_names):
-            ax.set_title(class_names[label], fontsize=10)
+    firsts = [np.flatnonzero(labels == label) for label in range(len(class_names))]
+    shown = [images[found[0]] if len(found) else None for found in firsts]
+    image_grid(fig, shown, [(name, "black") for name in class_names], cols=5, fontsize=10)
     fig.suptitle(f"One {title} example per class")
     return fig
 
@@ -169,17 +202,11 @@ def prediction_grid(
 ) -> Figure:
     """Section 11: up to 5x5 images titled "pred / true", green when right and red when wrong."""
     fig = new_figure(10, 10.6)
-    axes = image_grid(fig, 5, 5, hspace=0.15)
-    for ax in axes:
-        ax.axis("off")
-    for ax, image, true, pred in zip(axes, images, labels, predictions, strict=False):
-        show_image(ax, image)
-        ax.set_title(
-            f"{class_names[pred]} / {class_names[true]}",
-            fontsize=9,
-            color=GREEN if pred == true else RED,
-        )
-        ax.axis("off")
+    titles = [
+        (f"{class_names[pred]} / {class_names[true]}", GREEN if pred == true else RED)
+        for true, pred in zip(labels, predictions, strict=True)
+    ]
+    image_grid(fig, list(images), titles, cols=5, fontsize=9)
     fig.suptitle("Sample test predictions (predicted / true)")
     return fig
 
@@ -231,8 +258,41 @@ def bars(labels: Sequence[str], values: Sequence[float], title: str, unit: str) 
     return fig
 
 
-def save_png(fig: Figure, path: pathlib.Path) -> pathlib.Path:
-    fig.savefig(path, dpi=DPI)
+def png_bytes(fig: Figure) -> bytes:
+    """The figure drawn and encoded as a PNG at `DPI`."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI)
+    return buffer.getvalue()
+
+
+class Painter:
+    """Draws a run's figures into PNG bytes on one thread, in the order asked for.
+
+    matplotlib's import and drawing hold the GIL for seconds, while XLA's compiles and the
+    device's steps mostly do not: on the thread, the set-up's figures and matplotlib's import
+    overlap the compiles. `make` runs later, on that thread: give it values that stay as they
+    are. Every figure of a run is drawn here, so matplotlib is used by one thread at a time.
+    """
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="figures")
+        self._pool.submit(new_figure, 1, 1)  # imports matplotlib now, beside the set-up
+
+    def draw(self, make: Callable[[], Figure]) -> concurrent.futures.Future[bytes]:
+        """The PNG of the figure `make()` builds, drawn on the thread."""
+        return self._pool.submit(lambda: png_bytes(make()))
+
+    def wait(self) -> None:
+        """Return once every figure asked for is drawn: before a timing that needs the CPU."""
+        self._pool.submit(lambda: None).result()
+
+    def close(self) -> None:
+        """Stop: the figure being drawn is finished, those not started are dropped."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _write(path: pathlib.Path, data: bytes) -> pathlib.Path:
+    path.write_bytes(data)
     return path
 
 
@@ -291,7 +351,8 @@ def write_report(
     sections: dict[str, Sequence[Item]],
     config: dict[str, Any],
 ) -> pathlib.Path:
-    """Every figure as a PNG and report.html with every section, known ones in SECTION_ORDER."""
+    """Every figure as a PNG and report.html with every section, known ones in SECTION_ORDER;
+    waits for the figures still being drawn."""
     report_dir.mkdir(exist_ok=True)
 
     def section_rank(heading: str) -> int:
@@ -300,7 +361,7 @@ def write_report(
     numbered = []
     for number, heading in enumerate(sorted(sections, key=section_rank), start=1):
         items = [
-            save_png(item[1], report_dir / item[0]) if isinstance(item, tuple) else item
+            _write(report_dir / item[0], item[1].result()) if isinstance(item, tuple) else item
             for item in sections[heading]
         ]
         numbered.append((f"{number}. {heading}", items))

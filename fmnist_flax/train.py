@@ -694,6 +694,8 @@ def train_and_evaluate(
     with contextlib.ExitStack() as cleanup:
         signals = cleanup.enter_context(StopSignals())
         workdir, dataset, device_data = experiment.prepare(config, workdir, cleanup, devices)
+        # The report's figures are drawn on a thread, which imports matplotlib now.
+        painter = experiment.start_painter(config, cleanup)
         mesh = device_data.mesh
         per_epoch = device_data.batches_per_epoch
 
@@ -729,7 +731,15 @@ def train_and_evaluate(
             optimizer, init_step = warm_start(model, config, mesh)
         batches = training_batches(config, dataset, device_data, resumed, start_step)
         run = experiment.Run(
-            config, workdir, dataset, device_data, checkpoints, model, optimizer, start_step
+            config,
+            workdir,
+            dataset,
+            device_data,
+            checkpoints,
+            model,
+            optimizer,
+            start_step,
+            painter=painter,
         )
         run.summary["config_changes"] = changes
         if config.init_from:
@@ -764,6 +774,7 @@ def train_and_evaluate(
         for extension in extensions:
             extension.before_training(run)
         ahead.join()
+        run.figures_drawn()  # the set-up's figures do not share the CPU with training
         signals.stop_set_up()
         state = nnx.state((model, optimizer))  # as the extensions left it
         step = start_step
