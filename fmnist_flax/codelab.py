@@ -20,8 +20,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from fmnist_flax import compilation_cache, input_pipeline, parallel, report, tables, train
 from fmnist_flax import config as config_lib
-from fmnist_flax import input_pipeline, parallel, report, tables, train
 from fmnist_flax.experiment import Extension, Run
 from fmnist_flax.tables import Table
 
@@ -85,8 +85,14 @@ class Codelab(Extension):
         run.figure(heading, f"{name}.png", lambda: report.bars(labels, rates, title, "examples/s"))
 
 
-@functools.partial(nnx.jit, static_argnames="config")
-def _gradient_check(model, x, y, learning_rate, config):
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "config"),
+    compiler_options=compilation_cache.QUICK_COMPILE,
+)
+def _gradient_check(graphdef, state, x, y, learning_rate, config):
+    model = nnx.merge(graphdef, state)
+
     def loss(model):
         return train.loss_fn(model, x, y, config)[0]
 
@@ -117,7 +123,9 @@ def gradient_check(
     probe = nnx.clone(model)
     probe.eval()
     frozen = ml_collections.FrozenConfigDict(config)
-    grads, scalars = _gradient_check(probe, x, y, config.optimizer.learning_rate, frozen)
+    graphdef, state = nnx.split(probe)
+    lr = config.optimizer.learning_rate
+    grads, scalars = _gradient_check(graphdef, state, x, y, lr, frozen)
     params = nnx.state(model, nnx.Param)
     check = {
         "trees_match": jax.tree.structure(grads) == jax.tree.structure(params),

@@ -29,8 +29,8 @@ import optax
 from flax import nnx
 
 from fmnist_flax import checkpoint as checkpoint_lib
-from fmnist_flax import config as config_lib
 from fmnist_flax import (
+    compilation_cache,
     datasets,
     ema,
     ensemble,
@@ -44,6 +44,7 @@ from fmnist_flax import (
     tables,
     task,
 )
+from fmnist_flax import config as config_lib
 from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.ensemble import Ensemble
@@ -229,7 +230,7 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
-@jax.jit
+@functools.partial(jax.jit, compiler_options=compilation_cache.QUICK_COMPILE)
 def _all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
