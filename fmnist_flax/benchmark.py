@@ -9,6 +9,7 @@ import hashlib
 import io
 import itertools
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -208,7 +209,8 @@ def grain_alone_runner(config, device_data: input_pipeline.DeviceData, dataset) 
     return run_steps
 
 
-READ_THREADS = (1, 2)  # reader threads timed side by side in `record_reads`
+# Reader threads timed side by side in `record_reads`: those of these the host has cores for.
+READ_THREADS = tuple(n for n in (1, 2, 4, 8) if n <= max(os.cpu_count() or 1, 2))
 CONTROL_BYTES = 4 << 20  # each of the control's SHA-256 pieces (hashlib hashes it without the GIL)
 
 

@@ -11,8 +11,10 @@
 #    the plain nnx.jit step, the fused path and every other path it times (8-member ensembles
 #    too: on a GPU, where one member is launch-bound, 8 should cost about one's time, >= 6x in
 #    member-examples/s; Grain from record files, and its pipeline alone, which should feed
-#    well over what the fused path consumes on a host whose cores the GPU leaves free), plus
-#    its whole-run comparison (400 steps, as subprocesses);
+#    well over what the fused path consumes on a host whose cores the GPU leaves free; the
+#    record reader alone on 1, 2, 4 and 8 threads, as the host's cores allow), plus its
+#    whole-run comparison (400 steps, cold and warm compilation caches, as subprocesses), the
+#    training loop as main.py runs it against the fused path, and a logged row's host cost;
 # 4. `main.py --steps=400 --report=basic`: test accuracy and training examples/s;
 # 5. kernels per step and microseconds per kernel of the fused path, from a jax.profiler trace;
 # 6. prints one markdown table ($OUT/table.md) with all of it.
@@ -318,6 +320,13 @@ if bench and bench.get("whole_run"):
         f"whole runs of {w['steps']} steps, start to exit: {walls} (main.py / plain JAX "
         f"{w['wall_ratio_cold']:.2f}x cold, {w['wall_ratio_warm']:.2f}x warm)"
     )
+if bench and bench.get("record_reads"):
+    reads = "; ".join(
+        f"{r['threads']} threads {r['records_per_sec']:,.0f} ({r['ratio_to_one']:.2f}x one, "
+        f"control {r['control_ratio']:.2f}x)"
+        for r in bench["record_reads"]
+    )
+    print(f"record reader alone, records/s: {reads}")
 if bench and bench.get("loop"):
     lp, lg = bench["loop"], bench["logging"]
     print(
