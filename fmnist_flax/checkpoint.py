@@ -443,7 +443,11 @@ class Checkpoints:
         if not self.read_only:
             return False
         path = self.directory / str(step)
-        if path.is_dir() and not (path / STEP_MARKER).exists() and not half_deleted(path):
+        try:
+            foreign = path.is_dir() and not (path / STEP_MARKER).exists() and not half_deleted(path)
+        except FileNotFoundError:  # the run's rotation removed the rest while it was looked at
+            foreign = False
+        if foreign:
             raise not_a_checkpoint(path)  # what no save or rotation of this project leaves
         done, listed = complete_steps(self.directory), self.steps()
         return step not in done or (bool(listed) and done[-1] > listed[-1])
