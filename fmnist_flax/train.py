@@ -59,7 +59,9 @@ def create_optimizer(model: nnx.Module, config: ml_collections.ConfigDict) -> nn
     """The config's Optax optimizer (AdamW by default, the codelab's) over the parameters."""
     if isinstance(model, Ensemble):
         return ensemble.member_optimizers(model, config)
-    return nnx.Optimizer(model, optimizer_lib.create(config), wrt=nnx.Param)
+    tx = optimizer_lib.create(config)
+    # One compiled program: eagerly, each of the state's zeros compiles on its own.
+    return nnx.jit(lambda model: nnx.Optimizer(model, tx, wrt=nnx.Param))(model)
 
 
 def create_train_state(
