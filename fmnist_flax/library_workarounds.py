@@ -62,6 +62,8 @@ class _OrbaxNoise(std_logging.Filter):
 
     def filter(self, record: std_logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and _abandoned_read(record, exc):
+            return False
         if exc is not None:
             return workdir_lib.storage_error(exc) is None and not _save_failed.is_set()
         message = record.getMessage()
@@ -116,6 +118,20 @@ def _abandoned_write_hook(previous: Any) -> Any:
             previous(unraisable)
 
     return hook
+
+
+# The reads abandoned with a failed one that asyncio collects while the process runs are each
+# logged by it: "Task exception was never retrieved", with tensorstore's error for the same
+# damaged or vanished file, hundreds of lines under the one that names the step.
+_READ_ERRORS = ("Error opening", "Error reading", "while reading array index")
+
+
+def _abandoned_read(record: std_logging.LogRecord, exc: BaseException) -> bool:
+    return (
+        record.name == "asyncio"
+        and record.getMessage().startswith("Task exception was never retrieved")
+        and any(error in str(exc) for error in _READ_ERRORS)
+    )
 
 
 # --- Orbax's temporary directories (orbax-checkpoint 0.12.8) ------------------------------------

@@ -94,3 +94,38 @@ def test_orbax_reading_an_unfinished_saves_empty_metadata_is_dropped_and_nothing
     with caplog.at_level("ERROR"):
         assert store.read(tmp_path / "10" / "_CHECKPOINT_METADATA") is None
     assert [r for r in caplog.records if "Failed to json parse Metadata file" in r.getMessage()]
+
+
+def test_asyncio_logging_an_abandoned_read_of_a_damaged_array_is_dropped_and_nothing_else(
+    tmp_path, caplog
+):
+    """When one of a restore's reads fails (a damaged file: checkpoint.py names the step in
+    one line), asyncio logs each abandoned sibling read it collects as "Task exception was
+    never retrieved", with tensorstore's error: those are dropped; another task's is logged."""
+    import asyncio
+    import gc
+
+    import numpy as np
+    import tensorstore as ts
+
+    spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(tmp_path / "a")}}
+    ts.open(spec, create=True, dtype=ts.float32, shape=[4]).result().write(np.ones(4, np.float32)).result()
+    zarray = tmp_path / "a" / ".zarray"
+    zarray.write_bytes(zarray.read_bytes()[:5])  # damaged, as the fault tests damage a step
+
+    async def read() -> None:
+        await ts.open(spec)
+
+    async def other() -> None:
+        raise ValueError("something else")
+
+    for coroutine in (read, other):
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(coroutine())
+        loop.run_until_complete(asyncio.wait([task]))
+        loop.close()
+        with caplog.at_level("ERROR"):
+            del task
+            gc.collect()
+    logged = [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert [str(r.exc_info[1]) for r in logged] == ["something else"]
