@@ -109,7 +109,8 @@ def test_asyncio_logging_an_abandoned_read_of_a_damaged_array_is_dropped_and_not
     import tensorstore as ts
 
     spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(tmp_path / "a")}}
-    ts.open(spec, create=True, dtype=ts.float32, shape=[4]).result().write(np.ones(4, np.float32)).result()
+    array = ts.open(spec, create=True, dtype=ts.float32, shape=[4]).result()
+    array.write(np.ones(4, np.float32)).result()
     zarray = tmp_path / "a" / ".zarray"
     zarray.write_bytes(zarray.read_bytes()[:5])  # damaged, as the fault tests damage a step
 
