@@ -9,12 +9,12 @@ set's id, split, shard number, first record, count, image shape: checked against
 when the set is loaded), then its records, each its label as a little-endian int32 and its
 H * W * C uint8 pixels (row-major H, W, C), zero-padded to a multiple of 8 bytes, then one
 uint64 check a record. A block's keys are put in file order (a radix sort), then read from
-read-only mappings READ_ROWS records at a time, each piece gathered by one `np.take`, checked
-and placed in the block's buffer while it is in the core's cache (NumPy copies and computes
-without the GIL: no Python object a record). Each record's check and label is compared with
-what was written (a damaged record, a shard of another set or edited labels: one line naming
-the file). The mapped pages a source holds stay within RESIDENT_BYTES: past it, all are let
-go at once.
+read-only mappings READ_ROWS records at a time, each piece gathered by one `np.take`, placed in
+the block's buffer and then checked, its checks folded in place, while it is in the core's
+cache (NumPy copies and computes without the GIL: no Python object a record). Each record's
+check and label is compared with what was written (a damaged record, a shard of another set or
+edited labels: one line naming the file). The mapped pages a source holds stay within
+RESIDENT_BYTES: past it, all are let go at once.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ READ_ROWS = 2048  # records gathered, checked and placed at once: in a core's ca
 WINDOW_BYTES = 8 << 20  # the span of a shard one gather reads at most before it is counted
 RESIDENT_BYTES = 64 << 20  # mapped shard bytes a source holds before letting them all go
 REGION_BYTES = 2 << 20  # the largest folio the kernel maps file pages in: spans count whole ones
-CHECK_ROWS = 1024  # records whose checks are computed at once: their products stay in the cache
+CHECK_ROWS = 1024  # records whose checks are folded at once: their products stay in the cache
 SPARE_FILES = 128  # open files left for all but the shards when --shards is checked
 # Odd multipliers, one a word position (words swapped or moved within a record change the
 # check), and one for the record's number (a record moved to another place does).
@@ -85,18 +85,18 @@ def record_bytes(pixels: int) -> int:
     return -(-(LABEL_BYTES + pixels) // WORD.itemsize) * WORD.itemsize
 
 
-def record_checks(rows: np.ndarray, index: np.ndarray, salt: int) -> np.ndarray:
+def fold_checks(rows: np.ndarray, index: np.ndarray, salt: int) -> np.ndarray:
     """Each record's check (n,) uint64: its words times their position's odd multiplier, folded
-    by XOR, mixed with its number in the split (`index`) and the set's id (`salt`). Vectorized,
-    CHECK_ROWS records at a time (they stay in the cache): NumPy computes it without the GIL,
-    and every change of a single word alters it."""
+    by XOR, mixed with its number in the split (`index`) and the set's id (`salt`). Folds
+    `rows` (n, record_bytes) uint8 away: the products overwrite its words in place, CHECK_ROWS
+    records at a time, so no scratch is written and each piece is folded while in the cache.
+    NumPy computes it without the GIL, and every change of a single word alters it."""
     words = rows.view(WORD)
     multipliers = _multipliers(words.shape[1])
     folded = np.empty(len(words), np.uint64)
-    scratch = np.empty((min(CHECK_ROWS, len(words)), words.shape[1]), np.uint64)
     for start in range(0, len(words), CHECK_ROWS):
-        part = scratch[: len(words[start : start + CHECK_ROWS])]
-        np.multiply(words[start : start + CHECK_ROWS], multipliers, out=part)
+        part = words[start : start + CHECK_ROWS]
+        np.multiply(part, multipliers, out=part)
         np.bitwise_xor.reduce(part, axis=1, out=folded[start : start + CHECK_ROWS])
     mixed = np.multiply(index, _INDEX_MULTIPLIER, dtype=np.uint64, casting="unsafe")
     mixed ^= np.uint64(salt)
@@ -302,10 +302,8 @@ def _write_shard(
             rows = np.zeros((stop - start, size), np.uint8)
             rows[:, :LABEL_BYTES] = labels[start:stop].astype("<i4").view(np.uint8).reshape(-1, 4)
             rows[:, LABEL_BYTES : LABEL_BYTES + pixels] = _images(images, start, stop)
-            checks[start - first : stop - first] = record_checks(
-                rows, np.arange(start, stop), set_id
-            )
-            f.write(rows.data)
+            f.write(rows.data)  # before the checks fold the rows away
+            checks[start - first : stop - first] = fold_checks(rows, np.arange(start, stop), set_id)
         f.write(checks.data)
 
 
@@ -553,7 +551,7 @@ class RecordSource:
     ) -> tuple[np.ndarray, np.ndarray]:
         """(pixels (n, H*W*C), labels (n,)) of the records `keys` (n,), in that order; the
         pixels into `out` when given. The keys are read in file order, READ_ROWS at a time:
-        each piece gathered from its shard, checked and placed in `out` while it is in the
+        each piece gathered from its shard, placed in `out` and checked while it is in the
         core's cache."""
         keys = np.asarray(keys, np.int64)
         if len(keys) and (keys.min() < 0 or keys.max() >= len(self)):
@@ -578,8 +576,8 @@ class RecordSource:
                 stop = min(start + READ_ROWS, cuts[k + 1])
                 part, held = rows[: stop - start], checks[: stop - start]
                 self._gather(k, maps[k], ordered[start:stop] - self.offsets[k], part, held)
+                images[order[start:stop]] = in_rows[: stop - start]  # before the check folds
                 self._verify(part, held, ordered[start:stop])
-                images[order[start:stop]] = in_rows[: stop - start]
         return pixels, self.labels[keys]
 
     def _gather(
@@ -617,18 +615,19 @@ class RecordSource:
         self._mapped.touch((k, 1), m, end + first * WORD.itemsize, end + (last + 1) * WORD.itemsize)
 
     def _verify(self, rows: np.ndarray, checks: np.ndarray, keys: np.ndarray) -> None:
-        """Each record's check and label: a damaged record, or one whose label differs from
-        labels.npz, is one line naming its shard."""
-        bad = record_checks(rows, keys, self.salt) != checks
+        """Each record's check and label, folding `rows` away: a damaged record, or one whose
+        label differs from labels.npz, is one line naming its shard."""
+        held = rows.view("<i4")[:, 0]
+        wrong = np.flatnonzero(held != self.labels[keys])[:1]
+        label = held[wrong].tolist()  # taken before the check folds it
+        bad = fold_checks(rows, keys, self.salt) != checks
         if bad.any():
             key = int(keys[bad.argmax()])
             raise _damaged(self._path_of(key), ValueError(f"record {key} fails its check"))
-        held = rows.view("<i4")[:, 0]
-        wrong = held != self.labels[keys]
-        if wrong.any():
-            key = int(keys[wrong.argmax()])
+        if label:
+            key = int(keys[wrong[0]])
             raise UserError(
-                f"{self._path_of(key)}: record {key}'s label {held[wrong.argmax()]} differs from "
+                f"{self._path_of(key)}: record {key}'s label {label[0]} differs from "
                 f"{LABELS_FILE}'s {self.labels[key]}; write the records again with --mode=prepare"
             )
 
