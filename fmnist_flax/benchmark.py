@@ -212,6 +212,8 @@ def grain_alone_runner(config, device_data: input_pipeline.DeviceData, dataset) 
 # Reader threads timed side by side in `record_reads`: those of these the host has cores for.
 READ_THREADS = tuple(n for n in (1, 2, 4, 8) if n <= max(os.cpu_count() or 1, 2))
 CONTROL_BYTES = 4 << 20  # each of the control's SHA-256 pieces (hashlib hashes it without the GIL)
+READ_BLOCKS = 8  # blocks each reader thread reads a timing: 0.1 s or more at 1-3 M records/s
+GATHER_BYTES = 256 << 20  # the gather control's table at most: the set's size, up to this
 
 
 def record_reads(
@@ -220,13 +222,22 @@ def record_reads(
     """The record reader alone (`RecordSource.read` into a block's buffer, no Grain, no device)
     on `threads` threads at once, each reading random blocks of `block` records: records/s per
     thread count (median of `repeats`, the counts alternated so each repeat sees the same
-    minutes of a shared machine) and its ratio to one thread's, the median of the pairs. A
-    control beside each, SHA-256 of as many pieces on the same threads (pure CPU work that
-    scales with free cores), says how much more than one core the machine had to give:
-    `control_ratio`, its ratio to one thread the same way."""
+    minutes of a shared machine) and its ratio to one thread's, the median of the pairs. Two
+    controls beside each say what the machine had to give, by their ratio to one thread the
+    same way: SHA-256 of as many pieces on the same threads (pure CPU work that scales with
+    free cores: `control_ratio`), and one `np.take` of as many rows of the records' size from
+    a table of the set's size, in file order (the least memory traffic a reader can make:
+    `gather_ratio`)."""
     rng = np.random.default_rng(COMPARISON_SEED)
-    keys = [rng.permutation(len(source))[:block] for _ in range(4 * max(threads))]
+    keys = [rng.permutation(len(source))[:block] for _ in range(READ_BLOCKS * max(threads))]
     payload = rng.integers(0, 256, CONTROL_BYTES, np.uint8).tobytes()
+    table = rng.integers(
+        0,
+        256,
+        (min(len(source), GATHER_BYTES // source.record_bytes), source.record_bytes),
+        np.uint8,
+    )
+    rows = [np.sort(k % len(table)) for k in keys]
 
     def read(first: int, count: int) -> None:
         out = np.empty((block, source.pixels), np.uint8)
@@ -236,6 +247,11 @@ def record_reads(
     def hash_pieces(first: int, count: int) -> None:
         for _ in range(first, len(keys), count):
             hashlib.sha256(payload).digest()
+
+    def gather(first: int, count: int) -> None:
+        out = np.empty((block, source.record_bytes), np.uint8)
+        for k in range(first, len(keys), count):
+            table.take(rows[k], axis=0, out=out)
 
     def rate(work: Callable[[int, int], None], count: int, units: int) -> float:
         workers = [threading.Thread(target=work, args=(i, count)) for i in range(count)]
@@ -249,10 +265,12 @@ def record_reads(
     rate(read, 1, 1)  # maps every shard
     rates = {count: [] for count in threads}
     controls = {count: [] for count in threads}
+    gathers = {count: [] for count in threads}
     for _ in range(repeats):
         for count in threads:
             rates[count].append(rate(read, count, len(keys) * block))
             controls[count].append(rate(hash_pieces, count, len(keys)))
+            gathers[count].append(rate(gather, count, len(keys) * block))
 
     def ratio(series: dict[int, list[float]], count: int) -> float:
         pairs = zip(series[count], series[threads[0]], strict=True)
@@ -265,6 +283,7 @@ def record_reads(
             "range": [min(rates[count]), max(rates[count])],
             "ratio_to_one": ratio(rates, count),
             "control_ratio": ratio(controls, count),
+            "gather_ratio": ratio(gathers, count),
         }
         for count in threads
     ]
@@ -272,8 +291,9 @@ def record_reads(
 
 def record_reads_table(rows: Sequence[dict[str, Any]]) -> str:
     return Table.of(
-        "Record reader alone, into a block's buffer (median of repeats; control: SHA-256)",
-        ("Threads", "Records/s", "Range", "vs 1 thread", "Control vs 1 thread"),
+        "Record reader alone, into a block's buffer (median of repeats; controls: SHA-256, "
+        "a bare gather)",
+        ("Threads", "Records/s", "Range", "vs 1 thread", "SHA-256 vs 1", "Gather vs 1"),
         [
             (
                 r["threads"],
@@ -281,6 +301,7 @@ def record_reads_table(rows: Sequence[dict[str, Any]]) -> str:
                 f"{r['range'][0]:,.0f}..{r['range'][1]:,.0f}",
                 f"{r['ratio_to_one']:.2f}x",
                 f"{r['control_ratio']:.2f}x",
+                f"{r['gather_ratio']:.2f}x",
             )
             for r in rows
         ],

@@ -323,7 +323,7 @@ if bench and bench.get("whole_run"):
 if bench and bench.get("record_reads"):
     reads = "; ".join(
         f"{r['threads']} threads {r['records_per_sec']:,.0f} ({r['ratio_to_one']:.2f}x one, "
-        f"control {r['control_ratio']:.2f}x)"
+        f"controls: SHA-256 {r['control_ratio']:.2f}x, gather {r['gather_ratio']:.2f}x)"
         for r in bench["record_reads"]
     )
     print(f"record reader alone, records/s: {reads}")

@@ -170,10 +170,11 @@ def test_benchmark_refuses_an_ensemble_config():
 
 def test_the_benchmark_times_the_reader_alone_by_thread_count(fmnist_records):
     """`--mode=benchmark`'s reader rows: one a thread count, rates against one thread's, and
-    the SHA-256 control's ratio beside them."""
+    the SHA-256 and bare-gather controls' ratios beside them."""
     source = datasets.load_records(fmnist_records).train_images.source
     rows = benchmark.record_reads(source, block=256, repeats=2)
     assert [r["threads"] for r in rows] == [1, 2] and rows[0]["ratio_to_one"] == 1.0
     assert rows[0]["control_ratio"] == 1.0 and rows[1]["control_ratio"] > 0
+    assert rows[0]["gather_ratio"] == 1.0 and rows[1]["gather_ratio"] > 0
     assert all(r["range"][0] <= r["records_per_sec"] <= r["range"][1] for r in rows)
     assert "Record reader alone" in benchmark.record_reads_table(rows)

@@ -66,7 +66,9 @@ def test_small_mode_prints_the_table_and_the_benchmark_writes_every_field(tmp_pa
         assert "not measured" not in row[0], row[0]  # kernels per step included
     assert re.search(r"^\| main.py --steps=20 --report=basic .*\*\*0\.\d{4}\*\* \|$", table, re.M)
     assert re.search(r"^training loop as main.py runs it: [\d,]+ ex/s, \d+\.\d\dx", table, re.M)
-    threads = r"\d threads [\d,]+ \(\d+\.\d\dx one, control \d+\.\d\dx\)"
+    threads = (
+        r"\d threads [\d,]+ \(\d+\.\d\dx one, controls: SHA-256 \d+\.\d\dx, gather \d+\.\d\dx\)"
+    )
     assert re.search(rf"^record reader alone, records/s: {threads}(; {threads})+$", table, re.M)
     bench = json.loads((tmp_path / "out" / "bench.json").read_text())
     stdout = (tmp_path / "out" / "bench.log").read_text()
