@@ -55,7 +55,7 @@ class Codelab(Extension):
         images = run.dataset.train_images
         labels = run.dataset.train_labels
         order = input_pipeline.epoch_order(run.config.seed, 0, len(labels))
-        picks = np.asarray(order[: d.batch_size])
+        picks = np.asarray(order)[: d.batch_size]  # sliced on the host: nothing to compile
         first_batch = [
             parallel.shard_host_array(a, parallel.batch_sharding(d.mesh))
             for a in (input_pipeline.prepare_images(images[picks]), labels[picks].astype(np.int32))
@@ -65,9 +65,9 @@ class Codelab(Extension):
         run.summary["gradient_check"] = check
 
     def after_training(self, run: Run) -> None:
-        run.checkpoints.wait()  # the final save's writer thread would otherwise share the CPU
-        if run.config.report == "full":
-            run.figures_drawn()  # and so would the figure thread
+        if run.config.report == "full":  # the timings share the CPU with no other thread:
+            run.checkpoints.wait()  # the final save's writer
+            run.figures_drawn()  # and the figure thread
             self._timing(run, DISPATCH, "mode", dispatch_vs_jit(run), "dispatch_vs_jit")
             self._timing(run, PRECISION, "dtype", precision_comparison(run), "precision")
         heading = "Throughput in tokens"

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from flax import nnx
 
 from fmnist_flax import errors, parallel
@@ -242,8 +243,8 @@ def create_model(
     size = config.ensemble.size
     try:
         if size == 1:
-            return _build(*static, jnp.asarray(seed, jnp.uint32))
-        members = [_build(*static, jnp.asarray(seed + k, jnp.uint32)) for k in range(size)]
+            return _build(*static, np.uint32(seed))  # a NumPy scalar: no eager conversion
+        members = [_build(*static, np.uint32(seed + k)) for k in range(size)]
         return Ensemble(stack(members), size)
     except (TypeError, ValueError) as exc:  # a model without its own check_config
         message = errors.reason(exc)
