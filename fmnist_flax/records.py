@@ -10,10 +10,10 @@ when the set is loaded), then its records, each its label as a little-endian int
 H * W * C uint8 pixels (row-major H, W, C), zero-padded to a multiple of 8 bytes, then one
 uint64 check a record. A block's keys are put in file order (a radix sort), then read from
 read-only mappings READ_ROWS records at a time, each piece gathered by one `np.take`, placed in
-the block's buffer and then checked, its checks folded in place, while it is in the core's
-cache (NumPy copies and computes without the GIL: no Python object a record). Each record's
-check and label is compared with what was written (a damaged record, a shard of another set or
-edited labels: one line naming the file). The mapped pages a source holds stay within
+the block's buffer and its check folded in place while it is in the core's cache (NumPy copies
+and computes without the GIL: no Python object a record). Each record's check and label is
+compared with what was written, once for the block (a damaged record, a shard of another set
+or edited labels: one line naming the file). The mapped pages a source holds stay within
 RESIDENT_BYTES: past it, all are let go at once.
 """
 
@@ -87,17 +87,29 @@ def record_bytes(pixels: int) -> int:
 
 def fold_checks(rows: np.ndarray, index: np.ndarray, salt: int) -> np.ndarray:
     """Each record's check (n,) uint64: its words times their position's odd multiplier, folded
-    by XOR, mixed with its number in the split (`index`) and the set's id (`salt`). Folds
-    `rows` (n, record_bytes) uint8 away: the products overwrite its words in place, CHECK_ROWS
-    records at a time, so no scratch is written and each piece is folded while in the cache.
-    NumPy computes it without the GIL, and every change of a single word alters it."""
+    by XOR, mixed with its number in the split (`index`) and the set's id (`salt`). NumPy
+    computes it without the GIL, and every change of a single word alters it. Folds `rows`
+    (n, record_bytes) uint8 away (`_fold`)."""
+    folded = np.empty(len(rows), WORD)
+    _fold(rows, folded)
+    return _mix(folded, index, salt)
+
+
+def _fold(rows: np.ndarray, out: np.ndarray) -> None:
+    """Each record's words times their position's multiplier, folded by XOR, into `out` (n,):
+    the products overwrite the words of `rows` in place, CHECK_ROWS records at a time, so no
+    scratch is written and each piece is folded while it is in the cache."""
     words = rows.view(WORD)
     multipliers = _multipliers(words.shape[1])
-    folded = np.empty(len(words), np.uint64)
     for start in range(0, len(words), CHECK_ROWS):
         part = words[start : start + CHECK_ROWS]
         np.multiply(part, multipliers, out=part)
-        np.bitwise_xor.reduce(part, axis=1, out=folded[start : start + CHECK_ROWS])
+        np.bitwise_xor.reduce(part, axis=1, out=out[start : start + CHECK_ROWS])
+
+
+def _mix(folded: np.ndarray, index: np.ndarray, salt: int) -> np.ndarray:
+    """The checks of folded records (`folded`, changed in place): mixed with each record's
+    number in the split and the set's id."""
     mixed = np.multiply(index, _INDEX_MULTIPLIER, dtype=np.uint64, casting="unsafe")
     mixed ^= np.uint64(salt)
     return np.bitwise_xor(folded, mixed, out=folded)
@@ -551,8 +563,9 @@ class RecordSource:
     ) -> tuple[np.ndarray, np.ndarray]:
         """(pixels (n, H*W*C), labels (n,)) of the records `keys` (n,), in that order; the
         pixels into `out` when given. The keys are read in file order, READ_ROWS at a time:
-        each piece gathered from its shard, placed in `out` and checked while it is in the
-        core's cache."""
+        each piece gathered from its shard, placed in `out` and folded while it is in the
+        core's cache. The checks and labels are compared once for the whole block: few NumPy
+        calls a block, so reader threads seldom wait for the GIL."""
         keys = np.asarray(keys, np.int64)
         if len(keys) and (keys.min() < 0 or keys.max() >= len(self)):
             raise IndexError(f"record keys out of range 0..{len(self) - 1}")
@@ -566,18 +579,23 @@ class RecordSource:
         ordered = keys[order]
         cuts = np.searchsorted(ordered, self.offsets).tolist()
         rows = np.empty((min(READ_ROWS, len(keys)), self.record_bytes), np.uint8)
-        checks = np.empty(len(rows), WORD)
+        # Each record's check and label as written, and its words folded as they were read.
+        stored, folded = np.empty(len(keys), WORD), np.empty(len(keys), WORD)
+        held = np.empty(len(keys), np.int32)
         images, in_rows = pixels, rows[:, LABEL_BYTES : LABEL_BYTES + self.pixels]
         if len(keys) and pixels.flags.c_contiguous:  # each image one item: placed in one copy
             images = _void_rows(pixels, 0, self.pixels)
             in_rows = _void_rows(rows, LABEL_BYTES, self.pixels)
         for k in np.flatnonzero(np.diff(cuts)).tolist():
-            for start in range(cuts[k], cuts[k + 1], READ_ROWS):
-                stop = min(start + READ_ROWS, cuts[k + 1])
-                part, held = rows[: stop - start], checks[: stop - start]
-                self._gather(k, maps[k], ordered[start:stop] - self.offsets[k], part, held)
-                images[order[start:stop]] = in_rows[: stop - start]  # before the check folds
-                self._verify(part, held, ordered[start:stop])
+            local = ordered[cuts[k] : cuts[k + 1]] - self.offsets[k]
+            for start in range(0, len(local), READ_ROWS):
+                at = slice(cuts[k] + start, cuts[k] + min(start + READ_ROWS, len(local)))
+                part = rows[: at.stop - at.start]
+                self._gather(k, maps[k], local[start : start + READ_ROWS], part, stored[at])
+                images[order[at]] = in_rows[: len(part)]
+                held[at] = part.view("<i4")[:, 0]
+                _fold(part, folded[at])  # folds the piece away: placed and its labels taken
+        self._verify(ordered, _mix(folded, ordered, self.salt), stored, held)
         return pixels, self.labels[keys]
 
     def _gather(
@@ -614,20 +632,21 @@ class RecordSource:
         end = HEADER_BYTES + len(records) * size
         self._mapped.touch((k, 1), m, end + first * WORD.itemsize, end + (last + 1) * WORD.itemsize)
 
-    def _verify(self, rows: np.ndarray, checks: np.ndarray, keys: np.ndarray) -> None:
-        """Each record's check and label, folding `rows` away: a damaged record, or one whose
-        label differs from labels.npz, is one line naming its shard."""
-        held = rows.view("<i4")[:, 0]
-        wrong = np.flatnonzero(held != self.labels[keys])[:1]
-        label = held[wrong].tolist()  # taken before the check folds it
-        bad = fold_checks(rows, keys, self.salt) != checks
-        if bad.any():
-            key = int(keys[bad.argmax()])
+    def _verify(
+        self, keys: np.ndarray, checks: np.ndarray, stored: np.ndarray, held: np.ndarray
+    ) -> None:
+        """The records `keys` against what was written: their `checks` against the `stored`
+        ones, then their `held` labels against labels.npz's. A damaged record, or one whose
+        label differs, is one line naming its shard."""
+        bad = np.flatnonzero(checks != stored)
+        if len(bad):
+            key = int(keys[bad[0]])
             raise _damaged(self._path_of(key), ValueError(f"record {key} fails its check"))
-        if label:
+        wrong = np.flatnonzero(held != self.labels[keys])
+        if len(wrong):
             key = int(keys[wrong[0]])
             raise UserError(
-                f"{self._path_of(key)}: record {key}'s label {label[0]} differs from "
+                f"{self._path_of(key)}: record {key}'s label {held[wrong[0]]} differs from "
                 f"{LABELS_FILE}'s {self.labels[key]}; write the records again with --mode=prepare"
             )
 
