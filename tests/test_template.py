@@ -104,8 +104,9 @@ def copy_project(tmp_path: pathlib.Path, whole: bool = False) -> pathlib.Path:
                 (root / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(REPO / name, root / name)
         return root
-    shutil.copytree(PACKAGE, root / "fmnist_flax", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(REPO / "configs", root / "configs")
+    no_bytecode = shutil.ignore_patterns("__pycache__")  # a recipe's edit could keep a size
+    shutil.copytree(PACKAGE, root / "fmnist_flax", ignore=no_bytecode)
+    shutil.copytree(REPO / "configs", root / "configs", ignore=no_bytecode)
     shutil.copy(REPO / "main.py", root)
     return root
 
