@@ -8,6 +8,7 @@ from (seed, epoch), and each device gathers only its slice of every batch. Image
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
@@ -198,13 +199,16 @@ def batch_at(
 class DeviceBatches:
     """The device pipeline's training calls: each epoch's permutation (`epoch_order`) placed on
     the mesh, the batches gathered inside the compiled chunk (`count` steps per call when
-    fused)."""
+    fused). The next epoch's permutation is drawn on a thread while this one trains: on an
+    accelerator an epoch can take less time than drawing it on the host."""
 
     def __init__(self, data: DeviceData, config: ml_collections.ConfigDict):
         self.data = data
         self.seeds = ensemble.data_seeds(config)
         self.fused = config.fused_steps
         self._epoch, self._order = None, None
+        self._drawer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="epoch-order")
+        self._ahead: tuple[int, concurrent.futures.Future[jax.Array]] | None = None
 
     def chunks(self, step: int, stop: int) -> Iterator[tuple[Any, ...]]:
         """(images, labels, order, first batch index, count, first step) per call for steps
@@ -212,8 +216,14 @@ class DeviceBatches:
         data, the order has one row per member."""
         epoch, index = divmod(step, self.data.batches_per_epoch)
         if epoch != self._epoch:
-            order = epoch_orders(self.seeds, epoch, self.data.train_examples)
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None and ahead[0] == epoch:
+                order = ahead[1].result()
+            else:
+                order = epoch_orders(self.seeds, epoch, self.data.train_examples)
             self._epoch, self._order = epoch, parallel.place(order, self.data.mesh)
+            following = epoch + 1, self.data.train_examples
+            self._ahead = epoch + 1, self._drawer.submit(epoch_orders, self.seeds, *following)
         per_call = stop - step if self.fused else 1
         for first in range(step, stop, per_call):
             d = self.data
