@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import socket
 import struct
 import time
@@ -22,6 +23,7 @@ from typing import Any
 import ml_collections
 from tensorboardX import summary
 from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.record_writer import masked_crc32c
 
 from fmnist_flax import optimizer
@@ -30,6 +32,7 @@ from fmnist_flax.errors import warning_line
 
 TENSORBOARD_DIR = "tensorboard"
 TEST_PREFIX = "test_"  # metrics.jsonl names the evaluation's metrics test_loss, test_accuracy
+INVALID_TAG = re.compile(r"[^-/\w\.]")  # what tensorboardX's summary.scalar turns into _
 
 
 def tag(name: str) -> str:
@@ -95,15 +98,19 @@ class Summaries:
         self._write(Event(wall_time=time.time(), step=step, summary=value))
 
     def write(self, row: dict[str, Any], examples_per_sec: float | None = None) -> None:
-        """A metrics.jsonl row at its step, with the rate the step's update used."""
+        """A metrics.jsonl row at its step, with the rate the step's update used: one event
+        holding every scalar of the step, so one record (two checksums) and one write a row."""
         step = row["step"]
-        for name, value in row.items():
-            if name != "step":
-                self._summary(summary.scalar(tag(name), value), step)
+        scalars = {tag(name): value for name, value in row.items() if name != "step"}
         rate = self.schedule(step - 1) if callable(self.schedule) else self.schedule
-        self._summary(summary.scalar("train/learning_rate", float(rate)), step)
+        scalars["train/learning_rate"] = float(rate)
         if examples_per_sec is not None:
-            self._summary(summary.scalar("train/examples_per_sec", examples_per_sec), step)
+            scalars["train/examples_per_sec"] = examples_per_sec
+        values = [
+            Summary.Value(tag=INVALID_TAG.sub("_", name).lstrip("/"), simple_value=float(x))
+            for name, x in scalars.items()
+        ]
+        self._summary(Summary(value=values), step)
 
     def close(self) -> None:
         if self._fd is not None:
