@@ -37,10 +37,11 @@ INVALID_TAG = re.compile(r"[^-/\w\.]")  # what tensorboardX's summary.scalar tur
 
 
 def tag(name: str) -> str:
-    """The TensorBoard tag of a metrics.jsonl field: test_accuracy -> test/accuracy."""
+    """The TensorBoard tag of a metrics.jsonl field: test_accuracy -> test/accuracy; a
+    character a tag cannot hold becomes _, as tensorboardX's summary.scalar makes it."""
     if name.startswith(TEST_PREFIX):
-        return f"test/{name.removeprefix(TEST_PREFIX)}"
-    return f"train/{name}"
+        return INVALID_TAG.sub("_", f"test/{name.removeprefix(TEST_PREFIX)}")
+    return INVALID_TAG.sub("_", f"train/{name}")
 
 
 def record(data: bytes) -> bytes:
@@ -104,13 +105,10 @@ class Summaries:
         step = row["step"]
         scalars = {tag(name): value for name, value in row.items() if name != "step"}
         rate = self.schedule(step - 1) if callable(self.schedule) else self.schedule
-        scalars["train/learning_rate"] = float(rate)
+        scalars["train/learning_rate"] = rate
         if examples_per_sec is not None:
             scalars["train/examples_per_sec"] = examples_per_sec
-        values = [
-            Summary.Value(tag=INVALID_TAG.sub("_", name).lstrip("/"), simple_value=float(x))
-            for name, x in scalars.items()
-        ]
+        values = [Summary.Value(tag=t, simple_value=float(x)) for t, x in scalars.items()]
         self._summary(Summary(value=values), step)
 
     def close(self) -> None:
