@@ -59,9 +59,15 @@ def create_optimizer(model: nnx.Module, config: ml_collections.ConfigDict) -> nn
     """The config's Optax optimizer (AdamW by default, the codelab's) over the parameters."""
     if isinstance(model, Ensemble):
         return ensemble.member_optimizers(model, config)
+    return _optimizer_program(Config(config))(model)
+
+
+@functools.lru_cache(maxsize=8)
+def _optimizer_program(config: Config) -> Callable[[nnx.Module], nnx.Optimizer]:
+    """The optimizer made by one compiled program (eagerly, each of the state's zeros compiles
+    on its own), kept for the next model of the same config: compiled once a structure."""
     tx = optimizer_lib.create(config)
-    # One compiled program: eagerly, each of the state's zeros compiles on its own.
-    return nnx.jit(lambda model: nnx.Optimizer(model, tx, wrt=nnx.Param))(model)
+    return nnx.jit(lambda model: nnx.Optimizer(model, tx, wrt=nnx.Param))
 
 
 def create_train_state(
