@@ -313,7 +313,7 @@ def chunk_for(config, device_data, graphdef, model) -> tuple[Callable[..., Any],
     """main.py's compiled chunk for this config and data, and its zero metric sums."""
     frozen = ml_collections.FrozenConfigDict(config)
     chunk = train.make_train_chunk(graphdef, frozen, device_data.image_shape, device_data.mesh)
-    return chunk, train.zero_sums(model, frozen, device_data.image_shape)
+    return chunk, train.zero_sums(model, frozen, device_data.image_shape, device_data.mesh)
 
 
 def as_ensemble(config: ml_collections.ConfigDict, members: int, same_data: bool, shards: int = 1):

@@ -81,7 +81,7 @@ def profile_fused(
     graphdef, state = nnx.split((model, optimizer))
     frozen = ml_collections.FrozenConfigDict(config)
     chunk = train.make_train_chunk(graphdef, frozen, device_data.image_shape, device_data.mesh)
-    sums = train.zero_sums(model, frozen, device_data.image_shape)
+    sums = train.zero_sums(model, frozen, device_data.image_shape, device_data.mesh)
     order = input_pipeline.epoch_order(0, 0, len(device_data.train_labels))
     steps = min(steps, device_data.batches_per_epoch)
     args = (sums, device_data.train_images, device_data.train_labels, order, 0, steps)

@@ -352,12 +352,16 @@ def make_train_chunk(
     return train_chunk
 
 
-def zero_sums(model: nnx.Module, config: Config, image_shape: tuple[int, int, int]) -> Metrics:
-    """A zero for each metric `loss_fn` returns: where a logged row's sums start."""
+def zero_sums(
+    model: nnx.Module, config: Config, image_shape: tuple[int, int, int], mesh: jax.sharding.Mesh
+) -> Metrics:
+    """A zero for each metric `loss_fn` returns, where a logged row's sums start: replicated on
+    `mesh`, as a chunk returns its sums, so a chunk called with either runs one compilation."""
     x = jax.ShapeDtypeStruct((config.batch_size, *image_shape), jnp.float32)
     y = jax.ShapeDtypeStruct((config.batch_size,), jnp.int32)
     shapes = ensemble.shapes_per_member(lambda m, x, y: loss_fn(m, x, y, config)[1], model, x, y)
-    return {name: np.zeros(s.shape, s.dtype) for name, s in shapes.items()}
+    zeros = {name: np.zeros(s.shape, s.dtype) for name, s in shapes.items()}
+    return jax.device_put(zeros, parallel.replicated(mesh))
 
 
 class RunningRow:
@@ -371,7 +375,8 @@ class RunningRow:
         self.sums = zeros
         if saved:  # from a checkpoint's progress item: float32 sums, exact through JSON
             self.start = saved["start"]
-            self.sums = {k: np.asarray(saved["sums"].get(k, 0.0), np.float32) for k in zeros}
+            sums = {k: np.asarray(saved["sums"].get(k, 0.0), np.float32) for k in zeros}
+            self.sums = jax.device_put(sums, {k: zero.sharding for k, zero in zeros.items()})
 
     def take(self, step: int, metrics: Metrics) -> tuple[int, Metrics, int, jax.Array]:
         """The parts of the row logged at `step`; the next row starts here."""
@@ -772,7 +777,7 @@ def train_and_evaluate(
         graphdef, state = nnx.split((model, optimizer))
         frozen = Config(config)
         train_chunk = make_train_chunk(graphdef, frozen, dataset.image_shape, mesh)
-        zeros = zero_sums(model, frozen, dataset.image_shape)
+        zeros = zero_sums(model, frozen, dataset.image_shape, mesh)
         row = RunningRow(zeros, start_step, resumed.get("row"))
         aug_key = input_pipeline.augment_key(config)
         # Its first programs compile on a thread while the set-up tables and extensions run.

@@ -60,8 +60,7 @@ def test_fused_chunks_equal_one_step_per_call(real_dataset, quick_config, comput
     graphdef, state = nnx.split((model, optimizer))
     chunk = train.make_train_chunk(graphdef, task, (28, 28, 1))
     # The sums replicated as a chunk returns them: the three calls share one compilation.
-    sums = train.zero_sums(model, task, (28, 28, 1))
-    sums = jax.device_put(sums, parallel.replicated(device_data.mesh))
+    sums = train.zero_sums(model, task, (28, 28, 1), device_data.mesh)
     images, labels = device_data.train_images, device_data.train_labels
     state, sums, _ = chunk(state, sums, images, labels, order, 0, 5)  # chunks of 5, 1, 6 steps
     state, sums, _ = chunk(state, sums, images, labels, order, 5, 1)
@@ -111,8 +110,7 @@ def trained_members(quick_config, real_dataset, per_pass: int) -> tuple[list, di
     model, optimizer = train.create_train_state(task, (28, 28, 1), 10, device_data.mesh)
     graphdef, state = nnx.split((model, optimizer))
     chunk = train.make_train_chunk(graphdef, task, (28, 28, 1), device_data.mesh)
-    zeros = train.zero_sums(model, task, (28, 28, 1))  # placed as the chunk returns them:
-    sums = jax.device_put(zeros, parallel.replicated(device_data.mesh))  # one compile
+    sums = train.zero_sums(model, task, (28, 28, 1), device_data.mesh)  # one compile
     key = input_pipeline.augment_key(task)
     orders = input_pipeline.epoch_orders(ensemble.data_seeds(task), 0, 60_000)
     data = device_data.train_images, device_data.train_labels, orders
@@ -176,10 +174,18 @@ def short_run(quick_config, workdir, fields=None):
     return train.train_and_evaluate(quick_config, workdir)
 
 
-def test_a_row_is_the_mean_of_the_steps_since_the_row_before(quick_config, tmp_path):
+def test_a_row_is_the_mean_of_the_steps_since_the_row_before(quick_config, tmp_path, caplog):
     """Logged every 25 steps, a row equals the mean of the rows the same run logs every step
-    (the gradient norm stays the row's last step's): summed inside the compiled chunks."""
-    short_run(quick_config, tmp_path / "every25")
+    (the gradient norm stays the row's last step's): summed inside the compiled chunks, and
+    carried from one call to the next across a stop that logs nothing (a save at step 30),
+    with no second compilation of the chunk for the carried sums."""
+    jax.config.update("jax_log_compiles", True)
+    try:
+        short_run(quick_config, tmp_path / "every25", {"checkpoint_every": 30})
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    compiled = [r for r in caplog.records if "Compiling jit(train_chunk)" in r.getMessage()]
+    assert len(compiled) == 1
     short_run(quick_config, tmp_path / "every1", {"log_every": 1})
     every = {row["step"]: row for row in rows_of(tmp_path / "every1")}
     rows = rows_of(tmp_path / "every25")
