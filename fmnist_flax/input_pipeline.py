@@ -150,15 +150,22 @@ def _sort_keys(seed: int, epoch: int, num_examples: int) -> jax.Array:
     return jnp.concatenate(rows)
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _permutation(seed: int, epoch: int, num_examples: int) -> jax.Array:
+    """`jax.random.permutation(fold_in(key(seed), epoch), n)`, on the default device."""
+    return jax.random.permutation(jax.random.fold_in(jax.random.key(seed), epoch), num_examples)
+
+
 @functools.lru_cache(maxsize=2)  # the set-up asks for epoch 0's twice (the loop, the codelab)
 def epoch_order(seed: int, epoch: int, num_examples: int) -> jax.Array:
     """The permutation of the train set for one epoch, from (seed, epoch): exactly
-    `jax.random.permutation`'s (a test checks), its keys drawn by JAX but sorted by NumPy on
-    the host, since XLA's CPU sort is several times slower (docs/performance.md)."""
+    `jax.random.permutation`'s (a test checks). An accelerator draws it in its queue, in
+    microseconds; on the CPU its keys are drawn by JAX but sorted by NumPy, since XLA's CPU
+    sort is several times slower (docs/performance.md)."""
+    if jax.default_backend() != "cpu":
+        return _permutation(np.uint32(seed), epoch, num_examples)
     order = np.arange(num_examples, dtype=np.int32)
-    # Drawn on the host's CPU device: reading them back never waits for a GPU's queued steps.
-    with jax.default_device(jax.local_devices(backend="cpu")[0]):
-        keys_per_round = np.asarray(_sort_keys(np.uint32(seed), epoch, num_examples))
+    keys_per_round = np.asarray(_sort_keys(np.uint32(seed), epoch, num_examples))
     for keys in keys_per_round:
         order = order[np.argsort(keys, kind="stable")]  # lax.sort_key_val is stable too
     return jnp.asarray(order)
@@ -199,8 +206,8 @@ def batch_at(
 class DeviceBatches:
     """The device pipeline's training calls: each epoch's permutation (`epoch_order`) placed on
     the mesh, the batches gathered inside the compiled chunk (`count` steps per call when
-    fused). The next epoch's permutation is drawn on a thread while this one trains: on an
-    accelerator an epoch can take less time than drawing it on the host."""
+    fused). The next epoch's permutation is drawn on a thread while this one trains: on the
+    CPU the host sorts it, which would otherwise leave the cores idle at each epoch's end."""
 
     def __init__(self, data: DeviceData, config: ml_collections.ConfigDict):
         self.data = data

@@ -27,14 +27,14 @@ def test_device_data_keeps_uint8_train_images_flat_and_no_test_set(real_dataset)
     [(0, 0, 60_000), (0, 3, 60_000), (7, 1, 10), (0, 2, 1), (2**32 - 1, 9, 4096)],
 )
 def test_the_host_sorted_order_is_jax_random_permutation(seed, epoch, n):
-    """The order is sorted by NumPy for speed but must stay JAX's permutation to the element:
-    runs, resumes and documented results depend on it (a JAX upgrade that changes its shuffle
-    fails here)."""
+    """The order is sorted by NumPy for speed but must stay JAX's permutation to the element,
+    the one an accelerator draws: runs, resumes and documented results depend on it (a JAX
+    upgrade that changes its shuffle fails here)."""
     key = jax.random.fold_in(jax.random.key(seed), epoch)
-    np.testing.assert_array_equal(
-        np.asarray(input_pipeline.epoch_order(seed, epoch, n)),
-        np.asarray(jax.random.permutation(key, n)),
-    )
+    expected = np.asarray(jax.random.permutation(key, n))
+    np.testing.assert_array_equal(np.asarray(input_pipeline.epoch_order(seed, epoch, n)), expected)
+    drawn = input_pipeline._permutation(np.uint32(seed), epoch, n)  # an accelerator's path
+    np.testing.assert_array_equal(np.asarray(drawn), expected)
 
 
 def test_each_epoch_gets_a_fresh_seeded_permutation(real_dataset):
