@@ -140,7 +140,7 @@ def fused_runner(
     time); each timed run waits for its last save to be written, so the whole cost is timed.
     """
     model, optimizer = fresh_state(config, device_data)
-    graphdef, state = nnx.split((model, optimizer))
+    graphdef, state = train.split_state(model, optimizer)
     scratch = tempfile.TemporaryDirectory(prefix="bench-ckpt-") if save_floor is not None else None
     checkpoints = scratch and checkpoint.Checkpoints(
         scratch.name, metadata={"config": config.to_dict()}, min_interval_secs=save_floor
@@ -177,7 +177,7 @@ def grain_runner(config, device_data: input_pipeline.DeviceData, dataset) -> Run
     """`input_pipeline="grain"`: the same compiled step, one call per step, each batch read on
     the host by Grain and copied to the device."""
     model, optimizer = fresh_state(config, device_data)
-    graphdef, state = nnx.split((model, optimizer))
+    graphdef, state = train.split_state(model, optimizer)
     chunk, sums = chunk_for(config, device_data, graphdef, model)
     source = grain_pipeline.train_source(dataset)
     batches = grain_pipeline.from_config(config, source, device_data.mesh)

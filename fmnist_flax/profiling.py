@@ -78,7 +78,7 @@ def profile_fused(
         for k in jax.tree.leaves(nnx.state(model))
         if k.ndim > 1 and k.shape[0] != device_data.batch_size
     }
-    graphdef, state = nnx.split((model, optimizer))
+    graphdef, state = train.split_state(model, optimizer)
     frozen = ml_collections.FrozenConfigDict(config)
     chunk = train.make_train_chunk(graphdef, frozen, device_data.image_shape, device_data.mesh)
     sums = train.zero_sums(model, frozen, device_data.image_shape, device_data.mesh)

@@ -57,7 +57,7 @@ def test_fused_chunks_equal_one_step_per_call(real_dataset, quick_config, comput
 
     # Laid out on the mesh as the loop lays it: each call then meets the types it compiled for.
     model, optimizer = train.create_train_state(quick_config, (28, 28, 1), 10, device_data.mesh)
-    graphdef, state = nnx.split((model, optimizer))
+    graphdef, state = train.split_state(model, optimizer)
     chunk = train.make_train_chunk(graphdef, task, (28, 28, 1))
     # The sums replicated as a chunk returns them: the three calls share one compilation.
     sums = train.zero_sums(model, task, (28, 28, 1), device_data.mesh)
@@ -108,7 +108,7 @@ def trained_members(quick_config, real_dataset, per_pass: int) -> tuple[list, di
     task = train.Config(quick_config)
     device_data = input_pipeline.to_device(real_dataset, 64, parallel.make_mesh())
     model, optimizer = train.create_train_state(task, (28, 28, 1), 10, device_data.mesh)
-    graphdef, state = nnx.split((model, optimizer))
+    graphdef, state = train.split_state(model, optimizer)
     chunk = train.make_train_chunk(graphdef, task, (28, 28, 1), device_data.mesh)
     sums = train.zero_sums(model, task, (28, 28, 1), device_data.mesh)  # one compile
     key = input_pipeline.augment_key(task)
