@@ -536,14 +536,20 @@ class RowLog:
             self.thread = threading.Thread(target=self._write_submitted, daemon=True)
             self.thread.start()
 
-    def submit(self, parts: tuple[int, Metrics, int, jax.Array], eval_seconds: float) -> None:
-        """Log the row of `parts` (`RunningRow.take`) without waiting for its values;
-        `eval_seconds`: the run's time spent evaluating so far."""
+    def submit(
+        self,
+        parts: tuple[int, Metrics, int, jax.Array],
+        eval_seconds: float,
+        tested: dict[str, float] | None = None,
+    ) -> None:
+        """Log the row of `parts` (`RunningRow.take`) without waiting for its values, with the
+        test metrics evaluated at its step (`tested`); `eval_seconds`: the run's time spent
+        evaluating so far."""
         began = time.perf_counter()
         if self.queue is None:
-            self._write_parts(parts, eval_seconds)
+            self._write_parts(parts, eval_seconds, tested)
         else:
-            self.queue.put((parts, eval_seconds))
+            self.queue.put((parts, eval_seconds, tested))
         self.host_seconds += time.perf_counter() - began
 
     def _write_submitted(self) -> None:
@@ -557,10 +563,15 @@ class RowLog:
                 self.queue.task_done()
         self.queue.task_done()
 
-    def _write_parts(self, parts: tuple[int, Metrics, int, jax.Array], eval_seconds: float):
+    def _write_parts(
+        self,
+        parts: tuple[int, Metrics, int, jax.Array],
+        eval_seconds: float,
+        tested: dict[str, float] | None,
+    ) -> None:
         row = host_row(*parts)
         if np.isfinite(row["loss"]):
-            self.write(row, eval_seconds)
+            self.write(row | (tested or {}), eval_seconds)
         else:
             self.failure = (row["loss"], row["step"])
 
@@ -578,16 +589,6 @@ class RowLog:
         if self.queue is not None:
             self.queue.join()
         self.check()
-
-    def checked(self, parts: tuple[int, Metrics, int, jax.Array]) -> dict[str, float]:
-        """The row of `parts` on the host now, after every submitted one; a non-finite loss
-        stops the run."""
-        self.drain()
-        row = host_row(*parts)
-        if not np.isfinite(row["loss"]):
-            self.failure = (row["loss"], row["step"])
-            self.check()
-        return row
 
     def write(self, row: dict[str, float], eval_seconds: float) -> None:
         """Log a finite `row` now; `eval_seconds`: the run's time spent evaluating so far."""
@@ -822,28 +823,20 @@ def train_and_evaluate(
                 saving = must_save(step, signum, config, checkpoints)
                 testing = is_eval_step(step, config, per_epoch)
                 parts = row.take(step, metrics) if testing or is_log_step(step, config) else None
-                if not (saving or testing):
-                    if parts:  # written by the log's thread while the next chunks run
-                        log.submit(parts, run.eval_seconds)
-                    continue
-
-                # Log this step's row now, with the test metrics when it is an evaluation step.
                 tested = {}
-                if parts:
-                    values = log.checked(parts)
-                    if testing:
-                        jax.block_until_ready(state)  # training's own asynchronous work is done
-                        began = time.perf_counter()
-                        nnx.update((model, optimizer), state)
-                        model.eval()
-                        full = experiment.evaluate_test(run, model)
-                        averaged = ema_test_metrics(run, model)
-                        model.train()
-                        run.evaluation = (step, full)
-                        run.eval_seconds += time.perf_counter() - began
-                        tested = experiment.test_metrics(full) | averaged
-                        values |= tested
-                    log.write(values, run.eval_seconds)
+                if testing:
+                    jax.block_until_ready(state)  # training's own asynchronous work is done
+                    began = time.perf_counter()
+                    nnx.update((model, optimizer), state)
+                    model.eval()
+                    full = experiment.evaluate_test(run, model)
+                    averaged = ema_test_metrics(run, model)
+                    model.train()
+                    run.evaluation = (step, full)
+                    run.eval_seconds += time.perf_counter() - began
+                    tested = experiment.test_metrics(full) | averaged
+                if parts:  # written by the log's thread while the next chunks run
+                    log.submit(parts, run.eval_seconds, tested)
 
                 # Save: at the end, on a signal, when due; with keep_best, at each evaluation.
                 if saving or (tested and config.keep_best):

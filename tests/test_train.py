@@ -217,17 +217,18 @@ def test_accumulating_4_batches_of_128_trains_like_batches_of_512(quick_config, 
 def test_the_row_log_writes_rows_in_the_background_in_order_until_a_non_finite_loss(
     tmp_path, quick_config
 ):
-    """Rows handed to the log's thread reach metrics.jsonl in order; a non-finite loss among
-    them stops the run at the next check, naming the last finite row, and nothing after it
-    is written."""
+    """Rows handed to the log's thread reach metrics.jsonl in order, an evaluation step's with
+    its test metrics; a non-finite loss among them stops the run at the next check, naming
+    the last finite row, and nothing after it is written."""
     from fmnist_flax import checkpoint
 
     checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
     sums = {"loss": jax.numpy.float32(2.0), "accuracy": jax.numpy.float32(1.0)}
     with train.RowLog(tmp_path, quick_config, 0, 512, checkpoints) as log:
         assert log.queue is not None  # one process: rows go to the writer thread
-        for step in (1, 25, 50):
+        for step in (1, 25):
             log.submit((step, sums, 2, jax.numpy.float32(0.5)), 0.0)
+        log.submit((50, sums, 2, jax.numpy.float32(0.5)), 0.3, {"test_accuracy": 0.75})
         log.drain()
         assert log.last_finite == 50
         nan = {"loss": jax.numpy.float32(np.nan), "accuracy": jax.numpy.float32(0.0)}
@@ -238,4 +239,5 @@ def test_the_row_log_writes_rows_in_the_background_in_order_until_a_non_finite_l
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 25, 50]
     assert rows[1] == {"step": 25, "loss": 1.0, "accuracy": 0.5, "grad_norm": 0.5}
+    assert rows[2] == rows[1] | {"step": 50, "test_accuracy": 0.75}
     checkpoints.close()
