@@ -156,8 +156,9 @@ def fused_runner(
         while steps:
             index = i % per_epoch
             count = min(config.log_every, steps, per_epoch - index)
+            at = [parallel.device_int(n, device_data.mesh) for n in (index, count)]  # as the loop's
             state, _, metrics = chunk(
-                state, sums, device_data.train_images, device_data.train_labels, order, index, count
+                state, sums, device_data.train_images, device_data.train_labels, order, *at
             )
             i += count
             steps -= count

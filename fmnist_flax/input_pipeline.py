@@ -232,9 +232,11 @@ class DeviceBatches:
             following = epoch + 1, self.data.train_examples
             self._ahead = epoch + 1, self._drawer.submit(epoch_orders, self.seeds, *following)
         per_call = stop - step if self.fused else 1
+        d = self.data
+        count = parallel.device_int(per_call, d.mesh)
         for first in range(step, stop, per_call):
-            d = self.data
-            yield d.train_images, d.train_labels, self._order, index + first - step, per_call, first
+            start = parallel.device_int(index + first - step, d.mesh)
+            yield d.train_images, d.train_labels, self._order, start, count, first
 
     def state(self) -> dict[str, Any]:
         """Nothing to save: the order is a function of (seed, step)."""

@@ -10,6 +10,7 @@ all-gathers), so the compiled steps are the same code for 1 device and for N.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -305,6 +306,13 @@ def check_batch(batch_size: int, n: int) -> None:
 def replicated(mesh: Mesh) -> NamedSharding:
     """A full copy on every device of the mesh."""
     return NamedSharding(mesh, P())
+
+
+@functools.lru_cache(maxsize=1024)
+def device_int(value: int, mesh: Mesh) -> jax.Array:
+    """`value` as an int32 replicated on the mesh, made once: a Python int argument is copied
+    to the device at every call (0.15-0.19 ms each on the TPU v5e's host)."""
+    return jax.device_put(np.int32(value), replicated(mesh))
 
 
 def batch_sharding(mesh: Mesh, axis: int = 0) -> NamedSharding:
