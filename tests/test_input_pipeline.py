@@ -71,6 +71,22 @@ def test_each_epoch_gets_a_fresh_seeded_permutation(real_dataset):
     np.testing.assert_array_equal(np.asarray(xs).reshape(x.shape), np.asarray(x))
 
 
+def test_device_batches_stop_at_an_epoch_and_pass_kept_device_ints(real_dataset, quick_config):
+    """Steps 101..130 are two calls, split at the epoch's end (117). Each call's first batch
+    index and count are int32s replicated on the mesh and made once per value: a Python int
+    would be copied to the device at every call."""
+    device_data = input_pipeline.to_device(real_dataset, 512, parallel.make_mesh())
+    batches = input_pipeline.DeviceBatches(device_data, quick_config)
+    calls = [*batches.chunks(100, 117), *batches.chunks(117, 130)]
+    assert [(int(c[3]), int(c[4]), c[5]) for c in calls] == [(100, 17, 100), (0, 13, 117)]
+    for start, count in (call[3:5] for call in calls):
+        for n in (start, count):
+            assert isinstance(n, jax.Array) and n.dtype == np.int32
+            assert n.sharding == parallel.replicated(device_data.mesh)
+    again = next(iter(batches.chunks(100, 117)))
+    assert again[3] is calls[0][3] and again[4] is calls[0][4]
+
+
 def test_codelab_fixed_batches_drop_the_remainder():
     x = np.arange(10, dtype=np.float32).reshape(5, 2)
     xb, yb = input_pipeline.fixed_batches(x, np.arange(5), 2)

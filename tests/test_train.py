@@ -65,6 +65,8 @@ def test_fused_chunks_equal_one_step_per_call(real_dataset, quick_config, comput
     state, sums, _ = chunk(state, sums, images, labels, order, 0, 5)  # chunks of 5, 1, 6 steps
     state, sums, _ = chunk(state, sums, images, labels, order, 5, 1)
     state, sums, metrics = chunk(state, sums, images, labels, order, 6, 6)
+    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    assert all(isinstance(x, jax.Array) for x in variables)  # plain dicts, no nnx.Variable
     nnx.update((model, optimizer), state)
     for a, b in zip(
         jax.tree.leaves(nnx.state((plain_model, plain_opt))),
