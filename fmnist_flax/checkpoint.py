@@ -21,6 +21,7 @@ import pathlib
 import shutil
 import tempfile
 import threading
+import time
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,6 +47,8 @@ BEST_METRIC = "test_accuracy"  # what keep_best and --step=best rank steps by (h
 BEST = "best"  # --step=best
 SAVE_NICENESS = 19  # the save threads' CPU priority (nice), the lowest
 READ_ATTEMPTS = 20  # a reader of a live run starts over this often when a step is rotated away
+ROTATION_WAIT = 1.0  # seconds a reader watches a step that failed to read before it is damage
+ROTATION_PAUSE = 0.05  # seconds between two looks at it
 
 
 ARRAY_ITEMS = ("model", "optimizer")  # array trees
@@ -417,7 +420,7 @@ class Checkpoints:
             except Unreadable:
                 raise
             except UserError as exc:
-                if self.rotated(candidate):
+                if self.rotated(candidate, ROTATION_WAIT):
                     raise StepVanished(candidate) from None
                 damage = damage or exc
                 continue
@@ -436,12 +439,29 @@ class Checkpoints:
             raise StepVanished(step)
         return value
 
-    def rotated(self, step: int) -> bool:
+    def rotated(self, step: int, wait: float = 0.0) -> bool:
         """For a reader, whether `step` looks rotated away by a live training run rather than
         damaged: it is no longer complete, or the run has completed a step newer than any
-        this reader listed. A step directory no run of this project left is refused."""
+        this reader listed. A step directory no run of this project left is refused. With
+        `wait`, a step that looks intact is looked at again until then: a rotation can be
+        caught half way, a step's files going while its marker and the next step's are not
+        yet gone and made."""
         if not self.read_only:
             return False
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                if self._looks_rotated(step):
+                    return True
+            except UserError:  # looks like no checkpoint of ours: refused if it stays so
+                if time.monotonic() >= deadline:
+                    raise
+            else:
+                if time.monotonic() >= deadline:
+                    return False
+            time.sleep(ROTATION_PAUSE)
+
+    def _looks_rotated(self, step: int) -> bool:
         path = self.directory / str(step)
         try:
             foreign = path.is_dir() and not (path / STEP_MARKER).exists() and not half_deleted(path)

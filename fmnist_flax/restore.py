@@ -19,6 +19,7 @@ from fmnist_flax import errors, parallel
 from fmnist_flax.checkpoint import (
     ARRAY_ITEMS,
     DAMAGED_DIR,
+    ROTATION_WAIT,
     Checkpoints,
     StepVanished,
     check_readable,
@@ -153,7 +154,9 @@ def restore(
         except UserError:
             raise
         except Exception as exc:  # Orbax and tensorstore raise many types for a bad file
-            if not (directory / str(candidate)).is_dir() or checkpoints.rotated(candidate):
+            if not (directory / str(candidate)).is_dir() or checkpoints.rotated(
+                candidate, ROTATION_WAIT
+            ):
                 raise StepVanished(candidate) from None
             check_readable(directory / str(candidate))
             reason = errors.reason(exc)

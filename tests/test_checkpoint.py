@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -184,6 +185,31 @@ def test_a_reader_takes_an_item_gone_from_a_step_a_newer_save_replaced_as_rotate
     shutil.rmtree(steps / "300")  # no newer step: the item is missing, not rotated away
     with pytest.raises(UserError, match="no checkpoint has an intact saved config"):
         inference.restore_model(workdir)
+
+
+def test_a_reader_waits_out_a_rotation_caught_half_way(trained, tmp_path):
+    """Orbax's deleter can take a rotated step's arrays before its marker, while the newer
+    step is not yet marked: a reader whose read failed watches the step for a moment and takes
+    it as rotated away once the marker goes (it said "every checkpoint is damaged"). A step
+    that stays as it is is damage."""
+    workdir = tmp_path / "w"
+    shutil.copytree(trained[0], workdir)
+    steps = workdir / "checkpoints"
+    shutil.rmtree(steps / "100")
+    reader = checkpoint.open_reader(workdir)
+    try:
+        shutil.rmtree(steps / "200" / "model")  # the arrays gone, the marker still there
+        assert not reader.rotated(200)  # one look: damage
+        deleter = threading.Timer(0.3, (steps / "200" / checkpoint.STEP_MARKER).unlink)
+        deleter.start()
+        assert reader.rotated(200, checkpoint.ROTATION_WAIT)
+        deleter.join()
+        shutil.copytree(trained[0] / "checkpoints" / "200", steps / "300")
+        shutil.rmtree(steps / "300" / "model")  # damaged, and nothing removes it
+        reader.reload()
+        assert not reader.rotated(300, 0.3)
+    finally:
+        reader.close()
 
 
 def test_restoring_into_another_architecture_names_the_parameter(trained):
