@@ -159,17 +159,24 @@ def test_deleted_data_file_is_detected_too(trained, tmp_path):
     assert summary["resumed_from_step"] == 100
 
 
+def reader_of_step_200(
+    trained, tmp_path
+) -> tuple[pathlib.Path, pathlib.Path, checkpoint.Checkpoints]:
+    """A copy of the trained run that keeps step 200 only, its checkpoints and a reader."""
+    workdir = tmp_path / "w"
+    shutil.copytree(trained[0], workdir)
+    steps = workdir / "checkpoints"
+    shutil.rmtree(steps / "100")
+    return workdir, steps, checkpoint.open_reader(workdir)
+
+
 def test_a_reader_takes_an_item_gone_from_a_step_a_newer_save_replaced_as_rotated_away(
     trained, tmp_path
 ):
     """A live run keeping one step deletes the old one file by file once a newer one is
     complete: a reader that listed the old step and finds its config gone must start over
     from the newest (it said "no checkpoint has an intact saved config" and stopped)."""
-    workdir = tmp_path / "w"
-    shutil.copytree(trained[0], workdir)
-    steps = workdir / "checkpoints"
-    shutil.rmtree(steps / "100")
-    reader = checkpoint.open_reader(workdir)
+    workdir, steps, reader = reader_of_step_200(trained, tmp_path)
     try:
         assert reader.steps() == [200]
         shutil.copytree(steps / "200", steps / "300")  # the run completes a newer step,
@@ -192,11 +199,7 @@ def test_a_reader_waits_out_a_rotation_caught_half_way(trained, tmp_path):
     step is not yet marked: a reader whose read failed watches the step for a moment and takes
     it as rotated away once the marker goes (it said "every checkpoint is damaged"). A step
     that stays as it is is damage."""
-    workdir = tmp_path / "w"
-    shutil.copytree(trained[0], workdir)
-    steps = workdir / "checkpoints"
-    shutil.rmtree(steps / "100")
-    reader = checkpoint.open_reader(workdir)
+    _, steps, reader = reader_of_step_200(trained, tmp_path)
     try:
         shutil.rmtree(steps / "200" / "model")  # the arrays gone, the marker still there
         assert not reader.rotated(200)  # one look: damage
