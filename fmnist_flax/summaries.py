@@ -39,9 +39,8 @@ INVALID_TAG = re.compile(r"[^-/\w\.]")  # what tensorboardX's summary.scalar tur
 def tag(name: str) -> str:
     """The TensorBoard tag of a metrics.jsonl field: test_accuracy -> test/accuracy; a
     character a tag cannot hold becomes _, as tensorboardX's summary.scalar makes it."""
-    if name.startswith(TEST_PREFIX):
-        return INVALID_TAG.sub("_", f"test/{name.removeprefix(TEST_PREFIX)}")
-    return INVALID_TAG.sub("_", f"train/{name}")
+    scope = "test" if name.startswith(TEST_PREFIX) else "train"
+    return INVALID_TAG.sub("_", f"{scope}/{name.removeprefix(TEST_PREFIX)}")
 
 
 def record(data: bytes) -> bytes:
