@@ -456,9 +456,8 @@ class Checkpoints:
             except UserError:  # looks like no checkpoint of ours: refused if it stays so
                 if time.monotonic() >= deadline:
                     raise
-            else:
-                if time.monotonic() >= deadline:
-                    return False
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(ROTATION_PAUSE)
 
     def _looks_rotated(self, step: int) -> bool:
