@@ -826,6 +826,9 @@ def train_and_evaluate(
                 tested = {}
                 if testing:
                     jax.block_until_ready(state)  # training's own asynchronous work is done
+                    # Earlier rows are written (and timed) before the evaluation's clock
+                    # starts: a row timed during it would count the evaluation twice.
+                    log.drain()
                     began = time.perf_counter()
                     nnx.update((model, optimizer), state)
                     model.eval()
