@@ -525,6 +525,9 @@ class RowLog:
         self.failure: tuple[float, int] | None = None  # a non-finite loss and its step
         self.error: BaseException | None = None  # what stopped the writer thread
         self.host_seconds = 0.0  # the loop's time in `submit`: what logging costs it
+        self.submitted = start_step  # the newest row handed over, and the newest one timed
+        self.timed = start_step
+        self.timing = threading.Condition()
         if self.primary:
             path = workdir / workdir_lib.METRICS_FILE
             self.metrics = workdir_lib.MetricsLog(path, keep_until=start_step)
@@ -546,6 +549,7 @@ class RowLog:
         test metrics evaluated at its step (`tested`); `eval_seconds`: the run's time spent
         evaluating so far."""
         began = time.perf_counter()
+        self.submitted = parts[0]
         if self.queue is None:
             self._write_parts(parts, eval_seconds, tested)
         else:
@@ -559,6 +563,8 @@ class RowLog:
                     self._write_parts(*item)
             except BaseException as exc:  # raised in the loop by `check`
                 self.error = exc
+                with self.timing:
+                    self.timing.notify_all()
             finally:
                 self.queue.task_done()
         self.queue.task_done()
@@ -570,8 +576,12 @@ class RowLog:
         tested: dict[str, float] | None,
     ) -> None:
         row = host_row(*parts)
+        now = time.perf_counter()  # its values are on the host: the row's time
+        with self.timing:
+            self.timed = row["step"]
+            self.timing.notify_all()
         if np.isfinite(row["loss"]):
-            self.write(row | (tested or {}), eval_seconds)
+            self.write(row | (tested or {}), eval_seconds, now)
         else:
             self.failure = (row["loss"], row["step"])
 
@@ -584,15 +594,22 @@ class RowLog:
             loss, step = self.failure
             raise diverged(f"the loss became {loss}", self.last_finite, step, self.checkpoints)
 
+    def wait_timed(self) -> None:
+        """Wait until every submitted row's values have reached the writer and been timed
+        (not written): an evaluation starting after that is left out of the next row's
+        interval whole, never counted twice against a row timed while it ran."""
+        with self.timing:
+            self.timing.wait_for(lambda: self.timed >= self.submitted or self.failure or self.error)
+
     def drain(self) -> None:
         """Wait until every submitted row is written, then `check`."""
         if self.queue is not None:
             self.queue.join()
         self.check()
 
-    def write(self, row: dict[str, float], eval_seconds: float) -> None:
-        """Log a finite `row` now; `eval_seconds`: the run's time spent evaluating so far."""
-        now = time.perf_counter()
+    def write(self, row: dict[str, float], eval_seconds: float, now: float) -> None:
+        """Log a finite `row` whose values reached the host at `now`; `eval_seconds`: the
+        run's time spent evaluating so far."""
         seconds = now - self.last_time - (eval_seconds - self.last_eval)
         rate = (row["step"] - self.last_step) * self.per_step / seconds
         first = self.last_step == self.start_step  # its interval includes the compilation
@@ -826,9 +843,7 @@ def train_and_evaluate(
                 tested = {}
                 if testing:
                     jax.block_until_ready(state)  # training's own asynchronous work is done
-                    # Earlier rows are written (and timed) before the evaluation's clock
-                    # starts: a row timed during it would count the evaluation twice.
-                    log.drain()
+                    log.wait_timed()  # the rows before are timed before the evaluation
                     began = time.perf_counter()
                     nnx.update((model, optimizer), state)
                     model.eval()

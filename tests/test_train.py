@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import jax
 import numpy as np
@@ -242,4 +243,30 @@ def test_the_row_log_writes_rows_in_the_background_in_order_until_a_non_finite_l
     assert [row["step"] for row in rows] == [1, 25, 50]
     assert rows[1] == {"step": 25, "loss": 1.0, "accuracy": 0.5, "grad_norm": 0.5}
     assert rows[2] == rows[1] | {"step": 50, "test_accuracy": 0.75}
+    checkpoints.close()
+
+
+def test_an_evaluation_waits_for_the_rows_before_to_be_timed_not_written(tmp_path, quick_config):
+    """`wait_timed` (before an evaluation's clock starts) returns once every handed-over row's
+    values have reached the writer, while it is still writing them: a row timed during the
+    evaluation would have the evaluation left out of an interval that never held it."""
+    from fmnist_flax import checkpoint
+
+    checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
+    sums = {"loss": jax.numpy.float32(2.0), "accuracy": jax.numpy.float32(1.0)}
+    release = threading.Event()
+    with train.RowLog(tmp_path, quick_config, 0, 512, checkpoints) as log:
+        write = log.write
+        log.write = lambda *args: (release.wait(), write(*args))  # a writer held up
+        log.submit((25, sums, 25, jax.numpy.float32(0.5)), 0.0)
+        waiter = threading.Thread(target=log.wait_timed)
+        waiter.start()
+        waiter.join(60)
+        assert not waiter.is_alive() and log.timed == 25
+        assert not (tmp_path / "metrics.jsonl").read_text()  # timed, not yet written
+        release.set()
+        log.submit((50, sums, 25, jax.numpy.float32(0.5)), 0.1, {"test_accuracy": 0.75})
+        log.drain()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [25, 50]
     checkpoints.close()
