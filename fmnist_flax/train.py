@@ -501,7 +501,9 @@ class RowLog:
     since the row before, evaluations left out) and the progress bar.
 
     `submit` hands a row to a writer thread and returns at once: the loop never waits for a
-    row's values to reach the host. `drain` waits until every row handed over is written; a
+    row's values to reach the host. A row is timed when its values arrive, before it is
+    written; an evaluation first waits for that (`wait_timed`), so its time is left out of the
+    next row's interval and no other. `drain` waits until every row handed over is written; a
     loss that was not finite then stops the run, as `check` does without waiting. With several
     processes rows are written in the loop (fetching them may be a collective)."""
 
