@@ -26,9 +26,9 @@ import jax
 
 from fmnist_flax.errors import UserError, warning_line
 
-# Programs that cost little to run and give integers, booleans or figures only shown (an
-# epoch's sort keys, the finiteness check, the codelab's gradient check) compile with LLVM's
-# lightest optimisation, in about half the CPU time. (The initialisation's floats would change
+# Programs that cost little to run and give booleans or figures only shown (the finiteness
+# check, the codelab's gradient check) compile with LLVM's lightest optimisation, in about
+# half the CPU time. (The initialisation's floats would change
 # at this level; model.py compiles it at level 1, which keeps them.)
 QUICK_COMPILE = {"xla_backend_optimization_level": 0}
 

@@ -37,6 +37,18 @@ def test_the_host_sorted_order_is_jax_random_permutation(seed, epoch, n):
     np.testing.assert_array_equal(np.asarray(drawn), expected)
 
 
+def test_another_prng_setting_gets_its_own_jax_random_permutation():
+    """The keys NumPy draws are those of JAX's default PRNG; under another setting (the older,
+    non-partitionable threefry) the order is still that setting's `jax.random.permutation`."""
+    with jax.threefry_partitionable(False):
+        key = jax.random.fold_in(jax.random.key(5), 2)
+        expected = np.asarray(jax.random.permutation(key, 1000))
+        drawn = np.asarray(input_pipeline.epoch_order(5, 2, 1000))
+    np.testing.assert_array_equal(drawn, expected)
+    default = jax.random.permutation(jax.random.fold_in(jax.random.key(5), 2), 1000)
+    assert not np.array_equal(expected, np.asarray(default))  # the setting changes the order
+
+
 def test_each_epoch_gets_a_fresh_seeded_permutation(real_dataset):
     device_data = input_pipeline.to_device(real_dataset, 512, parallel.make_mesh())
     first = np.asarray(input_pipeline.epoch_order(0, 0, 60_000))
