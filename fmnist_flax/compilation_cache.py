@@ -28,8 +28,8 @@ from fmnist_flax.errors import UserError, warning_line
 
 # Programs that cost little to run and give booleans or figures only shown (the finiteness
 # check, the codelab's gradient check) compile with LLVM's lightest optimisation, in about
-# half the CPU time. (The initialisation's floats would change
-# at this level; model.py compiles it at level 1, which keeps them.)
+# half the CPU time. (The initialisation's floats would change at this level; model.py
+# compiles it at level 1, which keeps them.)
 QUICK_COMPILE = {"xla_backend_optimization_level": 0}
 
 _FAULT = re.compile(r"Error (reading|writing) persistent compilation cache entry for '(.+?)': (.*)")

@@ -27,9 +27,9 @@ def test_device_data_keeps_uint8_train_images_flat_and_no_test_set(real_dataset)
     [(0, 0, 60_000), (0, 3, 60_000), (7, 1, 10), (0, 2, 1), (2**32 - 1, 9, 4096)],
 )
 def test_the_host_sorted_order_is_jax_random_permutation(seed, epoch, n):
-    """The order is sorted by NumPy for speed but must stay JAX's permutation to the element,
-    the one an accelerator draws: runs, resumes and documented results depend on it (a JAX
-    upgrade that changes its shuffle fails here)."""
+    """NumPy draws the order's keys and sorts them, for speed, but the order must stay JAX's
+    permutation to the element, the one an accelerator draws: runs, resumes and documented
+    results depend on it (a JAX upgrade that changes its shuffle fails here)."""
     key = jax.random.fold_in(jax.random.key(seed), epoch)
     expected = np.asarray(jax.random.permutation(key, n))
     np.testing.assert_array_equal(np.asarray(input_pipeline.epoch_order(seed, epoch, n)), expected)
