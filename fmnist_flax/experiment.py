@@ -124,9 +124,12 @@ def prepare(
         raise UserError(
             "a multi-process run needs --workdir=DIR, on a filesystem every process shares"
         )
+    fresh = not workdir
     workdir = workdir_lib.prepare_workdir(workdir)
     if parallel.is_primary():  # the processes of one run share it
         cleanup.callback(workdir_lib.Lock(workdir).release)
+        if fresh:  # runs first: a run that fails before its first output leaves no directory
+            cleanup.callback(workdir_lib.remove_if_unused, workdir)
     dataset = datasets.load(config)
     model_lib.check_config(config.model, dataset.image_shape)
     mesh = parallel.mesh_for(config, devices)

@@ -35,16 +35,11 @@ def prepare_workdir(workdir: str | os.PathLike | None) -> pathlib.Path:
     A directory with checkpoints is resumed; one that holds a finished run without checkpoints
     is refused so its outputs are not overwritten.
     """
-    if workdir:
-        path = pathlib.Path(workdir).expanduser()
-    else:
-        path = RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
-        suffix = 1
-        while path.exists():
-            path = path.with_name(f"{path.name.split('.')[0]}.{suffix}")
-            suffix += 1
+    path = pathlib.Path(workdir).expanduser() if workdir else RUNS_DIR
     try:
-        if (path / SUMMARY_FILE).exists() and not (path / "checkpoints").is_dir():
+        if not workdir:
+            path = new_run_dir()
+        elif (path / SUMMARY_FILE).exists() and not (path / "checkpoints").is_dir():
             raise UserError(
                 f"--workdir {path} already holds a finished run ({SUMMARY_FILE}) and no "
                 "checkpoints; pass a new --workdir or move that one away"
@@ -57,6 +52,33 @@ def prepare_workdir(workdir: str | os.PathLike | None) -> pathlib.Path:
             f"--workdir {path} is not writable ({exc.strerror}); pick a directory you can write to"
         ) from None
     return path
+
+
+def new_run_dir() -> pathlib.Path:
+    """Make `runs/<date>-<time>`, or `.1`, `.2`, ... after it: made here, not only named, so
+    two runs started in the same second never share one."""
+    RUNS_DIR.mkdir(exist_ok=True)
+    name = time.strftime("%Y%m%d-%H%M%S")
+    path, suffix = RUNS_DIR / name, 0
+    while True:
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            suffix += 1
+            path = RUNS_DIR / f"{name}.{suffix}"
+
+
+def remove_if_unused(path: pathlib.Path) -> None:
+    """Remove a run directory with no file but its `.lock` (empty folders aside): a fresh run
+    that stops before writing anything leaves nothing behind."""
+    with contextlib.suppress(OSError):  # gone, or something appeared in it: it stays
+        tree = list(os.walk(path, topdown=False))  # the deepest folders first, `path` last
+        if any(files for _, _, files in tree[:-1]) or set(tree[-1][2]) - {LOCK_FILE}:
+            return
+        (path / LOCK_FILE).unlink(missing_ok=True)
+        for folder, _, _ in tree:
+            os.rmdir(folder)
 
 
 # What a training run owns in its workdir: no --output may land inside these directories or

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -246,6 +247,20 @@ def test_host_memory_is_the_least_of_meminfo_and_every_enclosing_cgroup(tmp_path
     memory = fake_host(tmp_path / "none", ["0::/"], {})  # no limits: MemAvailable
     assert memory == experiment.Memory(8 * gib, "MemAvailable in /proc/meminfo")
     assert str(memory) == "8.00 GiB available (MemAvailable in /proc/meminfo)"
+
+
+def test_a_fresh_run_that_fails_before_writing_leaves_no_directory(
+    quick_config, tmp_path, monkeypatch
+):
+    """Without --workdir a run makes runs/<time>; data that fails to load takes it away again,
+    while a directory someone named stays."""
+    monkeypatch.chdir(tmp_path)
+    quick_config.data_dir = str(tmp_path / "missing")
+    for named in (None, tmp_path / "named"):
+        with pytest.raises(UserError, match="is not a directory"), contextlib.ExitStack() as stack:
+            experiment.prepare(quick_config, named, stack)
+    assert list((tmp_path / "runs").iterdir()) == []
+    assert [p.name for p in (tmp_path / "named").iterdir()] == [".lock"]
 
 
 def test_grain_read_threads_beyond_the_cores_are_refused(quick_config):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
 
 import pytest
 
@@ -16,6 +18,35 @@ def test_a_finished_run_without_checkpoints_is_not_overwritten(tmp_path):
         workdir.prepare_workdir(tmp_path)
     assert json.loads((tmp_path / workdir.SUMMARY_FILE).read_text()) == {"test_accuracy": 0.9}
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_runs_started_in_the_same_second_get_a_directory_each(tmp_path, monkeypatch):
+    """A fresh run makes its directory rather than picking a free name: runs started together
+    never share one (the second would be refused as in use)."""
+    monkeypatch.chdir(tmp_path)
+    barrier = threading.Barrier(8)
+
+    def fresh(_):
+        barrier.wait()
+        return workdir.prepare_workdir(None)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        made = list(pool.map(fresh, range(8)))
+    assert len(set(made)) == 8 and all(path.parent == workdir.RUNS_DIR for path in made)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(p.name for p in made)
+
+
+@pytest.mark.parametrize("written", [None, "metrics.jsonl", "checkpoints/1/x", "tensorboard/e"])
+def test_only_a_run_directory_with_nothing_written_is_removed(tmp_path, written):
+    (tmp_path / "checkpoints" / "1").mkdir(parents=True)  # what a stop during set-up leaves
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / workdir.LOCK_FILE).write_text("pid 1\n")
+    if written:
+        (tmp_path / written).write_text("")
+    workdir.remove_if_unused(tmp_path)
+    assert tmp_path.exists() == bool(written)
+    if written:
+        assert (tmp_path / written).exists() and (tmp_path / workdir.LOCK_FILE).exists()
 
 
 def test_a_resumed_metrics_log_keeps_rows_up_to_the_checkpoint_only(tmp_path):
