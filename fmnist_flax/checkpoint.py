@@ -225,7 +225,8 @@ def _check_space(directory: pathlib.Path, step: int, arrays: dict[str, Any]) -> 
 def _resume_hint(directory: pathlib.Path) -> str:
     kept = complete_steps(directory)  # on disk: Orbax's own list may be mid-update
     last = f"checkpoint {kept[-1]}" if kept else "the start (no checkpoint was completed)"
-    return f"free some space and run the same command again to resume from {last}"
+    # The workdir by name: a run given none made a fresh one, which the same command would not.
+    return f"free some space and run again with --workdir={directory.parent} to resume from {last}"
 
 
 def _save_failed(directory: pathlib.Path, step: int, exc: BaseException) -> UserError:

@@ -48,6 +48,14 @@ def prepare_workdir(workdir: str | os.PathLike | None) -> pathlib.Path:
         # A unique name: the processes of a multi-process run all probe the same directory.
         tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-").close()
     except OSError as exc:
+        if not workdir:
+            if path != RUNS_DIR:  # made, then not writable: not left behind
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+            raise UserError(
+                f"cannot make a run directory in {RUNS_DIR}/ ({exc.strerror}); pass "
+                "--workdir=DIR, a directory you can write to"
+            ) from None
         raise UserError(
             f"--workdir {path} is not writable ({exc.strerror}); pick a directory you can write to"
         ) from None
@@ -254,7 +262,7 @@ class MetricsLog:
         except OSError as exc:
             raise UserError(
                 f"cannot write {self.path} ({disk_problem(self.path, exc)}); free space and run "
-                "the same command again: it resumes from the last checkpoint"
+                f"again with --workdir={self.path.parent}: it resumes from its last checkpoint"
             ) from None
 
     def close(self) -> None:

@@ -219,7 +219,10 @@ def test_a_full_disk_stops_before_the_save_and_resumes_once_space_is_back(copy, 
         shutil.rmtree(workdir / "checkpoints" / "10")
         result = run_main(f"--workdir={workdir}", "--steps=200", "--checkpoint_every=10", *QUICK)
         line = the_error(result, f"in {workdir / 'checkpoints'}, which has ")
-        assert " MB and " in line and "free some space and run the same command again" in line
+        assert (
+            " MB and " in line
+            and f"free some space and run again with --workdir={workdir} " in line
+        )
         kept = saved_steps(workdir)
         assert kept and kept[0] == 20
         for row in (workdir / "metrics.jsonl").read_text().splitlines():

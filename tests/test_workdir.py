@@ -36,6 +36,14 @@ def test_runs_started_in_the_same_second_get_a_directory_each(tmp_path, monkeypa
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(p.name for p in made)
 
 
+def test_a_runs_path_that_can_hold_no_run_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_text("notes")  # a file where the runs go
+    with pytest.raises(UserError, match=r"cannot make a run directory in runs/ \(File exists\)"):
+        workdir.prepare_workdir(None)
+    assert (tmp_path / "runs").read_text() == "notes"
+
+
 @pytest.mark.parametrize("written", [None, "metrics.jsonl", "checkpoints/1/x", "tensorboard/e"])
 def test_only_a_run_directory_with_nothing_written_is_removed(tmp_path, written):
     (tmp_path / "checkpoints" / "1").mkdir(parents=True)  # what a stop during set-up leaves
