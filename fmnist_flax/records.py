@@ -12,10 +12,9 @@ uint64 check a record. A block's keys are put in file order (a radix sort), then
 read-only mappings READ_ROWS records at a time, each piece gathered by one `np.take`, placed in
 the block's buffer and its check folded in place (NumPy copies and computes without the GIL: no
 Python object a record, and few NumPy calls a block, so a thread seldom waits to take the GIL
-back). Each record's check and label is
-compared with what was written, once for the block (a damaged record, a shard of another set
-or edited labels: one line naming the file). The mapped pages a source holds stay within
-RESIDENT_BYTES: past it, all are let go at once.
+back). Each record's check and label is compared with what was written, once for the block (a
+damaged record, a shard of another set or edited labels: one line naming the file). The mapped
+pages a source holds stay within RESIDENT_BYTES: past it, all are let go at once.
 """
 
 from __future__ import annotations

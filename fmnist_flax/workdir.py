@@ -82,7 +82,7 @@ def remove_if_unused(path: pathlib.Path) -> None:
     that stops before writing anything leaves nothing behind."""
     with contextlib.suppress(OSError):  # gone, or something appeared in it: it stays
         tree = list(os.walk(path, topdown=False))  # the deepest folders first, `path` last
-        if any(files for _, _, files in tree[:-1]) or set(tree[-1][2]) - {LOCK_FILE}:
+        if not tree or any(files for _, _, files in tree[:-1]) or set(tree[-1][2]) - {LOCK_FILE}:
             return
         (path / LOCK_FILE).unlink(missing_ok=True)
         for folder, _, _ in tree:

@@ -53,6 +53,7 @@ def test_only_a_run_directory_with_nothing_written_is_removed(tmp_path, written)
         (tmp_path / written).write_text("")
     workdir.remove_if_unused(tmp_path)
     assert tmp_path.exists() == bool(written)
+    workdir.remove_if_unused(tmp_path / "gone")  # nothing there: nothing to do
     if written:
         assert (tmp_path / written).exists() and (tmp_path / workdir.LOCK_FILE).exists()
 
