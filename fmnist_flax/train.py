@@ -601,7 +601,7 @@ class RowLog:
         (not written): an evaluation starting after that is left out of the next row's
         interval whole, never counted twice against a row timed while it ran."""
         with self.timing:
-            self.timing.wait_for(lambda: self.timed >= self.submitted or self.failure or self.error)
+            self.timing.wait_for(lambda: self.timed >= self.submitted or self.error)
 
     def drain(self) -> None:
         """Wait until every submitted row is written, then `check`."""
