@@ -589,6 +589,7 @@ class RecordSource:
             images = _void_rows(pixels, 0, self.pixels)
             in_rows = _void_rows(rows, LABEL_BYTES, self.pixels)
         for k in np.flatnonzero(np.diff(cuts)).tolist():
+            self._check_size(k, maps[k][0])
             local = ordered[cuts[k] : cuts[k + 1]] - self.offsets[k]
             for start in range(0, len(local), READ_ROWS):
                 at = slice(cuts[k] + start, cuts[k] + min(start + READ_ROWS, len(local)))
@@ -599,6 +600,18 @@ class RecordSource:
                 _fold(part, folded[at])  # folds the piece away: placed and its labels taken
         self._verify(ordered, _mix(folded, ordered, self.salt), stored, held)
         return pixels, self.labels[keys]
+
+    def _check_size(self, k: int, m: mmap.mmap) -> None:
+        """Shard k's file still the size it had when mapped: a file cut short under a live
+        run is one line at its next read, before pages the file no longer holds are touched
+        (a bus error, which no Python code can catch; a cut during a read still is one)."""
+        size = m.size()  # the file's size now (fstat), not the mapping's
+        if size != len(m):
+            raise UserError(
+                f"{self.paths[k]} changed size while this run read it ({size:,} bytes, "
+                f"{len(m):,} when it was opened): cut short or replaced under a live run; what "
+                "was saved is kept: put the whole files back and run the same command to resume"
+            )
 
     def _gather(
         self,

@@ -557,3 +557,23 @@ def test_ctrl_c_while_prepare_reads_the_dataset_says_nothing_was_written(tmp_pat
     assert process.returncode == 130
     assert_one_line_error(done, "--mode=prepare stopped by SIGINT while reading the dataset")
     assert not (tmp_path / "rec").exists()
+
+
+@pytest.mark.parametrize("size", [records.HEADER_BYTES + 5 * 800, 0])
+def test_a_shard_cut_short_under_a_live_reader_is_one_line_at_its_next_read(tmp_path, size):
+    """A shard truncated after it was mapped (a copy over it caught half way): the next read
+    says so in one line, naming the file, before touching pages the file no longer holds (a
+    bus error would kill the process); the other shard still reads."""
+    source = datasets.load_records(small_set(tmp_path)).train_images.source
+    assert source.read(np.arange(40))[0].shape == (40, 784)  # both shards mapped and read
+    shard = source.paths[1]
+    was = shard.stat().st_size
+    os.truncate(shard, size)
+    with pytest.raises(UserError) as raised:
+        source.read(np.arange(15, 25))  # records of both shards
+    assert str(raised.value) == (
+        f"{shard} changed size while this run read it ({size:,} bytes, {was:,} when it was "
+        "opened): cut short or replaced under a live run; what was saved is kept: put the "
+        "whole files back and run the same command to resume"
+    )
+    assert source.read(np.arange(20))[0].shape == (20, 784)  # shard 0 is whole
