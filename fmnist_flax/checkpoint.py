@@ -364,6 +364,8 @@ class Checkpoints:
         call cannot donate away.
         """
         self.wait()  # the previous save is complete (or its failure reported) first
+        if not self.directory.is_dir():
+            self._make_again(step)
         arrays = _arrays(model, optimizer)
         _check_space(self.directory, step, arrays)
         self._saving = step
@@ -376,6 +378,19 @@ class Checkpoints:
         self._starting.start(
             functools.partial(self._start_save, step, _snapshot(arrays), json_items)
         )
+
+    def _make_again(self, step: int) -> None:
+        """The checkpoint directory (or the whole workdir) was removed under this run: made
+        again and Orbax's list of steps read again (it would list the steps gone), so step
+        `step` is saved there and the run keeps its progress."""
+        workdir = self.directory.parent
+        gone = self.directory if workdir.is_dir() else workdir
+        errors.warning_line(
+            f"{gone} was removed while this run trained, with what it held; saving step {step} "
+            f"in {self.directory} again"
+        )
+        prepare_directory(self.directory)
+        self._manager.reload()
 
     def _start_save(self, step: int, arrays: dict[str, Any], json_items: dict[str, Any]) -> None:
         try:

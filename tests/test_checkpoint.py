@@ -432,6 +432,46 @@ def test_keep_best_keeps_the_best_evaluated_step_beside_the_newest(tmp_path):
     assert inference.restore_model(tmp_path, checkpoint.BEST)[1] == 3
 
 
+def test_a_checkpoint_directory_removed_under_a_run_is_made_again_at_the_next_save(
+    tmp_path, capsys
+):
+    """`checkpoints/` removed by hand while a run trains (it was a FileNotFoundError traceback
+    at the next save): one warning, the directory made again, the next saves listed, kept and
+    rotated as before; --step=best and the newest step restore from them."""
+    config = load_config("default")
+    model, optimizer = train.create_train_state(config, (28, 28, 1), 10, parallel.make_mesh())
+    metadata = {"config": config.to_dict(), "dataset": inference.FASHION_MNIST_INFO}
+    manager = checkpoint.Checkpoints(tmp_path, max_to_keep=2, keep_best=True, metadata=metadata)
+    accuracies = {1: 0.9, 2: None, 3: 0.5, 4: None, 5: 0.4}
+
+    def save(step):
+        progress = train.progress_of(step, 117, config)
+        if accuracies[step] is not None:
+            progress["test_accuracy"] = accuracies[step]
+        manager.save(step, model, optimizer, progress)
+
+    for step in (1, 2):
+        save(step)
+    manager.wait()
+    shutil.rmtree(manager.directory)
+    save(3)
+    manager.wait()
+    assert manager.steps() == [3]  # Orbax's own list: the removed steps are no longer in it
+    for step in (4, 5):
+        save(step)
+    manager.close()
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert warned == [
+        f"warning: {manager.directory} was removed while this run trained, with what it held; "
+        f"saving step 3 in {manager.directory} again"
+    ]
+    assert manager.steps() == [3, 4, 5]  # the newest two and the best of those saved since
+    reader = checkpoint.Checkpoints(tmp_path, read_only=True)
+    assert reader.best_steps()[0] == 3
+    reader.close()
+    assert inference.restore_model(tmp_path)[1] == 5
+
+
 def truncate(path: pathlib.Path, size: int) -> None:
     path.write_bytes(path.read_bytes()[:size])
 
