@@ -62,7 +62,6 @@ READ_ROWS = 8192
 WINDOW_BYTES = 8 << 20  # the span of a shard one gather reads at most before it is counted
 RESIDENT_BYTES = 64 << 20  # mapped shard bytes a source holds before letting them all go
 REGION_BYTES = 2 << 20  # the largest folio the kernel maps file pages in: spans count whole ones
-CHECK_ROWS = 8192  # records whose checks are folded at once, by two NumPy calls
 SPARE_FILES = 128  # open files left for all but the shards when --shards is checked
 # Odd multipliers, one a word position (words swapped or moved within a record change the
 # check), and one for the record's number (a record moved to another place does).
@@ -99,14 +98,11 @@ def fold_checks(rows: np.ndarray, index: np.ndarray, salt: int) -> np.ndarray:
 
 def _fold(rows: np.ndarray, out: np.ndarray) -> None:
     """Each record's words times their position's multiplier, folded by XOR, into `out` (n,):
-    the products overwrite the words of `rows` in place, CHECK_ROWS records at a time, so no
-    scratch is written."""
+    the products overwrite the words of `rows` in place, so no scratch is written (two NumPy
+    calls; every caller passes at most READ_ROWS or READ_CHUNK records)."""
     words = rows.view(WORD)
-    multipliers = _multipliers(words.shape[1])
-    for start in range(0, len(words), CHECK_ROWS):
-        part = words[start : start + CHECK_ROWS]
-        np.multiply(part, multipliers, out=part)
-        np.bitwise_xor.reduce(part, axis=1, out=out[start : start + CHECK_ROWS])
+    np.multiply(words, _multipliers(words.shape[1]), out=words)
+    np.bitwise_xor.reduce(words, axis=1, out=out)
 
 
 def _mix(folded: np.ndarray, index: np.ndarray, salt: int) -> np.ndarray:
