@@ -5,6 +5,7 @@ Every user mistake, `--config` ones included, exits non-zero with one line.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import importlib.util
 import os
@@ -338,6 +339,10 @@ def main(argv: Sequence[str]) -> None:
             "saved so far are kept; resume with the same command and --workdir",
             PIPE_CLOSED_STATUS,
         )
+    except OSError as exc:  # below BrokenPipeError, one of its kinds: a path flag's name too long
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        fail(f"{exc.filename}: a name in it is longer than the filesystem allows; shorten it", 2)
 
 
 def member_devices(mode: str, config: ml_collections.ConfigDict) -> int:

@@ -93,8 +93,16 @@ def restore_model(
     before anything compiles, naming the workdir as `flag`.
     """
     path = pathlib.Path(workdir).expanduser()
-    if not path.is_dir():
-        raise UserError(f"{flag} {path} does not exist; pass the directory of a training run")
+    try:
+        is_dir, exists = path.is_dir(), path.exists()
+    except OSError as exc:  # a name too long for the filesystem, a directory we may not enter
+        raise UserError(
+            f"{flag} {path} cannot be looked at ({exc.strerror}); pass the directory of a "
+            "training run"
+        ) from None
+    if not is_dir:
+        what = "is not a directory" if exists else "does not exist"
+        raise UserError(f"{flag} {path} {what}; pass the directory of a training run")
     if not checkpoint_dir(path).is_dir():
         raise UserError(f"{flag} {path} has no checkpoints; train there first")
     checkpoints = open_reader(path)

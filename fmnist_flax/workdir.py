@@ -48,18 +48,32 @@ def prepare_workdir(workdir: str | os.PathLike | None) -> pathlib.Path:
         # A unique name: the processes of a multi-process run all probe the same directory.
         tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-").close()
     except OSError as exc:
+        blocking = not_a_directory(path)
+        reason = f"{blocking} is not a directory" if blocking else exc.strerror
         if not workdir:
             if path != RUNS_DIR:  # made, then not writable: not left behind
                 with contextlib.suppress(OSError):
                     path.rmdir()
             raise UserError(
-                f"cannot make a run directory in {RUNS_DIR}/ ({exc.strerror}); pass "
+                f"cannot make a run directory in {RUNS_DIR}/ ({reason}); pass "
                 "--workdir=DIR, a directory you can write to"
             ) from None
         raise UserError(
-            f"--workdir {path} is not writable ({exc.strerror}); pick a directory you can write to"
+            f"--workdir {path} is not writable ({reason}); pick a directory you can write to"
         ) from None
     return path
+
+
+def not_a_directory(path: pathlib.Path) -> pathlib.Path | None:
+    """The file where `path`, or a directory above it, must be a directory (the OS says only
+    "File exists" or "Not a directory"), or None."""
+    for place in (path, *path.parents):
+        try:
+            if place.exists() and not place.is_dir():
+                return place
+        except OSError:  # a name too long for the filesystem: not a file in the way
+            continue
+    return None
 
 
 def new_run_dir() -> pathlib.Path:

@@ -230,10 +230,17 @@ def test_restoring_into_another_architecture_names_the_parameter(trained):
         train.train_and_evaluate(config, trained[0], accept_config_change=True)
 
 
+def a_file(tmp: pathlib.Path) -> pathlib.Path:
+    (tmp / "a_file").write_text("")
+    return tmp / "a_file"
+
+
 @pytest.mark.parametrize(
     ("make", "expected"),
     [
-        (lambda tmp: tmp / "missing", "does not exist"),
+        (lambda tmp: tmp / "missing", "missing does not exist"),
+        (a_file, "a_file is not a directory"),
+        (lambda tmp: tmp / ("x" * 300), r"cannot be looked at \(File name too long\)"),
         (lambda tmp: tmp, "has no checkpoints"),
     ],
 )
@@ -242,10 +249,15 @@ def test_eval_workdir_problems_are_one_line(make, expected, tmp_path):
         load_model(make(tmp_path))
 
 
-def test_unwritable_training_workdir_is_one_line(quick_config, tmp_path):
-    (tmp_path / "file").write_text("")
-    with pytest.raises(UserError, match="is not writable"):
-        train.train_and_evaluate(quick_config, tmp_path / "file" / "run")
+@pytest.mark.parametrize("under", ["run", ""])
+def test_unwritable_training_workdir_is_one_line(quick_config, tmp_path, under):
+    """A file where the workdir, or a directory above it, must be: named, not "File exists"."""
+    (tmp_path / "file").write_text("kept")
+    workdir = tmp_path / "file" / under  # "" adds nothing: the file itself
+    expected = f"--workdir {workdir} is not writable ({tmp_path / 'file'} is not a directory)"
+    with pytest.raises(UserError, match=re.escape(expected)):
+        train.train_and_evaluate(quick_config, workdir)
+    assert (tmp_path / "file").read_text() == "kept"
 
 
 def start_training(workdir, *flags):

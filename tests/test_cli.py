@@ -79,6 +79,24 @@ def test_bad_flags_exit_non_zero_with_one_line(flag, expected, tmp_path):
     assert_one_line_error(run_main(flag, f"--workdir={tmp_path / 'w'}"), expected)
 
 
+TOO_LONG = "x" * 300  # one name past every common filesystem's limit of 255 bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (("--data_dir=/tmp/" + TOO_LONG,), "a name in it is longer than the filesystem allows"),
+        (("--mode=prepare", "--output=/tmp/" + TOO_LONG), "longer than the filesystem allows"),
+        (("--mode=eval", "--workdir=/tmp/" + TOO_LONG), "cannot be looked at (File name too"),
+    ],
+)
+def test_a_path_with_a_name_too_long_is_one_line(flags, expected, tmp_path):
+    """ENAMETOOLONG from any path flag: it was a traceback wherever no check looked first."""
+    workdir = () if "--mode=eval" in flags else (f"--workdir={tmp_path / 'w'}",)
+    assert_one_line_error(run_main(*flags, *workdir), expected)
+
+
 # main.py with an object whose finaliser speaks if the interpreter's teardown runs.
 WITH_FINALISER = """
 import sys

@@ -39,7 +39,7 @@ def test_runs_started_in_the_same_second_get_a_directory_each(tmp_path, monkeypa
 def test_a_runs_path_that_can_hold_no_run_is_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").write_text("notes")  # a file where the runs go
-    with pytest.raises(UserError, match=r"cannot make a run directory in runs/ \(File exists\)"):
+    with pytest.raises(UserError, match=r"a run directory in runs/ \(runs is not a directory\)"):
         workdir.prepare_workdir(None)
     assert (tmp_path / "runs").read_text() == "notes"
 
