@@ -48,7 +48,7 @@ def prepare_workdir(workdir: str | os.PathLike | None) -> pathlib.Path:
         # A unique name: the processes of a multi-process run all probe the same directory.
         tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-").close()
     except OSError as exc:
-        blocking = not_a_directory(path)
+        blocking = _file_in_the_way(path)
         reason = f"{blocking} is not a directory" if blocking else exc.strerror
         if not workdir:
             if path != RUNS_DIR:  # made, then not writable: not left behind
@@ -64,9 +64,10 @@ def prepare_workdir(workdir: str | os.PathLike | None) -> pathlib.Path:
     return path
 
 
-def not_a_directory(path: pathlib.Path) -> pathlib.Path | None:
-    """The file where `path`, or a directory above it, must be a directory (the OS says only
-    "File exists" or "Not a directory"), or None."""
+def _file_in_the_way(path: pathlib.Path) -> pathlib.Path | None:
+    """Which of `path` and the directories above it exists as no directory, so that the OS
+    says only "File exists" or "Not a directory" (compilation_cache.not_a_directory says why
+    one path can be no directory; this names the file to move), or None."""
     for place in (path, *path.parents):
         try:
             if place.exists() and not place.is_dir():
