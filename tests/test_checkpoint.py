@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 import pathlib
 import re
@@ -14,6 +16,7 @@ import time
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from conftest import EVERY_DUE_SAVE, REPO, load_config
 
@@ -398,6 +401,32 @@ def test_the_time_floor_spaces_saves_and_bounds_what_a_kill_loses(tmp_path):
     due = np.maximum(floor, writing[:-1]) + start
     assert all(np.diff(began) <= due), (began, writing)
     assert killed_at - began[-1] <= max(floor, writing[-1]) + slack + writing.max()
+
+
+def test_the_time_floor_counts_from_when_the_last_save_began():
+    """Orbax dates a step when its synchronous part ends (1.3-2.4 s after the save began on
+    a loaded machine): counted from there, a save due 2.1 s after the last one began was
+    skipped and the saves drifted apart by that part (the slow test above once saw 2.1 s)."""
+    floor = checkpoint._TimeFloor(minimum_interval_secs=2.0)
+    began = datetime.datetime.now(datetime.UTC)
+    floor.began = (5, began)
+    dated = ocp.checkpoint_manager.CheckpointInfo(5, began + datetime.timedelta(seconds=1.5), None)
+    context = ocp.checkpoint_managers.DecisionContext(
+        is_saving_in_progress=False,
+        reached_preemption=False,
+        multiprocessing_options=ocp.options.MultiprocessingOptions(),
+    )
+
+    def due_after(seconds, step=10, context=context):
+        now = ocp.checkpoint_manager.CheckpointInfo(
+            step, began + datetime.timedelta(seconds=seconds), None
+        )
+        return floor.should_save(now, [dated], context=context)
+
+    assert due_after(2.1) and not due_after(1.9)
+    assert not due_after(2.1, context=dataclasses.replace(context, is_saving_in_progress=True))
+    floor.began = (4, began)  # another step's start: Orbax's date for step 5 stands
+    assert not due_after(2.1) and due_after(3.6)
 
 
 def test_a_run_killed_after_its_last_checkpoint_finishes_its_outputs(quick_config, tmp_path):
