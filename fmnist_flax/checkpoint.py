@@ -298,8 +298,8 @@ class Checkpoints:
     ):
         """`metadata`: the JSON items every save writes besides progress (config, dataset).
 
-        `min_interval_secs`: `due` skips a save while the last one is being written or is
-        younger than this (Orbax's ContinuousCheckpointingPolicy); forced saves always happen.
+        `min_interval_secs`: `due` skips a save while the last one is being written or began
+        less than this many seconds ago (`_TimeFloor`); forced saves always happen.
 
         A `read_only` reader (eval, predict, load_model) changes nothing in the directory: a
         training run may be writing there. A writer must hold the workdir's lock. `keep_best`

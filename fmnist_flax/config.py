@@ -50,8 +50,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.log_every = 25  # metrics reach the host only at these steps (and the first and last)
     config.compute_dtype = "float32"  # float32 | bfloat16; params always stay float32
     config.checkpoint_every = 100  # Orbax saves every this many steps, at the end and on SIGTERM
-    # ...but a due save is skipped while the last one is still being written or is younger than
-    # this (Orbax's ContinuousCheckpointingPolicy): a kill loses at most this many seconds (or
+    # ...but a due save is skipped while the last one is still being written or began less than
+    # this many seconds ago (Orbax's ContinuousCheckpointingPolicy): a kill loses at most this (or
     # the last save's writing time), `checkpoint_every` steps and the save in progress' writing
     # time. 0: every `checkpoint_every` steps.
     config.checkpoint_min_interval_secs = 10.0
