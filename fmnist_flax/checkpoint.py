@@ -445,7 +445,7 @@ class Checkpoints:
             except Unreadable:
                 raise
             except UserError as exc:
-                if self.rotated(candidate, ROTATION_WAIT):
+                if self.rotated_after_watching(candidate):
                     raise StepVanished(candidate) from None
                 damage = damage or exc
                 continue
@@ -484,6 +484,10 @@ class Checkpoints:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(ROTATION_PAUSE)
+
+    def rotated_after_watching(self, step: int) -> bool:
+        """`rotated`, a step that failed to read watched for ROTATION_WAIT seconds."""
+        return self.rotated(step, ROTATION_WAIT)
 
     def _looks_rotated(self, step: int) -> bool:
         path = self.directory / str(step)

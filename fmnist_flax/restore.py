@@ -19,7 +19,6 @@ from fmnist_flax import errors, parallel
 from fmnist_flax.checkpoint import (
     ARRAY_ITEMS,
     DAMAGED_DIR,
-    ROTATION_WAIT,
     Checkpoints,
     StepVanished,
     check_readable,
@@ -154,8 +153,8 @@ def restore(
         except UserError:
             raise
         except Exception as exc:  # Orbax and tensorstore raise many types for a bad file
-            if not (directory / str(candidate)).is_dir() or checkpoints.rotated(
-                candidate, ROTATION_WAIT
+            if not (directory / str(candidate)).is_dir() or checkpoints.rotated_after_watching(
+                candidate
             ):
                 raise StepVanished(candidate) from None
             check_readable(directory / str(candidate))

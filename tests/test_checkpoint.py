@@ -46,6 +46,14 @@ def trained(tmp_path_factory):
     return workdir, summary
 
 
+@pytest.fixture
+def quick_verdicts(monkeypatch):
+    """A reader watches a step that failed to read for ROTATION_WAIT (1 s) before it calls it
+    damaged, in case a live run is rotating it away. Damage these tests make by hand, with no
+    run, is watched for two looks (0.1 s): the watch itself is tested with its own waits."""
+    monkeypatch.setattr(checkpoint, "ROTATION_WAIT", 2 * checkpoint.ROTATION_PAUSE)
+
+
 @pytest.mark.slow
 def test_400_steps_equal_200_then_resume_to_400_bit_for_bit(quick_config, tmp_path):
     quick_config.steps = 400
@@ -127,6 +135,7 @@ def test_load_model_restores_params_only_in_any_dtype(trained):
     assert not np.array_equal(model.layers[0].kernel[...], older.layers[0].kernel[...])
 
 
+@pytest.mark.usefixtures("quick_verdicts")
 def test_damaged_latest_checkpoint_falls_back_with_one_warning(trained, tmp_path, caplog):
     workdir = tmp_path / "w"
     shutil.copytree(trained[0], workdir)
@@ -149,6 +158,7 @@ def test_damaged_latest_checkpoint_falls_back_with_one_warning(trained, tmp_path
     assert checkpoint.Checkpoints(workdir, read_only=True).steps() == [100]
 
 
+@pytest.mark.usefixtures("quick_verdicts")
 def test_deleted_data_file_is_detected_too(trained, tmp_path):
     workdir = tmp_path / "w"
     shutil.copytree(trained[0], workdir)
@@ -208,7 +218,7 @@ def test_a_reader_waits_out_a_rotation_caught_half_way(trained, tmp_path):
         assert not reader.rotated(200)  # one look: damage
         deleter = threading.Timer(0.3, (steps / "200" / checkpoint.STEP_MARKER).unlink)
         deleter.start()
-        assert reader.rotated(200, checkpoint.ROTATION_WAIT)
+        assert reader.rotated_after_watching(200)  # for ROTATION_WAIT (1 s)
         deleter.join()
         shutil.copytree(trained[0] / "checkpoints" / "200", steps / "300")
         shutil.rmtree(steps / "300" / "model")  # damaged, and nothing removes it
@@ -534,6 +544,7 @@ MODEL_DAMAGE = {
 }
 
 
+@pytest.mark.usefixtures("quick_verdicts")
 @pytest.mark.parametrize("damage", MODEL_DAMAGE)
 def test_each_kind_of_damage_is_named_in_words(damage, trained, tmp_path):
     workdir = tmp_path / "w"
@@ -565,6 +576,7 @@ EDITED_ITEMS = [
 ]
 
 
+@pytest.mark.usefixtures("quick_verdicts")
 @pytest.mark.parametrize(("item", "edit", "expected"), EDITED_ITEMS)
 def test_an_edited_json_item_is_one_line_naming_the_checkpoint_and_field(
     item, edit, expected, trained, tmp_path
@@ -581,6 +593,7 @@ def test_an_edited_json_item_is_one_line_naming_the_checkpoint_and_field(
     assert "--config." not in line  # nothing the user passed is blamed
 
 
+@pytest.mark.usefixtures("quick_verdicts")
 def test_a_foreign_step_directory_is_named_for_a_reader(trained, tmp_path):
     """A reader took it for a step a live run rotated away."""
     workdir = tmp_path / "w"
