@@ -427,9 +427,9 @@ def test_the_time_floor_counts_from_when_the_last_save_began():
         multiprocessing_options=ocp.options.MultiprocessingOptions(),
     )
 
-    def due_after(seconds, step=10, context=context):
+    def due_after(seconds, context=context):
         now = ocp.checkpoint_manager.CheckpointInfo(
-            step, began + datetime.timedelta(seconds=seconds), None
+            10, began + datetime.timedelta(seconds=seconds), None
         )
         return floor.should_save(now, [dated], context=context)
 
