@@ -461,8 +461,9 @@ def diverged(
     """The one line a run stops with when the loss or the parameters stop being finite."""
     checkpoints.wait()
     kept = checkpoints.steps()
+    since = max(last_finite, kept[-1]) if kept else last_finite  # a saved step was finite
     return UserError(
-        f"{what} between steps {last_finite} and {step}; training stopped, the last good "
+        f"{what} between steps {since} and {step}; training stopped, the last good "
         f"checkpoint is {kept[-1] if kept else 'none'}; lower --learning_rate and retry"
     )
 
@@ -496,6 +497,9 @@ def must_save(step: int, signum: int, config, checkpoints: checkpoint_lib.Checkp
     return step % config.checkpoint_every == 0 and checkpoints.due(step)
 
 
+WAIT_SLICE = 0.1  # seconds between looks of a wait for the metrics writer
+
+
 class RowLog:
     """Where process 0 writes each logged row: metrics.jsonl, TensorBoard (with the examples/sec
     since the row before, evaluations left out) and the progress bar.
@@ -515,8 +519,10 @@ class RowLog:
         per_step: int,
         checkpoints: checkpoint_lib.Checkpoints,
         background: bool = True,
+        signals: StopSignals | None = None,
     ):
         self.primary = parallel.is_primary()
+        self.signals = signals  # a wait for rows to be timed ends early on a signal
         self.checkpoints = checkpoints
         self.start_step = start_step
         self.per_step = per_step
@@ -527,8 +533,8 @@ class RowLog:
         self.failure: tuple[float, int] | None = None  # a non-finite loss and its step
         self.error: BaseException | None = None  # what stopped the writer thread
         self.host_seconds = 0.0  # the loop's time in `submit`: what logging costs it
-        self.submitted = start_step  # the newest row handed over, and the newest one timed
-        self.timed = start_step
+        # The newest row handed over, the newest one timed, the newest one written or skipped.
+        self.submitted = self.timed = self.handled = start_step
         self.timing = threading.Condition()
         if self.primary:
             path = workdir / workdir_lib.METRICS_FILE
@@ -553,23 +559,35 @@ class RowLog:
         began = time.perf_counter()
         self.submitted = parts[0]
         if self.queue is None:
-            self._write_parts(parts, eval_seconds, tested)
+            self._handle(parts, eval_seconds, tested)
         else:
             self.queue.put((parts, eval_seconds, tested))
         self.host_seconds += time.perf_counter() - began
 
     def _write_submitted(self) -> None:
         while (item := self.queue.get()) is not None:
-            try:
-                if self.failure is None and self.error is None:
-                    self._write_parts(*item)
-            except BaseException as exc:  # raised in the loop by `check`
-                self.error = exc
-                with self.timing:
-                    self.timing.notify_all()
-            finally:
-                self.queue.task_done()
-        self.queue.task_done()
+            self._handle(*item)
+
+    def _handle(
+        self,
+        parts: tuple[int, Metrics, int, jax.Array],
+        eval_seconds: float,
+        tested: dict[str, float] | None,
+    ) -> None:
+        """Write a row, or skip it once the run has failed; either way it counts as timed
+        and handled, so no wait for it outlasts a failure."""
+        try:
+            if self.failure is None and self.error is None:
+                self._write_parts(parts, eval_seconds, tested)
+        except BaseException as exc:
+            if self.queue is None:  # written in the loop: raised there
+                raise
+            self.error = exc  # raised in the loop by `check`
+        finally:
+            with self.timing:
+                self.timed = max(self.timed, parts[0])
+                self.handled = parts[0]
+                self.timing.notify_all()
 
     def _write_parts(
         self,
@@ -599,15 +617,25 @@ class RowLog:
     def wait_timed(self) -> None:
         """Wait until every submitted row's values have reached the writer and been timed
         (not written): an evaluation starting after that is left out of the next row's
-        interval whole, never counted twice against a row timed while it ran."""
-        with self.timing:
-            self.timing.wait_for(lambda: self.timed >= self.submitted or self.error)
+        interval whole, never counted twice against a row timed while it ran. A signal ends
+        the wait early (the loop acts on it at its next stop); a failed row stops the run."""
+        self._wait(lambda: self.timed >= self.submitted, until_signal=True)
+        self.check()
 
     def drain(self) -> None:
-        """Wait until every submitted row is written, then `check`."""
-        if self.queue is not None:
-            self.queue.join()
+        """Wait until every submitted row is written (or skipped after a failure), then
+        `check`."""
+        self._wait(lambda: self.handled >= self.submitted, until_signal=False)
         self.check()
+
+    def _wait(self, ready: Callable[[], bool], until_signal: bool) -> None:
+        """Wait until `ready()` or the writer failed (or, `until_signal`, a stop signal came),
+        looking again at least every `WAIT_SLICE` seconds."""
+        with self.timing:
+            while not (ready() or self.failure or self.error):
+                if until_signal and self.signals is not None and self.signals.signum:
+                    return
+                self.timing.wait(WAIT_SLICE)
 
     def write(self, row: dict[str, float], eval_seconds: float, now: float) -> None:
         """Log a finite `row` whose values reached the host at `now`; `eval_seconds`: the
@@ -824,7 +852,7 @@ def train_and_evaluate(
         averaged = {}  # the EMA's test metrics at the newest evaluation
         # Examples/sec counts every model's: an ensemble of 8 at 1x does the work of 8 runs.
         per_step = device_data.examples_per_step * config.ensemble.size
-        with RowLog(workdir, config, start_step, per_step, checkpoints) as log:
+        with RowLog(workdir, config, start_step, per_step, checkpoints, signals=signals) as log:
             while step < config.steps:
                 stop = next_stop(step, config, per_epoch)
                 # Each call: images, labels, order, first batch index, count, first step.

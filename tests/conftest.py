@@ -68,14 +68,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
-def run_main(*args, cwd=REPO, **kwargs) -> subprocess.CompletedProcess:
+def run_main(*args, cwd=REPO, timeout=300, **kwargs) -> subprocess.CompletedProcess:
     """`python main.py ARGS` in a process of its own, as a user runs it."""
     return subprocess.run(
         [sys.executable, str(REPO / "main.py"), *args],
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         **kwargs,
     )
 

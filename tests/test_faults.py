@@ -750,3 +750,35 @@ def test_a_compilation_cache_that_can_be_no_directory_is_named(tmp_path, what):
     result = run_main(f"--workdir={tmp_path / 'w'}", "--steps=2", f"--compilation_cache={cache}")
     the_error(result, f"--compilation_cache={cache} is {what}")
     assert not (tmp_path / "w").exists()  # refused before anything was made
+
+
+# --- A run that diverges stops ------------------------------------------------------------------
+
+DIVERGING = {
+    "lr 5": ["--learning_rate=5"],
+    "lr 50": ["--learning_rate=50"],
+    "lr 1e30": ["--learning_rate=1e30"],
+    "a row every step": ["--learning_rate=5", "--log_every=1", "--config.eval_every=4"],
+    "saves every 5": ["--learning_rate=5", "--checkpoint_every=5", EVERY_DUE_SAVE],
+}
+
+
+@pytest.mark.parametrize("flags", list(DIVERGING.values()), ids=list(DIVERGING))
+def test_a_diverging_run_stops_with_one_line_keeping_the_last_good_checkpoint(flags, tmp_path):
+    """SGD at a rate that makes the loss non-finite between two saves, at a log point or at an
+    evaluation: the run exits within 60 s (a wait for the rows after the first non-finite one
+    once never ended), naming the step and the last good checkpoint, which is finite."""
+    import jax
+    from flax import nnx
+
+    from fmnist_flax import load_model
+
+    workdir = tmp_path / "w"
+    flags = [f"--workdir={workdir}", "--report=none", "--config.optimizer.name=sgd", *flags]
+    result = run_main(*flags, timeout=60)
+    line = the_error(result, "training stopped, the last good checkpoint is ")
+    kept = saved_steps(workdir)
+    assert line.endswith(f"is {kept[-1] if kept else 'none'}; lower --learning_rate and retry")
+    if kept:
+        model = load_model(workdir)
+        assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(nnx.state(model)))

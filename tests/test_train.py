@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import threading
 
 import jax
@@ -269,4 +270,65 @@ def test_an_evaluation_waits_for_the_rows_before_to_be_timed_not_written(tmp_pat
         log.drain()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [25, 50]
+    checkpoints.close()
+
+
+def test_waits_for_rows_after_a_non_finite_one_end_and_stop_the_run(tmp_path, quick_config):
+    """Rows handed over after a non-finite one are skipped but still count as timed and
+    handled: a wait before an evaluation or a save ends and stops the run, not hangs."""
+    from fmnist_flax import checkpoint
+
+    checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
+    sums = {"loss": jax.numpy.float32(2.0), "accuracy": jax.numpy.float32(1.0)}
+    nan = {"loss": jax.numpy.float32(np.nan), "accuracy": jax.numpy.float32(0.0)}
+    raised = []
+
+    def wait(method) -> None:
+        try:
+            method()
+        except train.UserError as exc:
+            raised.append(str(exc))
+
+    with train.RowLog(tmp_path, quick_config, 0, 512, checkpoints) as log:
+        log.submit((25, nan, 25, jax.numpy.float32(0.5)), 0.0)
+        for step in (50, 75, 100):
+            log.submit((step, sums, 25, jax.numpy.float32(0.5)), 0.0)
+        for method in (log.wait_timed, log.drain):
+            waiter = threading.Thread(target=wait, args=(method,), daemon=True)
+            waiter.start()
+            waiter.join(30)
+            assert not waiter.is_alive(), f"{method.__name__} still waits"
+    assert (
+        raised
+        == [
+            "the loss became nan between steps 0 and 25; training stopped, the last "
+            "good checkpoint is none; lower --learning_rate and retry"
+        ]
+        * 2
+    )
+    checkpoints.close()
+
+
+def test_a_signal_ends_a_wait_for_rows_to_be_timed(tmp_path, quick_config, monkeypatch):
+    """A row whose values are slow to reach the host keeps the loop waiting before an
+    evaluation only until a stop signal comes: the loop then acts on it at its stop."""
+    from fmnist_flax import checkpoint
+
+    checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
+    sums = {"loss": jax.numpy.float32(2.0), "accuracy": jax.numpy.float32(1.0)}
+    release = threading.Event()
+    host_row = train.host_row
+    monkeypatch.setattr(train, "host_row", lambda *parts: (release.wait(), host_row(*parts))[1])
+    signals = train.StopSignals()
+    with train.RowLog(tmp_path, quick_config, 0, 512, checkpoints, signals=signals) as log:
+        log.submit((25, sums, 25, jax.numpy.float32(0.5)), 0.0)
+        waiter = threading.Thread(target=log.wait_timed, daemon=True)
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive()  # the row is not timed yet
+        signals.signum = signal.SIGINT
+        waiter.join(5)
+        assert not waiter.is_alive() and log.timed == 0
+        release.set()
+    assert [row["step"] for row in rows_of(tmp_path)] == [25]  # written once released
     checkpoints.close()
