@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 import ml_collections
+import numpy as np
 from ml_collections import config_dict
 
 from fmnist_flax import optimizer, task
@@ -201,6 +202,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise UserError(
             f"--config.ema.decay={decay!r} must be a number in [0, 1): 0 keeps no average, "
             "e.g. 0.999 averages over about the last 1,000 updates"
+        )
+    if decay and float(np.float32(decay)) == 1.0:  # the average is kept in float32
+        raise UserError(
+            f"--config.ema.decay={decay!r} is 1.0 in float32, where the average is kept, so it "
+            "would never move; use at most 0.9999999 (e.g. 0.999)"
         )
 
 

@@ -114,13 +114,27 @@ def restore_model(
                 else:
                     restored = _restore_model(checkpoints, step, compute_dtype, mesh, flag)
                 chosen = ensemble.select_member(restored, member, checkpoints, flag)
-                return _averaged(chosen, path, flag) if ema else chosen
+                return _finite(_averaged(chosen, path, flag) if ema else chosen, path, flag)
             except StepVanished as gone:
                 if step is not None or attempt == READ_ATTEMPTS - 1:
                     raise _vanished(checkpoints.directory / str(gone.step)) from None
                 checkpoints.reload()
     finally:
         checkpoints.close()
+
+
+def _finite(restored: tuple, path: pathlib.Path, flag: str) -> tuple:
+    """`restore_model`'s result, refused in one line if its parameters are not all finite: a
+    run that diverged (or an edited checkpoint) gives no NaN model to evaluate or export."""
+    model, step, _, info = restored
+    if not parallel.all_finite(nnx.state(model, nnx.Param)):
+        what = "EMA of the parameters" if info.get("ema") else "parameters"
+        earlier = f"{flag}={path}:N" if flag == "--init_from" else "--step=N"
+        raise UserError(
+            f"{flag} {path}: the {what} of step {step} are not all finite; pass {earlier} of "
+            "an earlier checkpoint, or train again with a lower --learning_rate"
+        )
+    return restored
 
 
 def _averaged(restored: tuple, path: pathlib.Path, flag: str) -> tuple:

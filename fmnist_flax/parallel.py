@@ -22,13 +22,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fmnist_flax import errors
+from fmnist_flax import compilation_cache, errors
 from fmnist_flax.errors import UserError, error_line
 
 DATA_AXIS = "data"
@@ -450,6 +451,18 @@ def to_host(tree: Any) -> Any:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     return jax.tree.map(fetch, tree)
+
+
+@functools.partial(jax.jit, compiler_options=compilation_cache.QUICK_COMPILE)
+def finite(tree: Any) -> jax.Array:
+    """Whether every value of every array of `tree` is finite, as one boolean on the devices
+    (compiled quickly: it runs once a save or a restore)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def all_finite(tree: Any) -> bool:
+    """Whether every value of every array of `tree` is finite (checked on the devices)."""
+    return not jax.tree.leaves(tree) or bool(to_host(finite(tree)))
 
 
 def check_replicas(tree: Any, what: str) -> int:

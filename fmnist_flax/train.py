@@ -29,8 +29,8 @@ import optax
 from flax import nnx
 
 from fmnist_flax import checkpoint as checkpoint_lib
+from fmnist_flax import config as config_lib
 from fmnist_flax import (
-    compilation_cache,
     datasets,
     ema,
     ensemble,
@@ -44,7 +44,6 @@ from fmnist_flax import (
     tables,
     task,
 )
-from fmnist_flax import config as config_lib
 from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.ensemble import Ensemble
@@ -246,16 +245,6 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
-@functools.partial(jax.jit, compiler_options=compilation_cache.QUICK_COMPILE)
-def _all_finite(tree: Any) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
-def all_finite(tree: Any) -> bool:
-    """Whether every value of every array is finite (checked on the devices)."""
-    return bool(parallel.to_host(_all_finite(tree)))
-
-
 def progress_of(step: int, num_batches: int, config: ml_collections.ConfigDict) -> dict[str, int]:
     """Where the data order stands after `step` updates: epoch, index of the next batch."""
     return {
@@ -445,13 +434,13 @@ def save_if_finite(
     optimizer: nnx.Optimizer,
     state: Any,
     progress: dict[str, Any],
-    last_finite: int,
 ) -> None:
-    """Checkpoint the newest (donated-into) buffers `state`, unless the parameters are no
-    longer finite (since `last_finite`): then stop, the last good checkpoint kept."""
+    """Checkpoint the newest (donated-into) buffers `state`, unless the parameters or their
+    EMA are no longer finite: then stop, the last good checkpoint (the last finite one) kept."""
     nnx.update((model, optimizer), state)
-    if not all_finite(nnx.state(model, nnx.Param)):
-        raise diverged("the parameters became non-finite", last_finite, step, checkpoints)
+    for what, kind in (("parameters", nnx.Param), ("parameters' EMA", ema.EMA)):
+        if not parallel.all_finite(nnx.state(model, kind)):
+            raise diverged(f"the {what} became non-finite", 0, step, checkpoints)
     checkpoints.save(step, model, optimizer, progress)
 
 
@@ -737,7 +726,7 @@ def compile_ahead(
     def compile_first() -> None:
         if first is not None:
             train_chunk.lower(state, sums, *first, aug_key).compile()
-        _all_finite.lower(params).compile()
+        parallel.finite.lower(params).compile()
         checkpoint_lib.warm_up(model, optimizer)
 
     thread = threading.Thread(target=compile_first, name="compile-ahead")
@@ -899,7 +888,6 @@ def train_and_evaluate(
                         optimizer,
                         state,
                         progress | tested,
-                        log.last_finite,
                     )
                 # Stop on a signal, the checkpoint of this step saved.
                 if signum:

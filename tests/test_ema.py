@@ -141,6 +141,41 @@ def test_a_decay_outside_0_to_1_is_one_line(decay):
         config_lib.validate(config)
 
 
+def test_a_decay_that_is_1_in_float32_is_one_line():
+    """0.99999999 passes [0, 1) as a Python float but is 1.0 in the average's float32, where
+    it would make the average NaN (0 / 0 in its debiased weight)."""
+    config = small_config(0.0)
+    config.ema.decay = 0.99999999
+    with pytest.raises(UserError, match=r"decay=0\.99999999 is 1\.0 in float32"):
+        config_lib.validate(config)
+    config.ema.decay = 0.9999999  # the largest that float32 keeps below 1
+    config_lib.validate(config)
+
+
+def test_an_average_that_turns_non_finite_stops_the_run_keeping_the_good_checkpoint(
+    quick_config, tmp_path, monkeypatch
+):
+    """A save checks the parameters' EMA as it checks the parameters: an average that is no
+    longer finite stops the run in one line, and the last good checkpoint stays."""
+    monkeypatch.setattr(train, "UPDATE_HOOKS", [])
+
+    @train.after_update
+    def poison_after_step_10(model, optimizer, config):
+        twin = model.layers[0].kernel_ema
+        bad = jnp.where(optimizer.step[...] > 10, jnp.nan, 0.0)  # after update 11
+        twin[...] = twin[...] + bad
+
+    quick_config.ema.decay = 0.9
+    quick_config.update(steps=20, log_every=5, checkpoint_every=10, seed=23)  # its own compile
+    with pytest.raises(UserError, match="EMA became non-finite between steps 10 and 20") as exc:
+        train.train_and_evaluate(quick_config, tmp_path)
+    assert str(exc.value).endswith(
+        "the last good checkpoint is 10; lower --learning_rate and retry"
+    )
+    twins = jax.tree.leaves(nnx.state(inference.load_model(tmp_path), ema.EMA))
+    assert twins and all(np.isfinite(t).all() for t in twins)
+
+
 def test_a_parameter_held_in_a_list_is_refused_in_one_line():
     class Listed(nnx.Module):
         def __init__(self):

@@ -12,9 +12,10 @@ import subprocess
 import sys
 import zlib
 
+import jax
 import numpy as np
 import pytest
-from conftest import REPO, run_main
+from conftest import REPO, assert_one_line_error, run_main
 from flax import nnx
 from PIL import Image
 
@@ -578,3 +579,58 @@ def test_an_output_replaced_by_a_directory_leaves_no_temporary_file(tmp_path):
         f"cannot write {output} ("
     )
     assert [p.name for p in tmp_path.iterdir()] == ["p.json"]
+
+
+@pytest.fixture(scope="module")
+def diverged_workdir(tmp_path_factory, real_dataset):
+    """A workdir whose step 1 has finite parameters and a non-finite EMA, and whose step 2 has
+    non-finite parameters: what an edited checkpoint or a run that diverged would leave."""
+    import jax.numpy as jnp
+    from conftest import load_config
+
+    from fmnist_flax import checkpoint, parallel, train
+
+    workdir = tmp_path_factory.mktemp("diverged") / "w"
+    config = load_config("default")
+    config.ema.decay = 0.9
+    info = {"config": config.to_dict(), "dataset": real_dataset.info()}
+    saved = checkpoint.Checkpoints(workdir, max_to_keep=3, metadata=info)
+    model, optimizer = train.create_train_state(
+        config, real_dataset.image_shape, real_dataset.num_classes, parallel.mesh_for(config)
+    )
+    for step, variable in ((1, model.layers[0].kernel_ema), (2, model.layers[0].kernel)):
+        variable[...] = jnp.full_like(variable[...], jnp.nan)
+        saved.save(step, model, optimizer, train.progress_of(step, 117, config))
+        saved.wait()
+    saved.close()
+    return workdir
+
+
+def test_a_model_that_is_not_finite_is_refused_in_one_line(diverged_workdir):
+    with pytest.raises(UserError) as exc:
+        load_model(diverged_workdir)
+    assert str(exc.value) == (
+        f"--workdir {diverged_workdir}: the parameters of step 2 are not all finite; pass "
+        "--step=N of an earlier checkpoint, or train again with a lower --learning_rate"
+    )
+    params = nnx.state(load_model(diverged_workdir, step=1), nnx.Param)
+    assert all(np.isfinite(a).all() for a in jax.tree.leaves(params))  # its EMA is not
+    with pytest.raises(UserError, match="the EMA of the parameters of step 1 are not all finite"):
+        load_model(diverged_workdir, step=1, ema=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["eval", "predict", "export"])
+def test_eval_predict_and_export_of_a_non_finite_model_are_one_line(
+    diverged_workdir, mode, tmp_path
+):
+    np.save(tmp_path / "one.npy", np.zeros((28, 28), np.uint8))
+    flags = {
+        "eval": [f"--output={tmp_path / 'eval.json'}"],
+        "predict": [f"--images={tmp_path / 'one.npy'}"],
+        "export": [f"--output={tmp_path / 'model.jaxexport'}"],
+    }[mode]
+    result = run_main(f"--mode={mode}", f"--workdir={diverged_workdir}", *flags)
+    line = assert_one_line_error(result, "the parameters of step 2 are not all finite")
+    assert line.startswith(f"error: --workdir {diverged_workdir}: "), line
+    assert not list(tmp_path.glob("eval.json")) + list(tmp_path.glob("model.jaxexport"))
