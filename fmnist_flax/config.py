@@ -311,6 +311,16 @@ POSITION_FIELDS = (
     "ensemble.size",
     "ensemble.same_data",
 )
+
+
+def fixed_on_resume(change: dict[str, Any]) -> bool:
+    """Whether a resume cannot accept `change` (`training_changes`' item): it moves the data
+    position, or turns the EMA on or off (the checkpoint holds no average, or the model none)."""
+    if change["field"] == "ema.decay":
+        return bool(change["saved"]) != bool(change["now"])
+    return change["field"] in POSITION_FIELDS
+
+
 # Fields that live in the optimizer's state: an accepted change starts the optimizer afresh.
 OPTIMIZER_FIELDS = ("optimizer.", "ensemble.learning_rate", "ensemble.weight_decay")
 

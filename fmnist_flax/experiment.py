@@ -441,7 +441,7 @@ def check_config_changes(
     changes += datasets.identity_changes(
         checkpoints.saved("dataset", step)[1] or {}, dataset.info()
     )
-    fixed = [c for c in changes if c["field"] in config_lib.POSITION_FIELDS]
+    fixed = [c for c in changes if config_lib.fixed_on_resume(c)]
     if changes and (fixed or not accept):
         listed = ", ".join(f"{c['field']} {c['saved']!r} -> {c['now']!r}" for c in fixed or changes)
         way = "" if fixed else ", or pass --accept_config_change to go on with the new ones"

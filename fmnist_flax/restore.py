@@ -181,11 +181,13 @@ def resume(
     optimizer: nnx.Optimizer,
     expected: dict[str, int],
     optimizer_changed: bool = False,
+    restarts_with_it: str = "",
 ) -> tuple[int, dict[str, Any]]:
     """Restore the newest intact checkpoint into model and optimizer; returns its step (0:
     none) and its progress item. The data position must match `expected` (batch size, seed,
     batches per epoch). When `optimizer_changed` (an accepted change of config.optimizer)
-    left the saved optimizer state another shape, the optimizer starts afresh."""
+    left the saved optimizer state another shape, the optimizer starts afresh, and the note
+    that says so names `restarts_with_it` (what else counts on the optimizer's step)."""
     targets = {"model": nnx.state(model), "optimizer": nnx.state(optimizer), "progress": None}
     try:
         restored = restore(checkpoints, targets)
@@ -197,6 +199,7 @@ def resume(
         parallel.say(
             f"note: the optimizer's state in {checkpoints.directory} does not fit the new "
             "config.optimizer; the optimizer starts afresh (moments and schedule from 0)"
+            + (f"; {restarts_with_it}" if restarts_with_it else "")
         )
     if restored is None:
         return 0, {}

@@ -778,7 +778,13 @@ def train_and_evaluate(
         checkpoints.metadata["changes"] = {"changes": changes}
         optimizer_changed = any(c["field"].startswith(config_lib.OPTIMIZER_FIELDS) for c in changes)
         start_step, resumed = restore.resume(
-            checkpoints, model, optimizer, progress_of(0, per_epoch, config), optimizer_changed
+            checkpoints,
+            model,
+            optimizer,
+            progress_of(0, per_epoch, config),
+            optimizer_changed,
+            # The EMA's debiasing counts the optimizer's updates: update 1 copies the parameters.
+            "the EMA starts again from the parameters" if config.ema.decay else "",
         )
         if start_step:
             refresh_hyperparams(model, optimizer, config)

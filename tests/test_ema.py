@@ -343,3 +343,20 @@ def test_a_twin_keeps_its_parameters_axis_names_so_it_is_split_the_same_way():
         spec = parallel.leaf_spec(layer.kernel, mesh)
         assert parallel.leaf_spec(layer.kernel_ema, mesh) == spec
     assert parallel.leaf_spec(model.layers[0].kernel_ema, mesh) == jax.P(None, "model")
+
+
+@pytest.mark.parametrize("before, after", [(0.0, 0.9), (0.9, 0.0)])
+def test_turning_the_average_on_or_off_on_resume_is_refused_without_offering_to_accept(
+    quick_config, tmp_path, before, after
+):
+    """The checkpoint holds no average to resume (or the model has no place for the one it
+    holds): the line names the change and does not offer --accept_config_change, which could
+    not take it."""
+    quick_config.update(steps=5, log_every=5, checkpoint_every=5, eval_examples=500)
+    quick_config.ema.decay = before
+    train.train_and_evaluate(quick_config, tmp_path)
+    quick_config.steps, quick_config.ema.decay = 10, after
+    with pytest.raises(UserError) as exc:
+        train.train_and_evaluate(quick_config, tmp_path, accept_config_change=True)
+    assert f"ema.decay {before!r} -> {after!r}; resume with the saved values" in str(exc.value)
+    assert "accept_config_change" not in str(exc.value)

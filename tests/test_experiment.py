@@ -148,7 +148,10 @@ def test_init_from_mistakes_are_one_line(quick_config, tmp_path):
 
 @pytest.mark.slow  # two trainings, the second compiled anew
 def test_an_accepted_optimizer_change_starts_the_optimizer_afresh(quick_config, tmp_path, capsys):
+    """...and says that the EMA, whose debiasing counts the optimizer's updates, starts again
+    from the parameters with it."""
     quick_config.steps, quick_config.checkpoint_every, quick_config.eval_examples = 10, 10, 500
+    quick_config.ema.decay = 0.9
     train.train_and_evaluate(quick_config, tmp_path / "w")
     quick_config.steps = 20
     quick_config.optimizer.name = "sgd"
@@ -158,7 +161,10 @@ def test_an_accepted_optimizer_change_starts_the_optimizer_afresh(quick_config, 
     assert "--accept_config_change" in str(exc.value)
     summary = train.train_and_evaluate(quick_config, tmp_path / "w", accept_config_change=True)
     assert summary["resumed_from_step"] == 10
-    assert "the optimizer starts afresh" in capsys.readouterr().out
+    assert (
+        "the optimizer starts afresh (moments and schedule from 0); the EMA starts again from "
+        "the parameters\n" in capsys.readouterr().out
+    )
     changed = {c["field"] for c in summary["config_changes"]}
     assert {"optimizer.name", "optimizer.momentum"} <= changed
     # A rate change keeps the optimizer's state: it still fits.
