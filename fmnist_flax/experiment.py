@@ -636,7 +636,8 @@ def write_outputs(run: Run, evaluation: dict[str, Any], wall_seconds: float) -> 
     summary = {
         **prefixed("test_", full),
         **{f"codelab_test_{k}": v for k, v in codelab.items()},
-        **{f"final_train_{k}": v for k, v in last.items() if k != "step"},
+        # The last row's training metrics (its test metrics are the test_* above).
+        **{f"final_train_{k}": v for k, v in last.items() if k != "step" and "test_" not in k},
         "train_examples_per_sec": run.examples_per_sec,
         "eval_seconds_during_training": run.eval_seconds,
         "steps": config.steps,
@@ -661,9 +662,10 @@ def write_outputs(run: Run, evaluation: dict[str, Any], wall_seconds: float) -> 
         **run.summary,
     }
     workdir_lib.write_json(run.workdir / workdir_lib.SUMMARY_FILE, summary)
+    whole = f" ({codelab['accuracy']:.4f} on the codelab's {codelab['examples']:,})"
     print(
-        f"test accuracy {full['accuracy']:.4f} on {full['examples']:,} examples "
-        f"({codelab['accuracy']:.4f} on the codelab's {codelab['examples']:,})",
+        f"test accuracy {full['accuracy']:.4f} on {full['examples']:,} examples"
+        + (whole if codelab["examples"] else ""),
         f"report: {report_path}" if report_path else "report: none (--report=none)",
         f"workdir: {run.workdir}",
         sep="\n",

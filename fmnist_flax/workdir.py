@@ -6,6 +6,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import pathlib
 import resource
@@ -206,10 +207,26 @@ def write_atomically(path: pathlib.Path, text: str | bytes) -> None:
         raise
 
 
+def finite_json(value: Any, **options: Any) -> str:
+    """`json.dumps(value)` with every non-finite float written as null: NaN and Infinity are
+    not JSON, and other readers refuse them."""
+
+    def finite(value: Any) -> Any:
+        if isinstance(value, float):
+            return value if math.isfinite(value) else None
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [finite(v) for v in value]
+        return value
+
+    return json.dumps(finite(value), allow_nan=False, **options)
+
+
 def write_json(path: pathlib.Path, value: dict[str, Any]) -> None:
     """Write a JSON file atomically; a failed write is one line that says why."""
     try:
-        write_atomically(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
+        write_atomically(path, finite_json(value, indent=2, sort_keys=True) + "\n")
     except OSError as exc:
         raise UserError(f"cannot write {path} ({disk_problem(path, exc)})") from None
 
@@ -225,10 +242,11 @@ def read_json(path: pathlib.Path) -> dict[str, Any] | None:
 
 
 def _is_row(row: Any) -> bool:
-    """A metrics row: an object with a whole-number step and numbers for its other fields."""
+    """A metrics row: an object with a whole-number step and numbers (or null, a value that
+    was not finite) for its other fields."""
     if not isinstance(row, dict) or type(row.get("step")) is not int:
         return False
-    return all(type(v) in (int, float) for k, v in row.items() if k != "step")
+    return all(type(v) in (int, float, type(None)) for k, v in row.items() if k != "step")
 
 
 def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -265,14 +283,14 @@ class MetricsLog:
         if keep_until and path.exists():
             kept = [row for row in read_jsonl(path) if row["step"] <= keep_until]
         try:
-            write_atomically(path, "".join(json.dumps(row) + "\n" for row in kept))
+            write_atomically(path, "".join(finite_json(row) + "\n" for row in kept))
             self._file: TextIO = path.open("a")
         except OSError as exc:
             raise UserError(f"cannot write {path} ({disk_problem(path, exc)})") from None
 
     def write(self, row: dict[str, Any]) -> None:
         try:
-            self._file.write(json.dumps(row) + "\n")
+            self._file.write(finite_json(row) + "\n")
             self._file.flush()
         except OSError as exc:
             raise UserError(

@@ -178,6 +178,22 @@ def test_eval_examples_evaluates_a_prefix_of_the_test_set(quick_config, tmp_path
     summary = train.train_and_evaluate(quick_config, tmp_path / "w")
     assert summary["test_examples"] == 1_000 and summary["codelab_test_examples"] == 512
     assert np.array(summary["confusion_matrix"]).sum() == 1_000
+    assert not [k for k in summary if k.startswith("final_train_test")]  # test_* hold them
+
+
+def test_fewer_test_examples_than_a_batch_leave_no_nan_in_the_runs_json(
+    quick_config, tmp_path, capsys
+):
+    """The codelab's metrics over whole batches have no batch to average: summary.json holds
+    null for them (NaN is not JSON) and the last line leaves them out."""
+    quick_config.steps, quick_config.eval_examples = 5, 5
+    train.train_and_evaluate(quick_config, tmp_path / "w")
+    text = (tmp_path / "w" / "summary.json").read_text()
+    summary = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert summary["codelab_test_examples"] == 0 and summary["codelab_test_accuracy"] is None
+    assert summary["test_examples"] == 5
+    last = capsys.readouterr().out.splitlines()[-3]
+    assert last == "test accuracy 0.8000 on 5 examples" or last.endswith(" on 5 examples"), last
 
 
 def tiny_arrays(directory, seed, train=64):

@@ -190,3 +190,27 @@ def test_outputs_beside_a_run_or_in_a_plain_checkpoints_folder_are_allowed(tmp_p
     workdir.check_output_path(str(run / "eval.json"))  # the run's own directory, a new file
     (tmp_path / "mine" / "checkpoints").mkdir(parents=True)  # not a training run's
     workdir.check_output_path(str(tmp_path / "mine" / "checkpoints" / "model.jaxexport"))
+
+
+def test_json_the_run_writes_has_null_where_a_value_is_not_finite(tmp_path):
+    """NaN and Infinity are not JSON: summary.json and metrics.jsonl hold null for them, and
+    a row with null is still read back as a row on resume."""
+    value = {"a": float("nan"), "b": [1.5, float("inf")], "c": {"d": -float("inf")}, "e": 2}
+    workdir.write_json(tmp_path / "s.json", value)
+    assert json.loads((tmp_path / "s.json").read_text()) == {
+        "a": None,
+        "b": [1.5, None],
+        "c": {"d": None},
+        "e": 2,
+    }
+    log = workdir.MetricsLog(tmp_path / "metrics.jsonl")
+    log.write({"step": 5, "loss": 0.5, "macro_f1": float("nan")})
+    log.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == (
+        '{"step": 5, "loss": 0.5, "macro_f1": null}\n'
+    )
+    kept = workdir.MetricsLog(tmp_path / "metrics.jsonl", keep_until=5)
+    kept.close()
+    assert workdir.read_jsonl(tmp_path / "metrics.jsonl") == [
+        {"step": 5, "loss": 0.5, "macro_f1": None}
+    ]
