@@ -1,6 +1,6 @@
 """Train and evaluate the Flax NNX MLP on Fashion-MNIST: `python main.py --steps=400`."""
 
-from fmnist_flax import cli
+from fmnist_flax import launch
 
 if __name__ == "__main__":
-    cli.run()
+    launch.main()

@@ -1,5 +1,5 @@
 """`python -m fmnist_flax --steps=400`: the same command line as `main.py`."""
 
-from fmnist_flax import cli
+from fmnist_flax import launch
 
-cli.run()
+launch.main()

@@ -307,6 +307,7 @@ def main(argv: Sequence[str]) -> None:
     config.update_from_flattened_dict(
         {SHORTHANDS[flag]: value for flag, value in shorthands.items() if value is not None}
     )
+    errors.stop_raises()  # until here, launch answered signals with its one line
     try:
         if _COMPILATION_CACHE.value:
             compilation_cache.use(_COMPILATION_CACHE.value)
@@ -330,8 +331,12 @@ def main(argv: Sequence[str]) -> None:
             run_mode(_MODE.value, config)
     except UserError as exc:
         fail(str(exc), getattr(exc, "exit_code", 1), together=isinstance(exc, train.Interrupted))
-    except KeyboardInterrupt:
-        fail("interrupted; checkpoints saved so far are kept", 130)
+    except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM (`errors.Stopped`), outside training
+        signum = getattr(exc, "signum", signal.SIGINT)
+        fail(
+            f"{signal.Signals(signum).name}: stopped; checkpoints saved so far are kept",
+            128 + signum,
+        )
     except BrokenPipeError:  # `main.py | head`: the reader left; stop as a pipe's writer does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to say
         fail(
@@ -423,10 +428,12 @@ def prepare(config: ml_collections.ConfigDict) -> None:
     records.check_output(_OUTPUT.value, _SHARDS.value)  # before the dataset is read
     try:
         dataset = datasets.load(config)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM (`errors.Stopped`)
+        signum = getattr(exc, "signum", signal.SIGINT)
         raise records.PrepareStopped(
-            "--mode=prepare stopped by SIGINT while reading the dataset; nothing was written",
-            signal.SIGINT,
+            f"--mode=prepare stopped by {signal.Signals(signum).name} while reading the "
+            "dataset; nothing was written",
+            signum,
         ) from None
     info = records.write_dataset(dataset, _OUTPUT.value, _SHARDS.value)
     counts = ", ".join(f"{s['examples']:,} {name}" for name, s in info["splits"].items())

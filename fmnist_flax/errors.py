@@ -5,6 +5,7 @@ FMNIST_FLAX_DEBUG=1 (or main.py's --debug) adds the full traceback above every e
 
 import os
 import re
+import signal
 import sys
 import traceback
 
@@ -22,6 +23,24 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 
 class UserError(Exception):
     """Bad input (flags, files, directories): the message says what is wrong and how to fix it."""
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM outside training, once `stop_raises` is set: handled wherever Ctrl-C is, with
+    its own exit status."""
+
+    signum = signal.SIGTERM
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise Stopped()
+
+
+def stop_raises() -> None:
+    """From here on SIGINT raises KeyboardInterrupt and SIGTERM `Stopped` (its subclass);
+    training catches both itself, to save first."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _raise_stopped)
 
 
 def is_whole(value: object, least: int = 0) -> bool:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import zipfile
 
 import jax
@@ -328,3 +330,29 @@ def test_debug_prints_the_full_traceback_above_the_one_line(how, tmp_path):
         assert result.returncode != 0
         assert result.stderr.splitlines()[-1].startswith(said), result.stderr
         assert "Traceback (most recent call last)" in result.stderr and where in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("after", [0.3, 0.8, 1.5])  # after the interpreter starts
+def test_a_signal_while_starting_is_one_line_with_its_status(signum, after, tmp_path):
+    """Ctrl-C or SIGTERM while the libraries are imported, the config read or the data
+    loaded: one `error:` line and the signal's exit status, never a traceback or a silent
+    143; nothing is written."""
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "main.py"), f"--workdir={tmp_path / 'w'}", "--report=none"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(after)
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signum, stderr
+    lines = [line for line in stderr.splitlines() if line and "No GPU found" not in line]
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert signal.Signals(signum).name in lines[0], lines[0]
+    if " at step " not in lines[0]:  # stopped before training (the usual case): no checkpoint
+        checkpoints = tmp_path / "w" / "checkpoints"
+        assert not checkpoints.exists() or not any(checkpoints.iterdir())

@@ -1,0 +1,30 @@
+"""The entry point of `main.py`, `python -m fmnist_flax` and `fmnist-flax`: SIGINT and SIGTERM
+are answered in one line from the first instant, while the libraries are still imported.
+
+Only the standard library is imported before the command line. Until it takes over
+(`errors.stop_raises`), a signal ends the process with `error: SIGTERM while starting ...`
+and the signal's exit status: nothing has been written yet.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+
+def _while_starting(signum: int, frame: object) -> None:
+    sys.stderr.write(
+        f"error: {signal.Signals(signum).name} while starting: nothing was done; run the same "
+        "command to start again\n"
+    )
+    sys.stderr.flush()
+    os._exit(128 + signum)
+
+
+def main() -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _while_starting)
+    from fmnist_flax import cli
+
+    cli.run()
