@@ -141,7 +141,7 @@ def unknown_flags(args: list[str], known: set[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def help_flags() -> set[str]:
-    """Every flag `main.py --help` lists (one process, about 2 s)."""
+    """Every flag `main.py --help` lists (one process for the module)."""
     out = subprocess.run(
         [sys.executable, str(REPO / "main.py"), "--help"],
         cwd=REPO,
