@@ -213,7 +213,7 @@ def grain_alone_runner(config, device_data: input_pipeline.DeviceData, dataset) 
 # Reader threads timed side by side in `record_reads`: those of these the host has cores for.
 READ_THREADS = tuple(n for n in (1, 2, 4, 8) if n <= max(os.cpu_count() or 1, 2))
 CONTROL_BYTES = 4 << 20  # each of the control's SHA-256 pieces (hashlib hashes it without the GIL)
-READ_BLOCKS = 8  # a timing's blocks for each of the most threads: 0.1 s or more at 1-3 M/s
+READ_BLOCKS = 8  # a timing's blocks for each of the most threads: long enough to outlast noise
 GATHER_BYTES = 256 << 20  # the gather control's table at most: the set's size, up to this
 
 

@@ -41,8 +41,8 @@ DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never delet
 STEP_MARKER = "_CHECKPOINT_METADATA"  # what Orbax writes in every step it finalises
 STEP_FILES = (STEP_MARKER, "commit_success.txt")  # a step's own files besides its items
 TREE_METADATA = "_METADATA"  # what Orbax writes in an array item: its tree, shapes and dtypes
-SPACE_MARGIN = 1.5  # bytes a save needs per byte of state, metadata included (measured ~1.1)
-INODES_PER_SAVE = 100  # files and directories a save creates (measured 51 for the MLP)
+SPACE_MARGIN = 1.5  # bytes a save needs per byte of state, metadata included, with room to spare
+INODES_PER_SAVE = 100  # files and directories a save creates, with room for larger models
 BEST_METRIC = "test_accuracy"  # what keep_best and --step=best rank steps by (higher is better)
 BEST = "best"  # --step=best
 SAVE_NICENESS = 19  # the save threads' CPU priority (nice), the lowest
@@ -135,8 +135,8 @@ class _TimeFloor(ocp.checkpoint_managers.ContinuousCheckpointingPolicy):
     `minimum_interval_secs` after the last), the floor counted from when the last save began
     (`began`, set by `Checkpoints`), or from the run's start: a short run does not save early
     only because nothing is saved yet. Orbax dates a step when its synchronous part ends;
-    counted from there, saves began that part's time later than the floor (0.1-0.6 s here,
-    1.3-2.4 s with the cores busy). Decided on process 0, broadcast."""
+    counted from there, saves began that part's time later than the floor (seconds when the
+    cores are busy). Decided on process 0, broadcast."""
 
     started: datetime.datetime = dataclasses.field(
         default_factory=lambda: datetime.datetime.now(datetime.UTC)

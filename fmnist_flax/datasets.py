@@ -53,8 +53,8 @@ ARRAY_KEYS = ("images", "labels")  # what each must hold; `pixel_range` is optio
 NPY_MAGIC = b"\x93NUMPY"  # how an .npy file starts (an .npz is a zip of them)
 DEFLATE_MAX_RATIO = 1100  # deflate never packs more than ~1032 bytes into one
 # The most classes a dataset may have: the confusion matrix (in summary.json and the report)
-# holds one count per pair, 10**8 at this limit. 2,000,000 names trained, wrote 2.7 GB and
-# failed at the confusion matrix.
+# holds one count per pair, 10**8 at this limit. Millions of names trained, wrote gigabytes
+# and failed at the confusion matrix.
 MAX_CLASSES = 10_000
 
 
@@ -470,7 +470,7 @@ PAYLOADS_KEPT = 8
 def cached_payload(blob: bytes, path: pathlib.Path) -> tuple[bytes, str]:
     """A .gz's payload and the payload's MD5, decompressed once: kept in this process and in
     CACHE_ROOT/idx (named by both MD5s and the payload's CRC-32, checked when read), so a
-    run reads a file it has seen instead of decompressing it again (0.6-0.9 s for
+    run reads a file it has seen instead of decompressing it again (most of a second for
     Fashion-MNIST). A cache that cannot be read or written is skipped."""
     key = md5_hex(blob)
     if key in _PAYLOADS:

@@ -138,8 +138,8 @@ def shard_batches(stacked: tuple[np.ndarray, ...], mesh: Mesh) -> tuple[jax.Arra
 
 
 # JAX's threefry2x32 (jax/_src/prng.py): 20 rounds in 5 groups of 4 rotations, a schedule of
-# three key words. Drawn in NumPy, an epoch's sort keys take no compile (0.3 s of a cold run's
-# set-up) and equal JAX's to the bit (a test checks).
+# three key words. Drawn in NumPy, an epoch's sort keys take no compile (on a cold run's
+# main thread) and equal JAX's to the bit (a test checks).
 THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 THREEFRY_PARITY = np.uint32(0x1BD11BDA)
 
@@ -191,7 +191,7 @@ def epoch_order(seed: int, epoch: int, num_examples: int) -> jax.Array:
     """The permutation of the train set for one epoch, from (seed, epoch): exactly
     `jax.random.permutation`'s (a test checks). An accelerator draws it in its queue, in
     microseconds; on the CPU NumPy draws its keys and sorts them, since XLA's CPU sort is
-    several times slower (docs/performance.md)."""
+    several times slower."""
     if jax.default_backend() != "cpu" or not _draws_keys_in_numpy():
         return _permutation(np.uint32(seed), epoch, num_examples)
     order = np.arange(num_examples, dtype=np.int32)

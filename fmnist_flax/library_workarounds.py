@@ -37,7 +37,7 @@ def serial_cpu_dispatch(model_shards: Any) -> None:
     """With a `model` axis (`model_shards` > 1), have JAX's CPU backend run each program to its
     end before it starts the next, before that backend starts. Its virtual devices share the
     cores: on 8 of them over 2 busy cores, a CNN on (data 4, model 2) stopped in XLA's
-    all-reduce rendezvous ("may be stuck", then an abort after 40 s) 3 times in 3, and ran
+    all-reduce rendezvous ("may be stuck", then an abort) every time it was tried, and ran
     to its end with this (jax and jaxlib 0.10.2). GPUs and TPUs are unaffected; a run without a
     `model` axis too."""
 

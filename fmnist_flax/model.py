@@ -266,7 +266,7 @@ def static_args(
 
 
 # The initialisation runs once, so LLVM's lighter optimisation is enough: its compile takes
-# 0.4 s instead of 0.9 s on 2 cores, with the same values to the bit (a test checks).
+# about half the time, with the same values to the bit (a test checks).
 INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
 

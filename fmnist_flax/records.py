@@ -56,8 +56,8 @@ LABEL_BYTES = 4
 WORD = np.dtype("<u8")  # a record's check folds its 8-byte words
 SPLITS = ("train", "test")
 READ_CHUNK = 8192  # records read or written at once when a whole split is asked for
-# Records gathered, placed and folded at once. Each NumPy call hands the GIL back and forth: on
-# 4 threads of a 13-core host, pieces of 2,048 read 0.85x one thread's rate, pieces of 8,192 1.43x.
+# Records gathered, placed and folded at once. Each NumPy call hands the GIL back and forth, so
+# on a many-core host smaller pieces make more threads read less than one.
 READ_ROWS = 8192
 WINDOW_BYTES = 8 << 20  # the span of a shard one gather reads at most before it is counted
 RESIDENT_BYTES = 64 << 20  # mapped shard bytes a source holds before letting them all go

@@ -71,8 +71,8 @@ def image_grid(
     fontsize: int,
 ) -> Any:
     """(H, W, C) uint8 images in rows of `cols` under the figure's title, each under its (title,
-    colour); `None` leaves a cell empty. One picture in one axes: an axes an image took 3-4x as
-    long to draw. Grey images (C not 3 or 4: their first channel) are each scaled to their own
+    colour); `None` leaves a cell empty. One picture in one axes: an axes an image took many
+    times as long. Grey images (C not 3 or 4: their first channel) are each scaled to their own
     range, as `imshow` scales one image; colour ones are shown as they are."""
     h, w, channels = next(i.shape for i in images if i is not None)
     colour = channels in (3, 4)

@@ -94,7 +94,7 @@ def place_state(
 def split_state(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[nnx.GraphDef, dict]:
     """The model and optimizer as a graph and their arrays as plain nested dicts, which a
     chunk takes and returns: a jitted call flattens plain dicts in C++, where `nnx.State`'s
-    Variables call back into Python (about 0.3 ms a call on the TPU host)."""
+    Variables call back into Python, a host cost that an accelerator's short steps expose."""
     graphdef, state = nnx.split((model, optimizer))
     return graphdef, nnx.to_pure_dict(state)
 
@@ -201,8 +201,8 @@ def _zero_norm(grads: nnx.State) -> jax.Array:
 
 # The same step, compiled once for fixed shapes. Tree mode (graph=False) treats the model and
 # optimizer as plain pytrees: no shared references here, and it skips the graph traversal
-# that costs graph mode ~15% per call (the Flax performance guide's advice). Their buffers are
-# donated and updated in place (~6% at batch 512): arrays taken from the model or optimizer
+# that graph mode pays at every call (the Flax performance guide's advice). Their buffers are
+# donated and updated in place, with no copy of the state: arrays taken from the model or optimizer
 # before a call are invalid after it; copy them first if you need them.
 jit_train_step = nnx.jit(train_step, graph=False, static_argnames="config", donate_argnums=(0, 1))
 
@@ -303,7 +303,7 @@ def chunk_steps(
 
             x, y = ensemble.batch_for(batch, order, aug_key)
             # Only the last step's metrics leave the chunk, so only it computes the gradient
-            # norm (1.29x faster at batch 32).
+            # norm (a further pass over every gradient, which small batches feel).
             log = i == count - 1 if fused else True
             metrics = step_fn(model, opt, x, y, config, log)
             sums = {name: total + metrics[name] for name, total in sums.items()}
@@ -328,7 +328,7 @@ def make_train_chunk(
     """Compile `count` steps (`chunk_steps`) into one call: the default, fastest training path.
 
     With `config.fused_steps=False` each call runs one step (the host loops): XLA's CPU backend
-    runs convolutions inside a loop body about 10x slower than at top level, so the CNN uses it.
+    runs convolutions inside a loop body far slower than at top level, so the CNN uses it.
 
     The state buffers are donated (updated in place). `sums` (every metric summed since the
     last logged row) goes in and comes out with this call's steps added, and so do the last

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The performance issue's GPU measurements in one command (290 s on one H200, 2026-12-04):
+# docs/performance.md's GPU measurements in one command:
 #
 #   bash scripts/gpu_benchmark.sh   # after `bash scripts/stage_gpu_run.sh` staged .whl/ and .data/
 #

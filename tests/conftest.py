@@ -29,7 +29,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def pytest_configure(config: pytest.Config) -> None:
     """JAX's persistent compilation cache, in pytest's cache directory: a second run of the
-    tests compiles little (the fast tier took 31 s instead of 64-76 s; from an empty cache it
+    tests compiles little (much of the fast tier's time is compiling; from an empty cache it
     takes as long as without one). `--cache-clear` empties it; tests' own `main.py` processes
     keep their own --compilation_cache."""
     if getattr(config, "cache", None) is None:  # -p no:cacheprovider

@@ -371,8 +371,8 @@ def saved_at(workdir, step):
 
 @pytest.mark.slow
 def test_the_time_floor_spaces_saves_and_bounds_what_a_kill_loses(tmp_path):
-    """Saves due every 5 steps (~15 ms; without a floor each starts when the last is written,
-    0.1-1 s apart here) but at least FLOOR s apart: each starts FLOOR s after the last, or once
+    """Saves due every 5 steps (milliseconds; without a floor each starts when the last is
+    written) but at least FLOOR s apart: each starts FLOOR s after the last, or once
     the last is written if that took longer (then up to SLACK, or that save's own writing time
     on a loaded machine, for the next due step and the save's start), and a
     SIGKILL at a random moment loses what was trained since the newest complete save began:
@@ -406,7 +406,7 @@ def test_the_time_floor_spaces_saves_and_bounds_what_a_kill_loses(tmp_path):
     assert np.diff(began).min() >= 0.9 * floor, began  # never sooner than the floor
     # Nor much later than the floor or the write: then SLACK for the next due step and the
     # save's start (the last save's finalizing, Orbax's synchronous part), CPU work like the
-    # writing itself, so as slow as that save's writing on a loaded machine (3 s on 2 busy cores).
+    # writing itself, so as slow as that save's writing on a loaded machine (seconds).
     start = np.maximum(slack, writing[1:])
     due = np.maximum(floor, writing[:-1]) + start
     assert all(np.diff(began) <= due), (began, writing)
@@ -414,9 +414,9 @@ def test_the_time_floor_spaces_saves_and_bounds_what_a_kill_loses(tmp_path):
 
 
 def test_the_time_floor_counts_from_when_the_last_save_began():
-    """Orbax dates a step when its synchronous part ends (1.3-2.4 s after the save began on
-    a loaded machine): counted from there, a save due 2.1 s after the last one began was
-    skipped and the saves drifted apart by that part (the slow test above once saw 2.1 s)."""
+    """Orbax dates a step when its synchronous part ends (seconds after the save began on a
+    loaded machine): counted from there, a save due just past the floor after the last one
+    began was skipped and the saves drifted apart by that part (as the slow test above saw)."""
     floor = checkpoint._TimeFloor(minimum_interval_secs=2.0)
     began = datetime.datetime.now(datetime.UTC)
     floor.began = (5, began)

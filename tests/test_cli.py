@@ -126,7 +126,7 @@ if sys.argv[1:]:
 def test_a_finished_command_leaves_without_the_interpreters_teardown(
     args, status, last_line, tmp_path
 ):
-    """The exit status and every line of output stay; only the ~1 s teardown is skipped."""
+    """The exit status and every line of output stay; only the interpreter's teardown is skipped."""
     args = (*args, f"--workdir={tmp_path / 'w'}") if "--report=none" in args else args
     result = subprocess.run(
         [sys.executable, "-c", WITH_FINALISER, *args],

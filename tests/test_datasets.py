@@ -400,7 +400,7 @@ def test_a_header_declaring_more_than_a_compressed_member_holds_is_refused(tmp_p
 
 
 def test_more_class_names_than_supported_are_one_line(tmp_path):
-    """2,000,000 names trained, wrote 2.7 GB and failed in the confusion matrix."""
+    """Millions of names trained, wrote gigabytes and failed in the confusion matrix."""
     directory = write_arrays(tmp_path / "d")
     names = "\n".join(f"c{k}" for k in range(datasets.MAX_CLASSES + 1))
     (directory / "classes.txt").write_text(names)

@@ -9,6 +9,7 @@ import importlib.util
 import pathlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from typing import Any
@@ -27,6 +28,10 @@ FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 INLINE_CODE = re.compile(r"`([^`\n]+)`")
 HELP_FLAG = re.compile(r"^\s+--(?:\[no\])?([\w.]+):", re.M)
+# What says how the work went rather than what the software does: "stop 12" (a unit after the
+# number is a duration or a count: "stop 2 s after") and a word that names a commit.
+WORK_STEP = re.compile(r"\bstop \d+\b(?!\s*(?:s|ms|seconds?|minutes?|steps?)\b)", re.I)
+HEX_WORD = re.compile(r"\b[0-9a-f]{7,40}\b")
 
 
 def code_blocks(text: str) -> list[str]:
@@ -136,7 +141,7 @@ def unknown_flags(args: list[str], known: set[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def help_flags() -> set[str]:
-    """Every flag `main.py --help` lists (one process, about 2 s)."""
+    """Every flag `main.py --help` lists (one process for the module)."""
     out = subprocess.run(
         [sys.executable, str(REPO / "main.py"), "--help"],
         cwd=REPO,
@@ -148,6 +153,74 @@ def help_flags() -> set[str]:
     flags = set(HELP_FLAG.findall(out))
     assert {"steps", "workdir", "mode", "config"} <= flags, out[:2000]
     return flags
+
+
+def git_repo() -> pathlib.Path | None:
+    """This checkout's git directory's work tree, when git is installed and REPO is one (not a
+    copy of the files, where commits cannot be looked up)."""
+    if shutil.which("git") is None:
+        return None
+    top = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--show-toplevel"], capture_output=True, text=True
+    )
+    if top.returncode or pathlib.Path(top.stdout.strip()).resolve() != REPO:
+        return None
+    return REPO
+
+
+def commits_named(words: list[str], repo: pathlib.Path) -> set[str]:
+    """The words that git resolves to a commit of `repo` (one `git cat-file` for all)."""
+    if not words:
+        return set()
+    found = subprocess.run(
+        ["git", "-C", str(repo), "cat-file", "--batch-check"],
+        input="".join(f"{word}^{{commit}}\n" for word in words),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    # "<sha> commit <size>" for a commit; "<word>^{commit} missing" (or ambiguous) otherwise
+    return {word for word, line in zip(words, found, strict=True) if line.split()[1] == "commit"}
+
+
+def diary_entries(texts: dict[str, str], repo: pathlib.Path | None) -> list[str]:
+    """Each "stop N" and each commit hash of `repo` in `texts` (name -> text), as name: match."""
+    entries = [
+        f"{name}: {m.group()!r}" for name, text in texts.items() for m in WORK_STEP.finditer(text)
+    ]
+    if repo is not None:
+        words = sorted({w for text in texts.values() for w in HEX_WORD.findall(text)})
+        commits = commits_named(words, repo)
+        entries += [
+            f"{name}: commit {word}"
+            for name, text in texts.items()
+            for word in sorted(set(HEX_WORD.findall(text)) & commits)
+        ]
+    return entries
+
+
+def test_no_page_or_module_keeps_a_diary_of_the_work() -> None:
+    """The docs, the README and the package say what the software does: no "stop N" and no
+    hash of one of this repository's commits (their history is in git)."""
+    files = [*PAGES, *sorted((REPO / "fmnist_flax").rglob("*.py"))]
+    texts = {str(path.relative_to(REPO)): path.read_text() for path in files}
+    assert diary_entries(texts, git_repo()) == []
+
+
+def test_the_diary_check_catches_a_step_and_a_commit() -> None:
+    assert diary_entries({"a.md": "As stop 44 found, ..."}, None) == ["a.md: 'stop 44'"]
+    calm = "Ctrl-C makes the run stop 2 s later; stop 3 steps on; md5 8d4fb7e6c68d591d; 2147483647"
+    assert diary_entries({"a.md": calm}, git_repo()) == []
+    repo = git_repo()
+    if repo is None:
+        return  # a copy of the files, or no git: only the "stop N" part can be checked
+    head = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--short=9", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert diary_entries({"b.py": f"# fixed in {head}, see"}, repo) == [f"b.py: commit {head}"]
 
 
 def test_the_readme_is_a_landing_page() -> None:

@@ -54,7 +54,7 @@ def rows_of(workdir):
 def ensemble(tmp_path_factory):
     """Three members on their own data, member 2 at its own rate: 100 steps, saves at 45, 90
     and 100. Shared read-only; the tests that use it are in the slow tier (it trains 300
-    member-steps and compiles the passes: ~11 s from an empty compilation cache)."""
+    member-steps and compiles the passes)."""
     workdir = tmp_path_factory.mktemp("ensemble") / "w"
     return workdir, train.train_and_evaluate(ensemble_config(), workdir)
 

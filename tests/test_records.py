@@ -235,7 +235,7 @@ def test_edited_labels_are_checked_as_they_are_before_any_cast(tmp_path, label, 
 
 
 def test_more_shards_than_examples_are_refused_and_nothing_written(tmp_path):
-    """--shards=100000 on 6,000 examples wrote 200,002 files (25 GB), most of them empty."""
+    """--shards=100000 on 6,000 examples wrote 200,002 files (gigabytes), most of them empty."""
     with pytest.raises(UserError, match=r"--shards=13 is more than the 12 examples of the test "):
         small_set(tmp_path, shards=13)
     assert list(tmp_path.iterdir()) == []
@@ -431,12 +431,11 @@ def test_ten_times_the_records_train_in_the_same_memory(tmp_path, real_dataset, 
     """600,000 records (470 MB of files) train 200 steps with a peak RSS within 10% of the
     same run on the 60,000: only labels (4 bytes each) and the batches in flight are held.
     Neither run uses the compilation cache: both compile all they run (compiling costs
-    60-120 MB; with the cache, whichever run found fewer programs compiled by earlier tests
-    held that much more, and a clean clone's suite failed on it at 11%). Blocks of 2,048
-    examples: how many blocks are alive at the peak (each read, assembled and placed) depends
-    on the threads' timing, and at the default 16,384 (13 MB a copy) that alone moved either
-    run's peak by 50-70 MB on a busy machine, the bound's whole margin (a clean clone: 677
-    against 748 MB); at 2,048 the peaks lay within 9 MB of each other."""
+    memory; with the cache, whichever run found fewer programs compiled by earlier tests
+    held that much more, past the bound). Blocks of 2,048 examples: how many blocks are
+    alive at the peak (each read, assembled and placed) depends on the threads' timing, and
+    at the default 16,384 that alone could move either run's peak by the bound's whole margin
+    on a busy machine; at 2,048 it moves the peaks far less."""
     big = dataclasses.replace(
         real_dataset,
         train_images=ShiftedCopies(real_dataset.train_images, 10),
@@ -497,7 +496,7 @@ def test_prepare_on_a_full_disk_is_one_line_and_keeps_nothing(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_prepare_stopped_by_a_signal_removes_its_files_and_says_so(tmp_path, signum):
-    """SIGTERM left a 53 MB temporary directory; SIGINT said "checkpoints saved so far are
+    """SIGTERM left its temporary directory behind; SIGINT said "checkpoints saved so far are
     kept". Signalled while it writes (its temporary directory there): one line, 128 + signal."""
     process = subprocess.Popen(
         [sys.executable, str(REPO / "main.py"), "--mode=prepare", f"--output={tmp_path / 'rec'}"],

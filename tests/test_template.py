@@ -157,11 +157,19 @@ STEP = re.compile(
 
 
 def recipe(name: str) -> str:
-    """The text of the guide's section `## name`."""
-    text = GUIDE.read_text()
-    start = text.index(f"## {name}")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end > 0 else None]
+    """The text of the guide's section whose heading (any level) starts with `name`, up to the
+    next heading of its level or above; `#` lines inside code blocks are not headings."""
+    lines = GUIDE.read_text().splitlines(keepends=True)
+    fenced, start, level = False, None, 0
+    for i, line in enumerate(lines):
+        fenced = fenced != line.startswith("```")
+        heading = None if fenced else re.match(r"(#+) ", line)
+        if heading and start is None and line[heading.end() :].startswith(name):
+            start, level = i, len(heading[1])
+        elif heading and start is not None and len(heading[1]) <= level:
+            return "".join(lines[start:i])
+    assert start is not None, f"docs/extending.md has no heading {name!r}"
+    return "".join(lines[start:])
 
 
 def follow(section: str, root: pathlib.Path, **values: str) -> list[subprocess.CompletedProcess]:
