@@ -89,8 +89,9 @@ def restore_model(
     run, `member` picks what the model is (`ensemble.select_member`); `ema`: the model with
     its EMA as parameters (`ema.averaged`; `--ema`). On a `mesh` the
     parameters are read straight into the saved run's layout over it, whatever the device and
-    process count of the run that saved them. Every problem is a one-line UserError, raised
-    before anything compiles, naming the workdir as `flag`.
+    process count of the run that saved them. The installed modules of the saved
+    config.imports are imported (`config.import_recorded`). Every problem is a one-line
+    UserError, raised before anything compiles, naming the workdir as `flag`.
     """
     path = pathlib.Path(workdir).expanduser()
     try:
@@ -161,7 +162,8 @@ def _restore_best(checkpoints: Checkpoints, compute_dtype, mesh, flag) -> tuple:
         try:
             return _restore_model(checkpoints, step, compute_dtype, mesh, flag)
         except UserError as exc:  # damaged: its config item, or its arrays
-            if step == ranked[-1] or isinstance(exc, Unreadable | restore.ShapeMismatch):
+            refused = Unreadable | restore.ShapeMismatch | config_lib.NotInstalled
+            if step == ranked[-1] or isinstance(exc, refused):
                 raise
             logging.warning("%s; using the next best checkpoint", exc)
     raise AssertionError("unreachable")
@@ -197,6 +199,8 @@ def _restore_model(
     if saved is None:
         raise UserError(f"{flag} {path}: no checkpoint has an intact saved config")
     config = config_lib.with_defaults(saved)
+    where = f"checkpoint {chosen} in {checkpoints.directory}"
+    config_lib.import_recorded(config_lib.pending_imports(config.imports, where), where, path)
     info = checkpoints.saved("dataset", chosen)[1] or FASHION_MNIST_INFO
     if compute_dtype is not None and compute_dtype not in model_lib.COMPUTE_DTYPES:
         raise UserError(
@@ -214,8 +218,8 @@ def _restore_model(
     except UserError as exc:  # the saved config's, not a flag's
         said = str(exc).replace("--config.", "config.")
         raise UserError(
-            f"checkpoint {chosen} in {checkpoints.directory}: its saved config builds no model "
-            f"here ({said}); read another step with --step"
+            f"{where}: its saved config builds no model here ({said}); read another step with "
+            "--step"
         ) from None
     if mesh is not None:
         stacked = isinstance(model, ensemble.Ensemble)
