@@ -16,7 +16,7 @@ import zlib
 
 import numpy as np
 import pytest
-from conftest import REPO, assert_one_line_error, run_main
+from conftest import REPO, assert_one_line_error, edit_saved_configs, run_main
 from flax import nnx
 from PIL import Image
 
@@ -219,26 +219,10 @@ def test_predict_mode_classifies_readable_images_and_names_the_rest(
         assert f"{p['class']} (" in result.stdout
 
 
-def name_imports(workdir: pathlib.Path, names: list[str]) -> None:
-    """Edit every checkpoint's saved config to list `names` in its config.imports."""
-    for metadata in workdir.glob("checkpoints/*/config/metadata"):
-        saved = json.loads(metadata.read_text())
-        metadata.write_text(json.dumps({**saved, "imports": names}))
-
-
 def marking_module(directory: pathlib.Path, name: str, ran: pathlib.Path) -> pathlib.Path:
     """A module `name`.py in `directory` whose import creates the file it returns."""
     (directory / f"{name}.py").write_text(f"import pathlib\npathlib.Path({str(ran)!r}).touch()\n")
     return ran
-
-
-@pytest.fixture
-def forget_modules():
-    """Names of modules a test imports, removed from sys.modules after it."""
-    names: list[str] = []
-    yield names
-    for name in names:
-        sys.modules.pop(name, None)
 
 
 def test_a_checkpoint_imports_installed_modules_only_never_the_workdirs_or_the_cwds(
@@ -259,7 +243,7 @@ def test_a_checkpoint_imports_installed_modules_only_never_the_workdirs_or_the_c
     for entry in (str(site), str(here), str(workdir), ""):  # as `python -m` or PYTHONPATH=.
         monkeypatch.syspath_prepend(entry)
     for name in ("in_workdir", "in_cwd"):
-        name_imports(workdir, ["installed_plug_in", name])
+        edit_saved_configs(workdir, imports=["installed_plug_in", name])
         with pytest.raises(UserError) as refused:
             load_model(workdir)
         assert f"names config.imports {name}, not found among the installed modules" in str(
@@ -267,7 +251,7 @@ def test_a_checkpoint_imports_installed_modules_only_never_the_workdirs_or_the_c
         )
         assert f"pass --config.imports=\"('{name}',)\"" in str(refused.value)
     assert not any(path.exists() for path in ran.values())
-    name_imports(workdir, ["installed_plug_in"])
+    edit_saved_configs(workdir, imports=["installed_plug_in"])
     capsys.readouterr()
     load_model(workdir)
     assert capsys.readouterr().out == (
@@ -286,7 +270,7 @@ def test_eval_inside_a_workdir_never_runs_a_module_its_checkpoint_names(workdir,
     is the user's to run."""
     copy = tmp_path / "w"
     shutil.copytree(workdir, copy)
-    name_imports(copy, ["this", "evil_mod"])
+    edit_saved_configs(copy, imports=["this", "evil_mod"])
     ran = marking_module(copy, "evil_mod", tmp_path / "evil_mod.ran")
     command = [sys.executable, "-m", "fmnist_flax", "--mode=eval", "--workdir=."]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
