@@ -361,7 +361,7 @@ def step_flag() -> int | str | None:
     value = _STEP.value
     if value is None or value == checkpoint.BEST:
         return value
-    if not value.isdigit():
+    if not errors.is_digits(value):
         fail(f"--step={value} must be a step number or 'best'", 2)
     return int(value)
 

@@ -30,6 +30,12 @@ def is_whole(value: object, least: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
+def is_digits(text: str) -> bool:
+    """Whether `text` is a whole number in ASCII digits, as `int` reads it: `str.isdigit`
+    also accepts '²' and the like, which `int` refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def error_line(message: str) -> None:
     """How every user-facing error reaches the terminal: one line on stderr (a line break
     inside a library's message joins the line)."""

@@ -265,7 +265,7 @@ def load_model(
 def class_names(workdir: str | os.PathLike, step: int | None = None) -> tuple[str, ...]:
     """The class names of the dataset a workdir's model was trained on (its newest step)."""
     directory = checkpoint_dir(workdir)
-    steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
+    steps = sorted(int(p.name) for p in directory.glob("*") if errors.is_digits(p.name))
     if not steps:
         raise UserError(f"--workdir {workdir} has no checkpoints; train there first")
     info = saved_item(directory, steps[-1] if step is None else step, "dataset")

@@ -109,13 +109,26 @@ def set_aside(checkpoints: Checkpoints, step: int, reason: str) -> None:
         logging.warning("checkpoint %d is damaged (%s); using an older one", step, reason)
         return
     directory = checkpoints.directory
-    damaged = directory.parent / DAMAGED_DIR / str(step)
-    damaged.parent.mkdir(exist_ok=True)
-    copy = 1
-    while damaged.exists():
-        damaged = damaged.with_name(f"{step}.{copy}")
-        copy += 1
-    shutil.move(directory / str(step), damaged)
+    aside = directory.parent / DAMAGED_DIR
+    damaged = aside / str(step)
+    try:
+        aside.mkdir(exist_ok=True)
+        copy = 1
+        while damaged.exists():
+            damaged = damaged.with_name(f"{step}.{copy}")
+            copy += 1
+        shutil.move(directory / str(step), damaged)
+    except OSError as exc:  # a file where the directory goes, no permission, no space
+        problem, fix = (
+            ("is a file", "move that file away")
+            if aside.is_file()
+            else (f"cannot be written ({exc.strerror})", "make it writable")
+        )
+        raise UserError(
+            f"checkpoint {step} in {directory} is damaged ({reason}) and cannot be moved aside: "
+            f"{aside} {problem}; {fix} and run the same command again to resume from the step "
+            "before"
+        ) from None
     checkpoints.forget_score(step)
     checkpoints.reload()
     logging.warning(

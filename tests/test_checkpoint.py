@@ -163,6 +163,28 @@ def test_every_step_damaged_is_one_line_and_the_finished_run_is_kept(trained, tm
 
 
 @pytest.mark.usefixtures("quick_verdicts")
+def test_a_file_where_damaged_steps_go_is_one_line_and_moves_nothing(trained, tmp_path):
+    """It was a FileExistsError traceback."""
+    workdir = tmp_path / "w"
+    shutil.copytree(trained[0], workdir)
+    (workdir / "checkpoints" / "200" / "progress" / "metadata").write_text("null")
+    (workdir / checkpoint.DAMAGED_DIR).write_text("mine")
+    writer = checkpoint.Checkpoints(workdir)
+    try:
+        with pytest.raises(UserError) as refused:
+            restore.restore(writer, {"progress": None})
+    finally:
+        writer.close()
+    assert str(refused.value) == (
+        f"checkpoint 200 in {workdir / 'checkpoints'} is damaged (its progress item is null, "
+        f"not a JSON object) and cannot be moved aside: {workdir / checkpoint.DAMAGED_DIR} is a "
+        "file; move that file away and run the same command again to resume from the step before"
+    )
+    assert (workdir / checkpoint.DAMAGED_DIR).read_text() == "mine"
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["100", "200"]
+
+
+@pytest.mark.usefixtures("quick_verdicts")
 def test_damaged_latest_checkpoint_falls_back_with_one_warning(trained, tmp_path, caplog):
     workdir = tmp_path / "w"
     shutil.copytree(trained[0], workdir)
