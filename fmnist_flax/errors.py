@@ -1,6 +1,7 @@
 """The one exception type for mistakes a user can fix; the CLI prints it as one line.
 
-FMNIST_FLAX_DEBUG=1 (or main.py's --debug) adds the full traceback above every error line.
+FMNIST_FLAX_DEBUG=1 (or main.py's --debug) adds the full traceback above every error line;
+FMNIST_FLAX_DEBUG=0 or false leaves it out.
 """
 
 import os
@@ -9,6 +10,7 @@ import sys
 import traceback
 
 DEBUG_VARIABLE = "FMNIST_FLAX_DEBUG"
+FALSE_WORDS = ("", "0", "false", "f", "no", "n", "off")  # what turns the variable off
 REASON_CHARS = 240  # a library's reason longer than this is shortened at a boundary
 QUOTE_CHARS = 60  # how much of a value (a field's, a JSON item's) an error line quotes
 ELLIPSIS = " ..."  # where a shortened text leaves something out
@@ -48,10 +50,10 @@ def warning_line(message: str) -> None:
 
 
 def debugging() -> bool:
-    """Whether errors come with their full traceback: FMNIST_FLAX_DEBUG set (not 0), or
-    --debug on the command line, read from sys.argv: a flag mistake is reported before
-    absl has parsed the flags."""
-    if os.environ.get(DEBUG_VARIABLE, "0") not in ("", "0"):
+    """Whether errors come with their full traceback: FMNIST_FLAX_DEBUG set to anything but
+    a false word (0, false, no, off), or --debug on the command line, read from sys.argv: a
+    flag mistake is reported before absl has parsed the flags."""
+    if os.environ.get(DEBUG_VARIABLE, "").strip().lower() not in FALSE_WORDS:
         return True
     wanted = False
     for arg in sys.argv[1:]:

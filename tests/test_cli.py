@@ -329,7 +329,11 @@ def test_a_long_reason_is_shortened_between_words_keeping_its_cause():
         (["--debug=false"], "", False),
         (["--debug", "--nodebug"], "", False),
         ([], "1", True),
+        ([], "true", True),
         ([], "0", False),
+        ([], "false", False),
+        ([], " False ", False),
+        ([], "off", False),
     ],
 )
 def test_debug_is_the_flag_or_the_environment_variable(argv, variable, wanted, monkeypatch):
