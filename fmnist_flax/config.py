@@ -23,7 +23,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from fmnist_flax import optimizer, task
-from fmnist_flax.errors import QUOTE_CHARS, UserError, clip
+from fmnist_flax.errors import QUOTE_CHARS, UserError, clip, is_whole
 from fmnist_flax.model import COMPUTE_DTYPES
 from fmnist_flax.parallel import PARAM_SHARDINGS, check_mesh_config, say
 
@@ -164,6 +164,11 @@ def _one_of(flag: str, value: object, choices: tuple[str, ...]) -> None:
         raise UserError(f"{flag}={value!r} is not one of {', '.join(choices)}")
 
 
+def _whole(value: object, least: int, most: int) -> bool:
+    """A whole number in least..most; `True` is not one (a config file's `steps = True`)."""
+    return is_whole(value, least) and value <= most
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     """Raise UserError naming the first generic field whose value cannot work."""
     import_modules(config.imports)
@@ -173,30 +178,30 @@ def validate(config: ml_collections.ConfigDict) -> None:
     check_mesh_config(config.mesh)
     _one_of("--config.input_pipeline", config.input_pipeline, INPUT_PIPELINES)
     for name in POSITIVE_FIELDS:
-        if not 1 <= config[name] <= MAX_COUNT:
+        if not _whole(config[name], 1, MAX_COUNT):
             raise UserError(f"--{name}={config[name]} must be a whole number in 1..{MAX_COUNT:,}")
     if not 0 <= config.checkpoint_min_interval_secs < MAX_COUNT:
         raise UserError(
             f"--config.checkpoint_min_interval_secs={config.checkpoint_min_interval_secs} must "
             "be a number of seconds >= 0 (0: save every --checkpoint_every steps)"
         )
-    if not 0 <= config.eval_examples <= MAX_COUNT:
+    if not _whole(config.eval_examples, 0, MAX_COUNT):
         raise UserError(
             f"--config.eval_examples={config.eval_examples} must be 0 (the whole test set) or a "
             "number of examples"
         )
-    if not 0 <= config.eval_every <= MAX_COUNT:
+    if not _whole(config.eval_every, 0, MAX_COUNT):
         raise UserError(
             f"--config.eval_every={config.eval_every} must be 0 (each epoch) or a number of steps"
         )
-    if not 0 <= config.seed <= MAX_SEED:
+    if not _whole(config.seed, 0, MAX_SEED):
         raise UserError(f"--seed={config.seed} must be a whole number in 0..{MAX_SEED:,}")
     optimizer.check_config(config.optimizer, config.steps)
     if not 0 <= config.label_smoothing < 1:
         raise UserError(f"--config.label_smoothing={config.label_smoothing} must be in [0, 1)")
     task.check_test_set_metrics(config.test_set_metrics)
     for name, least in (("workers", 0), ("block_examples", 1), ("prefetch", 1)):
-        if not least <= config.grain[name] <= MAX_COUNT:
+        if not _whole(config.grain[name], least, MAX_COUNT):
             raise UserError(
                 f"--config.grain.{name}={config.grain[name]} must be a whole number >= {least}"
             )

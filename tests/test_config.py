@@ -26,6 +26,10 @@ def test_default_config_has_the_codelab_values():
         ("steps", 10**19, "--steps=10000000000000000000 must be a whole number in 1.."),
         ("batch_size", 0, "--batch_size=0 must be a whole number in 1.."),
         ("log_every", 0, "--log_every=0 must be a whole number in 1.."),
+        ("steps", True, "--steps=True must be a whole number in 1.."),  # it trained 1 step
+        ("seed", True, "--seed=True must be a whole number in 0.."),
+        ("eval_every", True, "--config.eval_every=True must be 0 "),
+        ("grain.prefetch", True, "--config.grain.prefetch=True must be a whole number >= 1"),
         ("seed", -1, "--seed=-1 must be a whole number in 0..4,294,967,295"),
         ("seed", 2**32, "--seed=4294967296 must be a whole number in 0.."),
         ("optimizer.learning_rate", 0.0, "--learning_rate=0.0 must be positive"),
