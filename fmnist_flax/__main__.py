@@ -2,4 +2,5 @@
 
 from fmnist_flax import cli
 
-cli.run()
+if __name__ == "__main__":  # imported (by a tool, a test), it runs nothing
+    cli.run()

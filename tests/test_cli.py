@@ -103,6 +103,21 @@ def test_only_ascii_digits_make_a_step_or_member_number():
         ensemble.parse_member("²")
 
 
+@pytest.mark.slow
+def test_importing_the_package_main_runs_nothing(tmp_path):
+    """It ran the whole CLI: a training run, or "flag 'config' is defined twice"."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import fmnist_flax.__main__"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
+    assert list(tmp_path.iterdir()) == []
+
+
 TOO_LONG = "x" * 300  # one name past every common filesystem's limit of 255 bytes
 
 
