@@ -347,7 +347,12 @@ def import_modules(names: Any) -> None:
     for name in names:
         try:
             importlib.import_module(name)
-        except Exception as exc:  # an ImportError, or whatever the module raised
+        except (Exception, SystemExit) as exc:  # an ImportError, whatever the module raised
+            if isinstance(exc, SystemExit):  # it would end the run with no line
+                raise UserError(
+                    f"--config.imports: importing {name!r} called sys.exit({exc.code!r}); a "
+                    "module of config.imports must not exit"
+                ) from None
             raise UserError(
                 f"--config.imports: importing {name!r} failed ({type(exc).__name__}: {exc}); "
                 "put the module on PYTHONPATH or beside main.py"

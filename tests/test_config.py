@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from conftest import load_config
 
@@ -47,3 +49,16 @@ def test_bad_values_are_refused_with_one_line(field, value, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(")) as exc:
         config_lib.validate(config)
     assert "\n" not in str(exc.value)
+
+
+def test_a_module_of_config_imports_that_exits_is_one_line(tmp_path, monkeypatch):
+    """sys.exit in a plug-in ended the run with no line (exit status 0 or its code)."""
+    (tmp_path / "exiting_plug_in.py").write_text("import sys\n\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "exiting_plug_in", raising=False)
+    with pytest.raises(UserError) as refused:
+        config_lib.import_modules(("exiting_plug_in",))
+    assert str(refused.value) == (
+        "--config.imports: importing 'exiting_plug_in' called sys.exit(3); a module of "
+        "config.imports must not exit"
+    )
