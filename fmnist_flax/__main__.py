@@ -2,4 +2,5 @@
 
 from fmnist_flax import launch
 
-launch.main()
+if __name__ == "__main__":  # imported (by a tool, a test), it runs nothing
+    launch.main()

@@ -553,9 +553,9 @@ def prepare_directory(directory: pathlib.Path) -> None:
             " pick a --workdir you can write to"
         ) from None
     for path in sorted(directory.iterdir()):
-        if path.name.isdigit() and path.is_dir():
+        if errors.is_digits(path.name) and path.is_dir():
             check_readable(path)
-        if not path.name.isdigit() or (path / STEP_MARKER).exists():
+        if not errors.is_digits(path.name) or (path / STEP_MARKER).exists():
             continue
         if half_deleted(path):  # a kill while Orbax was removing a rotated-away step
             shutil.rmtree(path, ignore_errors=True)  # every process of a run may try
@@ -580,7 +580,7 @@ def complete_steps(directory: pathlib.Path) -> list[int]:
         return sorted(
             int(p.name)
             for p in directory.iterdir()
-            if p.name.isdigit() and (p / STEP_MARKER).exists()
+            if errors.is_digits(p.name) and (p / STEP_MARKER).exists()
         )
     except OSError:
         return []

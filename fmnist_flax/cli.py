@@ -366,13 +366,15 @@ def step_flag() -> int | str | None:
     value = _STEP.value
     if value is None or value == checkpoint.BEST:
         return value
-    if not value.isdigit():
+    if not errors.is_digits(value):
         fail(f"--step={value} must be a step number or 'best'", 2)
     return int(value)
 
 
 def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
-    """Every mode but training: benchmark, prepare, evaluate, predict or export."""
+    """Every mode but training: benchmark, prepare, evaluate, predict or export. The modules of
+    the command line's config.imports come first: a run's checkpoints may need them."""
+    config_lib.import_modules(config.imports)
     if mode == "benchmark":
         run_benchmark(config)
     elif mode == "prepare":
@@ -420,7 +422,6 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
 
 def prepare(config: ml_collections.ConfigDict) -> None:
     """--mode=prepare: the config's dataset as record files in --output (records.py)."""
-    config_lib.import_modules(config.imports)  # a source of the project's own
     if not _OUTPUT.value:
         raise UserError("--mode=prepare needs --output=DIR, a new directory for the record files")
     if config.dataset.name == "records":

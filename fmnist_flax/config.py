@@ -8,9 +8,15 @@ fields by `datasets.get`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.util
 import json
 import math
+import os
+import pathlib
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import ml_collections
@@ -18,9 +24,9 @@ import numpy as np
 from ml_collections import config_dict
 
 from fmnist_flax import optimizer, task
-from fmnist_flax.errors import UserError
+from fmnist_flax.errors import QUOTE_CHARS, UserError, clip, is_whole
 from fmnist_flax.model import COMPUTE_DTYPES
-from fmnist_flax.parallel import PARAM_SHARDINGS, check_mesh_config
+from fmnist_flax.parallel import PARAM_SHARDINGS, check_mesh_config, say
 
 REPORT_CHOICES = ("full", "basic", "none")
 INPUT_PIPELINES = ("device", "grain")
@@ -35,7 +41,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.seed = 0  # data shuffle and parameter init
     # Modules of your project imported before anything else is checked (e.g. ("my_models",)):
     # what they register (models, datasets, optimizers, schedules, metrics) is then usable here,
-    # with no edit to the template. Saved with the run, so eval and predict import them too.
+    # with no edit to the template. Saved with the run; eval, predict and export import those
+    # installed, never a file of the workdir or the current directory (docs/checkpoints.md).
     config.imports = ()
     config.dataset = ml_collections.ConfigDict()
     # fashion_mnist | mnist | idx (any four IDX files) | arrays (train.npz, test.npz): any
@@ -158,6 +165,11 @@ def _one_of(flag: str, value: object, choices: tuple[str, ...]) -> None:
         raise UserError(f"{flag}={value!r} is not one of {', '.join(choices)}")
 
 
+def _whole(value: object, least: int, most: int) -> bool:
+    """A whole number in least..most; `True` is not one (a config file's `steps = True`)."""
+    return is_whole(value, least) and value <= most
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     """Raise UserError naming the first generic field whose value cannot work."""
     import_modules(config.imports)
@@ -167,30 +179,30 @@ def validate(config: ml_collections.ConfigDict) -> None:
     check_mesh_config(config.mesh)
     _one_of("--config.input_pipeline", config.input_pipeline, INPUT_PIPELINES)
     for name in POSITIVE_FIELDS:
-        if not 1 <= config[name] <= MAX_COUNT:
+        if not _whole(config[name], 1, MAX_COUNT):
             raise UserError(f"--{name}={config[name]} must be a whole number in 1..{MAX_COUNT:,}")
     if not 0 <= config.checkpoint_min_interval_secs < MAX_COUNT:
         raise UserError(
             f"--config.checkpoint_min_interval_secs={config.checkpoint_min_interval_secs} must "
             "be a number of seconds >= 0 (0: save every --checkpoint_every steps)"
         )
-    if not 0 <= config.eval_examples <= MAX_COUNT:
+    if not _whole(config.eval_examples, 0, MAX_COUNT):
         raise UserError(
             f"--config.eval_examples={config.eval_examples} must be 0 (the whole test set) or a "
             "number of examples"
         )
-    if not 0 <= config.eval_every <= MAX_COUNT:
+    if not _whole(config.eval_every, 0, MAX_COUNT):
         raise UserError(
             f"--config.eval_every={config.eval_every} must be 0 (each epoch) or a number of steps"
         )
-    if not 0 <= config.seed <= MAX_SEED:
+    if not _whole(config.seed, 0, MAX_SEED):
         raise UserError(f"--seed={config.seed} must be a whole number in 0..{MAX_SEED:,}")
     optimizer.check_config(config.optimizer, config.steps)
     if not 0 <= config.label_smoothing < 1:
         raise UserError(f"--config.label_smoothing={config.label_smoothing} must be in [0, 1)")
     task.check_test_set_metrics(config.test_set_metrics)
     for name, least in (("workers", 0), ("block_examples", 1), ("prefetch", 1)):
-        if not least <= config.grain[name] <= MAX_COUNT:
+        if not _whole(config.grain[name], least, MAX_COUNT):
             raise UserError(
                 f"--config.grain.{name}={config.grain[name]} must be a whole number >= {least}"
             )
@@ -338,7 +350,6 @@ def with_defaults(saved: dict[str, Any]) -> ml_collections.ConfigDict:
                 into[key] = value
 
     fill(merged, saved)
-    import_modules(merged["imports"])
     return ml_collections.ConfigDict(merged)
 
 
@@ -352,11 +363,81 @@ def import_modules(names: Any) -> None:
     for name in names:
         try:
             importlib.import_module(name)
-        except Exception as exc:  # an ImportError, or whatever the module raised
+        except (Exception, SystemExit) as exc:  # an ImportError, whatever the module raised
+            if isinstance(exc, SystemExit):  # it would end the run with no line
+                raise UserError(
+                    f"--config.imports: importing {name!r} called sys.exit({exc.code!r}); a "
+                    "module of config.imports must not exit"
+                ) from None
             raise UserError(
                 f"--config.imports: importing {name!r} failed ({type(exc).__name__}: {exc}); "
                 "put the module on PYTHONPATH or beside main.py"
             ) from exc
+
+
+class NotInstalled(UserError):
+    """A module a checkpoint names that only the workdir or the current directory holds."""
+
+
+def pending_imports(names: Any, source: str) -> list[str]:
+    """The modules of a checkpoint's saved config.imports (`source` says which checkpoint)
+    that are not imported yet."""
+    if not isinstance(names, list | tuple) or not all(_is_module_name(n) for n in names):
+        raise UserError(
+            f"{source}: its saved config.imports {clip(repr(names), QUOTE_CHARS)} is not a list "
+            "of module names; read another step with --step"
+        )
+    return [name for name in names if name not in sys.modules]
+
+
+def import_recorded(names: list[str], source: str, workdir: pathlib.Path) -> None:
+    """Import `pending_imports`' modules, each only if it is installed: found on the import
+    path without the current directory and `workdir`. A workdir is data: no file in it or in
+    the current directory runs as code because a checkpoint names it."""
+    if not names:
+        return
+    with _installed_path(workdir):
+        missing = [name for name in names if not _findable(name)]
+        if missing:
+            raise NotInstalled(
+                f"{source} names config.imports {', '.join(missing)}, not found among the "
+                "installed modules; a module in the current directory or the workdir is "
+                "imported only when the command line names it (importing runs its code): if "
+                f'you trust it, pass --config.imports="{tuple(missing)!r}"'
+            )
+        say(
+            f"note: {source} names config.imports {', '.join(names)}; importing them runs "
+            "their code"
+        )
+        import_modules(names)
+
+
+def _is_module_name(name: object) -> bool:
+    return isinstance(name, str) and all(part.isidentifier() for part in name.split("."))
+
+
+def _findable(name: str) -> bool:
+    """Whether the import system finds `name` (its top-level package unless that is imported
+    already), without importing it."""
+    top = name.partition(".")[0]
+    try:
+        return importlib.util.find_spec(name if top in sys.modules else top) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _installed_path(workdir: pathlib.Path) -> Iterator[None]:
+    """sys.path without the entries that are the current directory or `workdir`."""
+    left_out = {os.path.realpath(workdir)}
+    with contextlib.suppress(OSError):  # a removed current directory: '' finds nothing there
+        left_out.add(os.path.realpath(os.getcwd()))
+    saved = list(sys.path)
+    sys.path[:] = [p for p in saved if p and os.path.realpath(p) not in left_out]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -724,6 +724,13 @@ def load_records(data_dir: pathlib.Path) -> Dataset:
     from fmnist_flax import records
 
     info, images, labels = records.read_splits(data_dir)
+    for split in records.SPLITS:  # training would end at its first evaluation
+        if not len(labels[split]):
+            raise UserError(
+                f"{data_dir / records.INFO_FILE}: the {split} split holds no examples; each split "
+                "needs at least one: write the records again with --mode=prepare from a dataset "
+                f"that has {split} examples"
+            )
     check_class_count(
         len(info["class_names"]),
         f"{data_dir / records.INFO_FILE}:",

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from fmnist_flax import optimizer as optimizer_lib
-from fmnist_flax.errors import UserError
+from fmnist_flax.errors import UserError, is_digits
 
 MEMBER_SEPARATOR = "/"  # the column of member k's metric `name` (metrics.jsonl, evaluations)
 # On a CPU an ensemble's step runs this many members per device side by side; the members'
@@ -282,7 +282,7 @@ def parse_member(value: str | None) -> int | str | None:
     run)."""
     if value is None or value in (BEST_MEMBER, ENSEMBLE):
         return value
-    if not value.isdigit():
+    if not is_digits(value):
         raise UserError(f"--member={value} must be a member number, 'best' or 'ensemble'")
     return int(value)
 

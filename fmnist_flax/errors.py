@@ -1,6 +1,7 @@
 """The one exception type for mistakes a user can fix; the CLI prints it as one line.
 
-FMNIST_FLAX_DEBUG=1 (or main.py's --debug) adds the full traceback above every error line.
+FMNIST_FLAX_DEBUG=1 (or main.py's --debug) adds the full traceback above every error line;
+FMNIST_FLAX_DEBUG=0 or false leaves it out.
 """
 
 import os
@@ -10,6 +11,7 @@ import sys
 import traceback
 
 DEBUG_VARIABLE = "FMNIST_FLAX_DEBUG"
+FALSE_WORDS = ("", "0", "false", "f", "no", "n", "off")  # what turns the variable off
 REASON_CHARS = 240  # a library's reason longer than this is shortened at a boundary
 QUOTE_CHARS = 60  # how much of a value (a field's, a JSON item's) an error line quotes
 ELLIPSIS = " ..."  # where a shortened text leaves something out
@@ -49,6 +51,12 @@ def is_whole(value: object, least: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
+def is_digits(text: str) -> bool:
+    """Whether `text` is a whole number in ASCII digits, as `int` reads it: `str.isdigit`
+    also accepts '²' and the like, which `int` refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def error_line(message: str) -> None:
     """How every user-facing error reaches the terminal: one line on stderr (a line break
     inside a library's message joins the line)."""
@@ -61,10 +69,10 @@ def warning_line(message: str) -> None:
 
 
 def debugging() -> bool:
-    """Whether errors come with their full traceback: FMNIST_FLAX_DEBUG set (not 0), or
-    --debug on the command line, read from sys.argv: a flag mistake is reported before
-    absl has parsed the flags."""
-    if os.environ.get(DEBUG_VARIABLE, "0") not in ("", "0"):
+    """Whether errors come with their full traceback: FMNIST_FLAX_DEBUG set to anything but
+    a false word (0, false, no, off), or --debug on the command line, read from sys.argv: a
+    flag mistake is reported before absl has parsed the flags."""
+    if os.environ.get(DEBUG_VARIABLE, "").strip().lower() not in FALSE_WORDS:
         return True
     wanted = False
     for arg in sys.argv[1:]:

@@ -38,7 +38,7 @@ from fmnist_flax import (
 from fmnist_flax import model as model_lib
 from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax import workdir as workdir_lib
-from fmnist_flax.errors import UserError, warning_line
+from fmnist_flax.errors import UserError, is_digits, warning_line
 from fmnist_flax.tables import Table
 
 
@@ -414,12 +414,12 @@ def parse_init_from(value: str) -> tuple[str, int | str | None, int | str | None
     """'runs/a' -> ('runs/a', None, None); 'runs/a:200' -> ('runs/a', 200, None);
     'runs/a:best'; an ensemble's member after '@': 'runs/a@3', 'runs/a:200@best'."""
     value, at, member = value.rpartition("@") if "@" in value else (value, "", "")
-    if not at or not (member.isdigit() or member in (ensemble.BEST_MEMBER, ensemble.ENSEMBLE)):
+    if not at or not (is_digits(member) or member in (ensemble.BEST_MEMBER, ensemble.ENSEMBLE)):
         value, member = value + at + member, None
     workdir, _, step = value.rpartition(":")
     member = ensemble.parse_member(member)
-    if workdir and (step.isdigit() or step == checkpoint_lib.BEST):
-        return workdir, int(step) if step.isdigit() else step, member
+    if workdir and (is_digits(step) or step == checkpoint_lib.BEST):
+        return workdir, int(step) if is_digits(step) else step, member
     return value, None, member
 
 

@@ -81,6 +81,7 @@ def restore_model(
     flag: str = "--workdir",
     member: int | str | None = None,
     ema: bool = False,
+    imports: bool = True,
 ) -> tuple[nnx.Module, int, ml_collections.ConfigDict, dict[str, Any]]:
     """Rebuild a workdir's model from its saved config and restore only its parameters.
 
@@ -89,8 +90,10 @@ def restore_model(
     run, `member` picks what the model is (`ensemble.select_member`); `ema`: the model with
     its EMA as parameters (`ema.averaged`; `--ema`). On a `mesh` the
     parameters are read straight into the saved run's layout over it, whatever the device and
-    process count of the run that saved them. Every problem is a one-line UserError, raised
-    before anything compiles, naming the workdir as `flag`.
+    process count of the run that saved them. `imports`: import the installed modules of the
+    saved config.imports (`config.import_recorded`); False (--init_from) builds the model from
+    what is imported already. Every problem is a one-line UserError, raised before anything
+    compiles, naming the workdir as `flag`.
     """
     path = pathlib.Path(workdir).expanduser()
     try:
@@ -110,9 +113,9 @@ def restore_model(
         for attempt in range(READ_ATTEMPTS):  # a live run may rotate the chosen step away
             try:
                 if step == BEST:
-                    restored = _restore_best(checkpoints, compute_dtype, mesh, flag)
+                    restored = _restore_best(checkpoints, compute_dtype, mesh, flag, imports)
                 else:
-                    restored = _restore_model(checkpoints, step, compute_dtype, mesh, flag)
+                    restored = _restore_model(checkpoints, step, compute_dtype, mesh, flag, imports)
                 chosen = ensemble.select_member(restored, member, checkpoints, flag)
                 return _finite(_averaged(chosen, path, flag) if ema else chosen, path, flag)
             except StepVanished as gone:
@@ -167,15 +170,16 @@ def _vanished(path: pathlib.Path) -> UserError:
     )
 
 
-def _restore_best(checkpoints: Checkpoints, compute_dtype, mesh, flag) -> tuple:
+def _restore_best(checkpoints: Checkpoints, compute_dtype, mesh, flag, imports) -> tuple:
     """The model of the best kept evaluated step that can be read; a damaged one is passed
     over with a warning (a reader moves nothing: the training run sets it aside)."""
     ranked = checkpoints.best_steps()
     for step in ranked:
         try:
-            return _restore_model(checkpoints, step, compute_dtype, mesh, flag)
+            return _restore_model(checkpoints, step, compute_dtype, mesh, flag, imports)
         except UserError as exc:  # damaged: its config item, or its arrays
-            if step == ranked[-1] or isinstance(exc, Unreadable | restore.ShapeMismatch):
+            refused = Unreadable | restore.ShapeMismatch | config_lib.NotInstalled
+            if step == ranked[-1] or isinstance(exc, refused):
                 raise
             logging.warning("%s; using the next best checkpoint", exc)
     raise AssertionError("unreachable")
@@ -199,6 +203,7 @@ def _restore_model(
     compute_dtype: str | None,
     mesh: jax.sharding.Mesh | None,
     flag: str,
+    imports: bool,
 ) -> tuple[nnx.Module, int, ml_collections.ConfigDict, dict[str, Any]]:
     path = checkpoints.directory.parent
     steps = _listed_steps(checkpoints)
@@ -211,6 +216,10 @@ def _restore_model(
     if saved is None:
         raise UserError(f"{flag} {path}: no checkpoint has an intact saved config")
     config = config_lib.with_defaults(saved)
+    where = f"checkpoint {chosen} in {checkpoints.directory}"
+    pending = config_lib.pending_imports(config.imports, where)
+    if imports:
+        config_lib.import_recorded(pending, where, path)
     info = checkpoints.saved("dataset", chosen)[1] or FASHION_MNIST_INFO
     if compute_dtype is not None and compute_dtype not in model_lib.COMPUTE_DTYPES:
         raise UserError(
@@ -227,9 +236,16 @@ def _restore_model(
         ema_lib.attach(model, config.ema.decay)  # a place for the average it saved
     except UserError as exc:  # the saved config's, not a flag's
         said = str(exc).replace("--config.", "config.")
+        if pending and not imports:
+            raise UserError(
+                f"{flag}={path}: {where} builds no model here ({said}) without the modules it "
+                f"was trained with, config.imports {', '.join(pending)}; {flag} takes the "
+                "parameters only, the run's code comes from its own config: add them to it, "
+                f'--config.imports="{tuple(pending)!r}"'
+            ) from None
         raise UserError(
-            f"checkpoint {chosen} in {checkpoints.directory}: its saved config builds no model "
-            f"here ({said}); read another step with --step"
+            f"{where}: its saved config builds no model here ({said}); read another step with "
+            "--step"
         ) from None
     if mesh is not None:
         stacked = isinstance(model, ensemble.Ensemble)
@@ -263,7 +279,7 @@ def load_model(
 def class_names(workdir: str | os.PathLike, step: int | None = None) -> tuple[str, ...]:
     """The class names of the dataset a workdir's model was trained on (its newest step)."""
     directory = checkpoint_dir(workdir)
-    steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit())
+    steps = sorted(int(p.name) for p in directory.glob("*") if errors.is_digits(p.name))
     if not steps:
         raise UserError(f"--workdir {workdir} has no checkpoints; train there first")
     info = saved_item(directory, steps[-1] if step is None else step, "dataset")

@@ -127,7 +127,7 @@ def check_process_flags(
 def split_address(address: str) -> tuple[str, int]:
     """'10.0.0.1:1234' -> ('10.0.0.1', 1234); '[::1]:1234' works too."""
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not errors.is_digits(port) or not 0 < int(port) < 65536:
         raise UserError(
             f"--coordinator_address={address!r} must be HOST:PORT of process 0, e.g. 10.0.0.1:1234"
         )

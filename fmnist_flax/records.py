@@ -172,6 +172,11 @@ def write_dataset(dataset: Any, output: str | os.PathLike, shards: int = 4) -> d
     check_output(output, shards)
     smallest = min(SPLITS, key=lambda split: len(getattr(dataset, f"{split}_labels")))
     examples = len(getattr(dataset, f"{smallest}_labels"))
+    if not examples:
+        raise UserError(
+            f"the {smallest} split of {dataset.title} holds no examples; each split needs at "
+            "least one"
+        )
     if shards > examples:  # 100000 shards of 6,000 examples wrote 200,002 files, most empty
         raise UserError(
             f"--shards={shards:,} is more than the {examples:,} examples of the {smallest} split; "

@@ -109,13 +109,26 @@ def set_aside(checkpoints: Checkpoints, step: int, reason: str) -> None:
         logging.warning("checkpoint %d is damaged (%s); using an older one", step, reason)
         return
     directory = checkpoints.directory
-    damaged = directory.parent / DAMAGED_DIR / str(step)
-    damaged.parent.mkdir(exist_ok=True)
-    copy = 1
-    while damaged.exists():
-        damaged = damaged.with_name(f"{step}.{copy}")
-        copy += 1
-    shutil.move(directory / str(step), damaged)
+    aside = directory.parent / DAMAGED_DIR
+    damaged = aside / str(step)
+    try:
+        aside.mkdir(exist_ok=True)
+        copy = 1
+        while damaged.exists():
+            damaged = damaged.with_name(f"{step}.{copy}")
+            copy += 1
+        shutil.move(directory / str(step), damaged)
+    except OSError as exc:  # a file where the directory goes, no permission, no space
+        problem, fix = (
+            ("is a file", "move that file away")
+            if aside.is_file()
+            else (f"cannot be written ({exc.strerror})", "make it writable")
+        )
+        raise UserError(
+            f"checkpoint {step} in {directory} is damaged ({reason}) and cannot be moved aside: "
+            f"{aside} {problem}; {fix} and run the same command again to resume from the step "
+            "before"
+        ) from None
     checkpoints.forget_score(step)
     checkpoints.reload()
     logging.warning(
@@ -135,8 +148,11 @@ def restore(
     """Restore the named items of `step` (default: the newest intact one, no newer than
     `at_most`), or None if none.
 
-    A damaged step is moved aside with a one-line warning and the next older one is tried;
-    a shape mismatch is the user's to fix and is raised, not skipped.
+    A damaged step is passed over for the next older one, and moved aside with a one-line
+    warning once an intact one is found; when every step is damaged nothing is moved and
+    one line names them (a run that trained again from step 0 would replace the finished
+    run's metrics.jsonl and summary.json). A shape mismatch is the user's to fix and is
+    raised, not skipped.
     """
     parallel.sync("restore")  # every process lists the same steps
     checkpoints.reload()
@@ -147,6 +163,7 @@ def restore(
         raise UserError(f"no checkpoint for step {step} in {directory}; it has {steps}")
     if at_most is not None and not candidates and steps:  # all newer: it was rotated away
         raise StepVanished(at_most)
+    damaged: dict[int, str] = {}  # step -> why it cannot be read, newest first
     for candidate in candidates:
         try:
             restored = restore_step(checkpoints, candidate, targets)
@@ -169,10 +186,32 @@ def restore(
                     f"move it to {directory.parent / DAMAGED_DIR} and run the same command "
                     "again to resume from the one before"
                 ) from None
-            set_aside(checkpoints, candidate, reason)
+            damaged[candidate] = reason
             continue
+        for bad, reason in damaged.items():
+            set_aside(checkpoints, bad, reason)
         return {**restored, "step": candidate}
+    if damaged:
+        raise every_step_damaged(checkpoints, damaged)
     return None
+
+
+def every_step_damaged(checkpoints: Checkpoints, damaged: dict[int, str]) -> UserError:
+    """The line for a checkpoints directory none of whose steps can be read: the steps, the
+    newest one's reason and, for a training run, how to start over."""
+    directory = checkpoints.directory
+    steps = sorted(damaged)
+    listed = f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps))}"
+    line = (
+        f"every checkpoint in {directory} is damaged ({listed}; {steps[-1]}: {damaged[steps[-1]]})"
+    )
+    if checkpoints.read_only:
+        return UserError(line)
+    return UserError(
+        f"{line}; nothing was trained, moved or overwritten. To train again from step 0, pass a "
+        f"fresh --workdir, or remove {directory} (this workdir's metrics.jsonl and summary.json "
+        "are then replaced)"
+    )
 
 
 def resume(

@@ -676,7 +676,9 @@ def warm_start(
     parameters and BatchNorm statistics, shapes checked in one line; returns a fresh
     optimizer for it and the step it was loaded from."""
     workdir, step, member = experiment.parse_init_from(config.init_from)
-    source, used, _, _ = inference.restore_model(workdir, step, flag="--init_from", member=member)
+    source, used, _, _ = inference.restore_model(
+        workdir, step, flag="--init_from", member=member, imports=False
+    )
     source = ensemble.from_one_model(source, model, config.init_from, workdir)
     learned = nnx.Any(nnx.Param, nnx.BatchStat)
     loaded = nnx.state(source, learned)

@@ -19,7 +19,7 @@ import flax
 import jax
 import optax
 
-from fmnist_flax.errors import UserError
+from fmnist_flax.errors import UserError, is_digits
 
 RUNS_DIR = pathlib.Path("runs")
 SUMMARY_FILE = "summary.json"
@@ -116,7 +116,7 @@ def is_training_workdir(path: pathlib.Path) -> bool:
     if any((path / name).exists() for name in (*RUN_FILES, "tensorboard")):
         return True
     try:
-        return any(p.name.isdigit() for p in (path / "checkpoints").iterdir())
+        return any(is_digits(p.name) for p in (path / "checkpoints").iterdir())
     except OSError:
         return False
 

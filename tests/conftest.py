@@ -96,6 +96,22 @@ def assert_one_line_error(result: subprocess.CompletedProcess, expected: str) ->
     return lines[0]
 
 
+def edit_saved_configs(workdir: pathlib.Path, **fields) -> None:
+    """Set `fields` in every checkpoint's saved config (a JSON item), as a hand edit would."""
+    for metadata in workdir.glob("checkpoints/*/config/metadata"):
+        saved = json.loads(metadata.read_text())
+        metadata.write_text(json.dumps({**saved, **fields}))
+
+
+@pytest.fixture
+def forget_modules():
+    """Names of modules a test imports, removed from sys.modules after it."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        sys.modules.pop(name, None)
+
+
 EVERY_DUE_SAVE = "--config.checkpoint_min_interval_secs=0"  # no time floor: tests count steps
 
 

@@ -136,6 +136,55 @@ def test_load_model_restores_params_only_in_any_dtype(trained):
 
 
 @pytest.mark.usefixtures("quick_verdicts")
+def test_every_step_damaged_is_one_line_and_the_finished_run_is_kept(trained, tmp_path):
+    """With no intact step the same command does not train again from step 0 over the
+    finished run's outputs: one line names the steps and how to start over; nothing moves."""
+    workdir = tmp_path / "w"
+    shutil.copytree(trained[0], workdir)
+    for step in (100, 200):
+        (workdir / "checkpoints" / str(step) / "model" / "_METADATA").unlink()
+    before = {name: (workdir / name).read_bytes() for name in ("metrics.jsonl", "summary.json")}
+    config = load_config("default")
+    config.update(steps=200, report="none", checkpoint_min_interval_secs=0.0)
+    with pytest.raises(UserError) as refused:
+        train.train_and_evaluate(config, workdir)
+    line = str(refused.value)
+    assert line.startswith(
+        f"every checkpoint in {workdir / 'checkpoints'} is damaged (steps 100, 200; 200: its "
+        "model item has no _METADATA file); nothing was trained, moved or overwritten. To train "
+        "again from step 0, pass a fresh --workdir, or remove "
+    ), line
+    assert "\n" not in line
+    assert {name: (workdir / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["100", "200"]
+    assert not (workdir / checkpoint.DAMAGED_DIR).exists()
+    with pytest.raises(UserError, match=r"is damaged \(steps 100, 200; 200: [^;]*\)$"):
+        load_model(workdir)  # a reader: the same steps, no advice on training
+
+
+@pytest.mark.usefixtures("quick_verdicts")
+def test_a_file_where_damaged_steps_go_is_one_line_and_moves_nothing(trained, tmp_path):
+    """It was a FileExistsError traceback."""
+    workdir = tmp_path / "w"
+    shutil.copytree(trained[0], workdir)
+    (workdir / "checkpoints" / "200" / "progress" / "metadata").write_text("null")
+    (workdir / checkpoint.DAMAGED_DIR).write_text("mine")
+    writer = checkpoint.Checkpoints(workdir)
+    try:
+        with pytest.raises(UserError) as refused:
+            restore.restore(writer, {"progress": None})
+    finally:
+        writer.close()
+    assert str(refused.value) == (
+        f"checkpoint 200 in {workdir / 'checkpoints'} is damaged (its progress item is null, "
+        f"not a JSON object) and cannot be moved aside: {workdir / checkpoint.DAMAGED_DIR} is a "
+        "file; move that file away and run the same command again to resume from the step before"
+    )
+    assert (workdir / checkpoint.DAMAGED_DIR).read_text() == "mine"
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["100", "200"]
+
+
+@pytest.mark.usefixtures("quick_verdicts")
 def test_damaged_latest_checkpoint_falls_back_with_one_warning(trained, tmp_path, caplog):
     workdir = tmp_path / "w"
     shutil.copytree(trained[0], workdir)

@@ -18,7 +18,8 @@ from conftest import REPO, assert_one_line_error, run_main
 from flax import nnx
 from ml_collections import config_flags
 
-from fmnist_flax import cli, errors
+from fmnist_flax import cli, ensemble, errors, experiment
+from fmnist_flax.errors import UserError
 
 
 @pytest.mark.slow
@@ -79,6 +80,44 @@ def test_without_workdir_a_fresh_run_directory_is_made_and_printed(tmp_path):
 )
 def test_bad_flags_exit_non_zero_with_one_line(flag, expected, tmp_path):
     assert_one_line_error(run_main(flag, f"--workdir={tmp_path / 'w'}"), expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (("--mode=eval", "--step=²"), "--step=² must be a step number or 'best'"),
+        (("--mode=predict", "--member=²"), "--member=² must be a member number, 'best' or"),
+        (("--init_from=/nonexistent/run:²",), "--init_from /nonexistent/run:² does not exist"),
+        (("--init_from=/nonexistent/run@²",), "--init_from /nonexistent/run@² does not exist"),
+    ],
+)
+def test_digits_int_refuses_are_no_numbers(flags, expected, tmp_path):
+    """'²' passes str.isdigit and fails int(): each was a ValueError traceback."""
+    assert_one_line_error(run_main(*flags, f"--workdir={tmp_path / 'w'}"), expected)
+
+
+def test_only_ascii_digits_make_a_step_or_member_number():
+    assert errors.is_digits("120") and not errors.is_digits("²") and not errors.is_digits("")
+    assert experiment.parse_init_from("runs/a:²@²") == ("runs/a:²@²", None, None)
+    assert experiment.parse_init_from("runs/a:20@3") == ("runs/a", 20, 3)
+    with pytest.raises(UserError, match="--member=² must be a member number"):
+        ensemble.parse_member("²")
+
+
+@pytest.mark.slow
+def test_importing_the_package_main_runs_nothing(tmp_path):
+    """It ran the whole CLI: a training run, or "flag 'config' is defined twice"."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import fmnist_flax.__main__"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
+    assert list(tmp_path.iterdir()) == []
 
 
 TOO_LONG = "x" * 300  # one name past every common filesystem's limit of 255 bytes
@@ -307,7 +346,11 @@ def test_a_long_reason_is_shortened_between_words_keeping_its_cause():
         (["--debug=false"], "", False),
         (["--debug", "--nodebug"], "", False),
         ([], "1", True),
+        ([], "true", True),
         ([], "0", False),
+        ([], "false", False),
+        ([], " False ", False),
+        ([], "off", False),
     ],
 )
 def test_debug_is_the_flag_or_the_environment_variable(argv, variable, wanted, monkeypatch):

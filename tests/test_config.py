@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from conftest import load_config
 
@@ -26,6 +28,10 @@ def test_default_config_has_the_codelab_values():
         ("steps", 10**19, "--steps=10000000000000000000 must be a whole number in 1.."),
         ("batch_size", 0, "--batch_size=0 must be a whole number in 1.."),
         ("log_every", 0, "--log_every=0 must be a whole number in 1.."),
+        ("steps", True, "--steps=True must be a whole number in 1.."),  # it trained 1 step
+        ("seed", True, "--seed=True must be a whole number in 0.."),
+        ("eval_every", True, "--config.eval_every=True must be 0 "),
+        ("grain.prefetch", True, "--config.grain.prefetch=True must be a whole number >= 1"),
         ("seed", -1, "--seed=-1 must be a whole number in 0..4,294,967,295"),
         ("seed", 2**32, "--seed=4294967296 must be a whole number in 0.."),
         ("optimizer.learning_rate", 0.0, "--learning_rate=0.0 must be positive"),
@@ -43,3 +49,16 @@ def test_bad_values_are_refused_with_one_line(field, value, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(")) as exc:
         config_lib.validate(config)
     assert "\n" not in str(exc.value)
+
+
+def test_a_module_of_config_imports_that_exits_is_one_line(tmp_path, monkeypatch):
+    """sys.exit in a plug-in ended the run with no line (exit status 0 or its code)."""
+    (tmp_path / "exiting_plug_in.py").write_text("import sys\n\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "exiting_plug_in", raising=False)
+    with pytest.raises(UserError) as refused:
+        config_lib.import_modules(("exiting_plug_in",))
+    assert str(refused.value) == (
+        "--config.imports: importing 'exiting_plug_in' called sys.exit(3); a module of "
+        "config.imports must not exit"
+    )

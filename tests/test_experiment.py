@@ -6,14 +6,17 @@ import contextlib
 import json
 import re
 import shutil
+import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_config
+from conftest import edit_saved_configs, load_config
 from flax import nnx
 
 from fmnist_flax import checkpoint, experiment, grain_pipeline, load_model, train
+from fmnist_flax import model as model_lib
 from fmnist_flax.errors import UserError
 from fmnist_flax.model import create_model
 
@@ -336,3 +339,60 @@ def test_sizes_that_cannot_fit_are_one_line_naming_the_field(quick_config):
     quick_config.grain.prefetch = 10_000
     with pytest.raises(UserError, match=r"prefetch=10000 .* keeps 10,002 blocks of 32 steps"):
         experiment.check_grain(quick_config, (28, 28, 1), memory, held)
+
+
+CLAMPING_HOOK = """
+import jax.numpy as jnp
+from flax import nnx
+
+from fmnist_flax.train import after_update
+
+
+@after_update
+def clamp(model, optimizer, config):
+    for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        param.value = jnp.clip(param.value, -1e-3, 1e-3)
+"""
+
+
+def test_init_from_takes_parameters_only_never_the_sources_modules(
+    quick_config, tmp_path, monkeypatch, forget_modules
+):
+    """The new run's behaviour is its own config's: a source trained with a module that adds
+    an update hook lends it no hook (nothing of it is imported); a source whose model only its
+    module builds is refused in one line, until the new run's config imports the module."""
+    quick_config.steps, quick_config.eval_examples = 5, 500
+    base = tmp_path / "base"
+    train.train_and_evaluate(quick_config, base)
+    site = tmp_path / "site"  # installed: on the search path, outside the current directory
+    site.mkdir()
+    (site / "clamping_hook.py").write_text(CLAMPING_HOOK)
+    (site / "plug_in_models.py").write_text(
+        "from fmnist_flax import model\n\nmodel.MODELS['plug_in_mlp'] = model.MLP\n"
+    )
+    forget_modules += ["clamping_hook", "plug_in_models"]
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(train, "UPDATE_HOOKS", [])
+    monkeypatch.setattr(model_lib, "MODELS", dict(model_lib.MODELS))
+    edit_saved_configs(base, imports=["clamping_hook"])
+    quick_config.init_from = str(base)
+    train.train_and_evaluate(quick_config, tmp_path / "tuned")
+    assert "clamping_hook" not in sys.modules and train.UPDATE_HOOKS == []
+    kernel = load_model(tmp_path / "tuned").layers[0].kernel[...]
+    assert float(jnp.abs(kernel).max()) > 1e-2  # never clamped to 1e-3
+
+    saved = json.loads(next(base.glob("checkpoints/*/config/metadata")).read_text())
+    edit_saved_configs(
+        base, imports=["plug_in_models"], model={**saved["model"], "name": "plug_in_mlp"}
+    )
+    with pytest.raises(UserError) as refused:
+        train.train_and_evaluate(quick_config, tmp_path / "refused")
+    assert str(refused.value).startswith(f"--init_from={base}: checkpoint 5 in ")
+    assert "without the modules it was trained with, config.imports plug_in_models" in str(
+        refused.value
+    )
+    assert "--config.imports=\"('plug_in_models',)\"" in str(refused.value)
+    assert "plug_in_models" not in sys.modules
+    quick_config.imports = ("plug_in_models",)
+    summary = train.train_and_evaluate(quick_config, tmp_path / "imported")
+    assert summary["init_from_step"] == 5

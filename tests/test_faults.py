@@ -307,6 +307,23 @@ def test_a_step_damaged_twice_is_set_aside_under_a_new_name(copy):
     assert (copy / checkpoint.DAMAGED_DIR / "20.1" / checkpoint.STEP_MARKER).exists()
 
 
+def test_every_step_damaged_is_one_line_and_nothing_the_run_wrote_changes(copy):
+    for step in (10, 20):
+        (copy / "checkpoints" / str(step) / "progress" / "metadata").write_text("null")
+    before = snapshot(copy)
+    result = run_main(f"--workdir={copy}", "--steps=20", "--checkpoint_every=10", *QUICK)
+    the_error(
+        result,
+        f"every checkpoint in {copy / 'checkpoints'} is damaged (steps 10, 20; 20: its progress "
+        "item is null",
+    )
+    assert "pass a fresh --workdir" in result.stderr
+    after = snapshot(copy)
+    assert {k: v for k, v in after.items() if k != ".lock"} == {
+        k: v for k, v in before.items() if k != ".lock"
+    }
+
+
 @pytest.mark.parametrize("item", ["config", "progress"])
 @pytest.mark.parametrize("value", ["{}", "null", "[1]"])
 def test_a_damaged_json_item_is_one_line_for_a_reader(copy, item, value):

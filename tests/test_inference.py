@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import resource
+import shutil
 import signal
 import struct
 import subprocess
@@ -15,7 +17,7 @@ import zlib
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, assert_one_line_error, run_main
+from conftest import REPO, assert_one_line_error, edit_saved_configs, run_main
 from flax import nnx
 from PIL import Image
 
@@ -28,6 +30,7 @@ from fmnist_flax import (
     predict,
     records,
     tables,
+    train,
 )
 from fmnist_flax import workdir as workdir_lib
 from fmnist_flax.errors import UserError
@@ -215,6 +218,76 @@ def test_predict_mode_classifies_readable_images_and_names_the_rest(
         assert p["class"] == CLASS_NAMES[p["class_index"]]
         assert 0.0 < p["probability"] <= 1.0
         assert f"{p['class']} (" in result.stdout
+
+
+def marking_module(directory: pathlib.Path, name: str, ran: pathlib.Path) -> pathlib.Path:
+    """A module `name`.py in `directory` whose import creates the file it returns."""
+    (directory / f"{name}.py").write_text(f"import pathlib\npathlib.Path({str(ran)!r}).touch()\n")
+    return ran
+
+
+def test_a_checkpoint_imports_installed_modules_only_never_the_workdirs_or_the_cwds(
+    quick_config, tmp_path, monkeypatch, capsys, forget_modules
+):
+    """The modules a checkpoint's config.imports names are imported only from the installed
+    environment, after one line naming them; one in the workdir or the current directory is
+    refused in one line, even on the search path, and nothing at all is imported."""
+    quick_config.steps = 2
+    workdir = tmp_path / "w"
+    train.train_and_evaluate(quick_config, workdir)
+    here, site = tmp_path / "here", tmp_path / "site"
+    here.mkdir(), site.mkdir()
+    places = {"in_workdir": workdir, "in_cwd": here, "installed_plug_in": site}
+    ran = {name: marking_module(d, name, tmp_path / f"{name}.ran") for name, d in places.items()}
+    forget_modules += list(places)
+    monkeypatch.chdir(here)
+    for entry in (str(site), str(here), str(workdir), ""):  # as `python -m` or PYTHONPATH=.
+        monkeypatch.syspath_prepend(entry)
+    for name in ("in_workdir", "in_cwd"):
+        edit_saved_configs(workdir, imports=["installed_plug_in", name])
+        with pytest.raises(UserError) as refused:
+            load_model(workdir)
+        assert f"names config.imports {name}, not found among the installed modules" in str(
+            refused.value
+        )
+        assert f"pass --config.imports=\"('{name}',)\"" in str(refused.value)
+    assert not any(path.exists() for path in ran.values())
+    edit_saved_configs(workdir, imports=["installed_plug_in"])
+    capsys.readouterr()
+    load_model(workdir)
+    assert capsys.readouterr().out == (
+        f"note: checkpoint 2 in {workdir / 'checkpoints'} names config.imports "
+        "installed_plug_in; importing them runs their code\n"
+    )
+    assert ran["installed_plug_in"].exists() and not ran["in_workdir"].exists()
+    load_model(workdir)  # imported already: no second note
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.slow
+def test_eval_inside_a_workdir_never_runs_a_module_its_checkpoint_names(workdir, tmp_path):
+    """`python -m fmnist_flax --mode=eval --workdir=.` inside a workdir whose checkpoint names
+    a module the workdir holds: one line, the module not run; named on the command line, it
+    is the user's to run."""
+    copy = tmp_path / "w"
+    shutil.copytree(workdir, copy)
+    edit_saved_configs(copy, imports=["this", "evil_mod"])
+    ran = marking_module(copy, "evil_mod", tmp_path / "evil_mod.ran")
+    command = [sys.executable, "-m", "fmnist_flax", "--mode=eval", "--workdir=."]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    refused = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True)
+    assert_one_line_error(refused, "names config.imports evil_mod, not found among the installed")
+    assert "Zen of Python" not in refused.stdout and not ran.exists()
+    trusted = subprocess.run(
+        [*command, "--config.imports=('evil_mod',)"],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert trusted.returncode == 0, trusted.stderr
+    assert ran.exists()
+    assert "names config.imports this; importing them runs their code" in trusted.stdout
 
 
 @pytest.mark.slow

@@ -242,6 +242,34 @@ def test_more_shards_than_examples_are_refused_and_nothing_written(tmp_path):
     assert datasets.load_records(small_set(tmp_path, shards=12)).num_classes == 10
 
 
+def test_a_set_with_no_test_examples_is_refused_when_written_or_loaded(tmp_path):
+    """Such a set trained, then ended at its first evaluation in `KeyError: 'accuracy'`."""
+    (train_x, train_y), (test_x, test_y) = small_arrays(40, 1), small_arrays(12, 2)
+    dataset = datasets.make_dataset(
+        "small",
+        "Small",
+        [str(k) for k in range(10)],
+        (train_x, train_y),
+        (test_x, test_y),
+        sources=("a", "b"),
+        origin="arrays",
+    )
+    empty = dataclasses.replace(dataset, test_images=test_x[:0], test_labels=test_y[:0])
+    with pytest.raises(UserError, match=r"^the test split of Small holds no examples; each split"):
+        records.write_dataset(empty, tmp_path / "refused")
+    assert list(tmp_path.iterdir()) == []
+    directory = tmp_path / "empty"  # the writer's own files for it, past write_dataset's check
+    directory.mkdir()
+    records._write_files(empty, directory, 1)
+    with pytest.raises(UserError) as refused:
+        datasets.load_records(directory)
+    assert str(refused.value) == (
+        f"{directory / 'info.json'}: the test split holds no examples; each split needs at "
+        "least one: write the records again with --mode=prepare from a dataset that has test "
+        "examples"
+    )
+
+
 def test_shards_beyond_the_open_file_limit_are_refused_before_anything_is_read(tmp_path):
     """With `ulimit -n 1024`, --shards=600 was written, then training failed with "Too many
     open files ... the file is damaged"."""

@@ -477,8 +477,9 @@ def test_the_schedule_and_kernels_only_decay_recipe(project):
 @pytest.mark.slow
 def test_the_plug_in_recipe_uses_a_projects_own_parts_with_no_template_edit(project):
     """A model, a data source, an optimizer and a schedule from a module of the project's own,
-    named in `config.imports`, train and evaluate; the template's files are untouched, and
-    the eval (a new process) imports the module from the run's saved config."""
+    named in `config.imports`, train and evaluate; the template's files are untouched. The
+    eval (a new process) imports the module the command line names, never because the run's
+    saved config names it."""
     root, values = project
     before = {p: p.read_bytes() for p in (root / "fmnist_flax").rglob("*.py")}
     follow(recipe("Plug in a module of your own"), root, **values)
@@ -494,6 +495,8 @@ def test_the_plug_in_recipe_uses_a_projects_own_parts_with_no_template_edit(proj
         root, "--config=configs/plugged.py", "--config.imports=('no_such_module',)", check=False
     )
     assert_one_line_error(refused, "--config.imports: importing 'no_such_module' failed")
+    unnamed = run(root, "--mode=eval", f"--workdir={root / 'runs' / 'plugged'}", check=False)
+    assert_one_line_error(unnamed, "names config.imports my_project, not found among the install")
 
 
 @pytest.mark.slow
