@@ -6,7 +6,7 @@ returns class probabilities and `class_names(workdir)` names them.
 
 from fmnist_flax.datasets import IDX_DATASETS
 from fmnist_flax.evaluate import predict
-from fmnist_flax.inference import class_names, load_model
+from fmnist_flax.runtime.inference import class_names, load_model
 
 CLASS_NAMES = IDX_DATASETS["fashion_mnist"].class_names  # the default dataset's classes
 

@@ -17,9 +17,9 @@ import ml_collections
 from ml_collections import config_dict
 
 from fmnist_flax import optimizer, task
-from fmnist_flax.errors import UserError
 from fmnist_flax.model import COMPUTE_DTYPES
-from fmnist_flax.parallel import PARAM_SHARDINGS, check_mesh_config
+from fmnist_flax.runtime.errors import UserError
+from fmnist_flax.runtime.parallel import PARAM_SHARDINGS, check_mesh_config
 
 REPORT_CHOICES = ("full", "basic", "none")
 INPUT_PIPELINES = ("device", "grain")

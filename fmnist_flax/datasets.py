@@ -30,8 +30,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from fmnist_flax import errors
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime import errors
+from fmnist_flax.runtime.errors import UserError
 
 IMAGES_MAGIC = 2051
 LABELS_MAGIC = 2049
@@ -721,7 +721,7 @@ def load_arrays(data_dir: pathlib.Path) -> Dataset:
 def load_records(data_dir: pathlib.Path) -> Dataset:
     """Record shards that `--mode=prepare` wrote (fmnist_flax/records.py): images stay
     in the files and are read a batch at a time; labels are read whole (4 bytes each)."""
-    from fmnist_flax import records
+    from fmnist_flax.runtime import records
 
     info, images, labels = records.read_splits(data_dir)
     check_class_count(

@@ -14,9 +14,10 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from fmnist_flax import datasets, ensemble, errors, input_pipeline, parallel, task
-from fmnist_flax.errors import UserError
+from fmnist_flax import datasets, input_pipeline, task
 from fmnist_flax.input_pipeline import PIXEL_SCALE
+from fmnist_flax.runtime import ensemble, errors, parallel
+from fmnist_flax.runtime.errors import UserError
 
 # Test examples per compiled call at most (whole batches): a call's device memory is this
 # many uint8 images and one vmapped forward pass over them, whatever the test set's size.

@@ -22,24 +22,15 @@ import ml_collections
 from absl import logging
 from flax import nnx
 
-from fmnist_flax import checkpoint as checkpoint_lib
 from fmnist_flax import config as config_lib
-from fmnist_flax import (
-    datasets,
-    ensemble,
-    evaluate,
-    grain_pipeline,
-    input_pipeline,
-    parallel,
-    report,
-    summaries,
-    tables,
-)
+from fmnist_flax import datasets, evaluate, input_pipeline
 from fmnist_flax import model as model_lib
 from fmnist_flax import optimizer as optimizer_lib
-from fmnist_flax import workdir as workdir_lib
-from fmnist_flax.errors import UserError, warning_line
-from fmnist_flax.tables import Table
+from fmnist_flax.runtime import checkpoint as checkpoint_lib
+from fmnist_flax.runtime import ensemble, grain_pipeline, parallel, report, summaries, tables
+from fmnist_flax.runtime import workdir as workdir_lib
+from fmnist_flax.runtime.errors import UserError, warning_line
+from fmnist_flax.runtime.tables import Table
 
 
 @dataclasses.dataclass

@@ -23,9 +23,9 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from fmnist_flax import errors, parallel
-from fmnist_flax.ensemble import Ensemble, stack
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime import errors, parallel
+from fmnist_flax.runtime.ensemble import Ensemble, stack
+from fmnist_flax.runtime.errors import UserError
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime.errors import UserError
 
 # Every field of config.optimizer that is not one optimizer's or one schedule's own.
 COMMON_FIELDS = (

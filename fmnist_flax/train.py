@@ -28,28 +28,25 @@ import numpy as np
 import optax
 from flax import nnx
 
-from fmnist_flax import checkpoint as checkpoint_lib
-from fmnist_flax import (
+from fmnist_flax import config as config_lib
+from fmnist_flax import datasets, experiment, input_pipeline, task
+from fmnist_flax import optimizer as optimizer_lib
+from fmnist_flax.model import create_model
+from fmnist_flax.runtime import checkpoint as checkpoint_lib
+from fmnist_flax.runtime import (
     compilation_cache,
-    datasets,
     ema,
     ensemble,
-    experiment,
     grain_pipeline,
     inference,
-    input_pipeline,
     parallel,
     restore,
     summaries,
     tables,
-    task,
 )
-from fmnist_flax import config as config_lib
-from fmnist_flax import optimizer as optimizer_lib
-from fmnist_flax import workdir as workdir_lib
-from fmnist_flax.ensemble import Ensemble
-from fmnist_flax.errors import UserError
-from fmnist_flax.model import create_model
+from fmnist_flax.runtime import workdir as workdir_lib
+from fmnist_flax.runtime.ensemble import Ensemble
+from fmnist_flax.runtime.errors import UserError
 
 Metrics = dict[str, jax.Array]
 Config = ml_collections.FrozenConfigDict  # hashable: what the compiled steps are built for

@@ -44,7 +44,7 @@ def use_compilation_cache(directory: pathlib.Path) -> None:
     processes that call this (mesh_worker.py)."""
     import jax
 
-    from fmnist_flax import compilation_cache
+    from fmnist_flax.runtime import compilation_cache
 
     compilation_cache.use(directory)
     # A size limit turns on JAX's file lock (the filelock package): no process reads an entry
@@ -56,7 +56,7 @@ def use_compilation_cache(directory: pathlib.Path) -> None:
 def quiet_orbax() -> None:
     """Orbax's noise dropped as the command line drops it, for the tests that save and read
     checkpoints in this process (set when the session starts: after pytest's own hooks)."""
-    from fmnist_flax import library_workarounds
+    from fmnist_flax.runtime import library_workarounds
 
     library_workarounds.quiet_orbax()
 
@@ -256,7 +256,7 @@ def quick_config():
 @pytest.fixture(scope="session")
 def fmnist_records(real_dataset, tmp_path_factory) -> pathlib.Path:
     """The real Fashion-MNIST written once as record files (--mode=prepare's writer)."""
-    from fmnist_flax import records
+    from fmnist_flax.runtime import records
 
     path = tmp_path_factory.mktemp("records") / "fashion_mnist"
     records.write_dataset(real_dataset, path)

@@ -21,20 +21,16 @@ import numpy as np
 from conftest import load_config, use_compilation_cache
 from flax import nnx
 
-from fmnist_flax import (
+from fmnist_flax import datasets, evaluate, experiment, input_pipeline, train
+from fmnist_flax.runtime import (
     checkpoint,
-    datasets,
-    evaluate,
-    experiment,
     export,
     inference,
-    input_pipeline,
     library_workarounds,
     parallel,
     restore,
-    train,
 )
-from fmnist_flax import workdir as workdir_lib
+from fmnist_flax.runtime import workdir as workdir_lib
 
 PREDICTED = 5  # does not divide by 8: predict pads and unpads
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 from conftest import load_config
 
-from fmnist_flax import benchmark, datasets, profiling
-from fmnist_flax.errors import UserError
+from fmnist_flax import datasets
+from fmnist_flax.codelab import benchmark, profiling
+from fmnist_flax.runtime.errors import UserError
 
 PATHS = {
     "codelab loop (reference)",

@@ -16,7 +16,8 @@ from conftest import REPO, assert_one_line_error, run_main
 from flax import nnx
 from ml_collections import config_flags
 
-from fmnist_flax import cli, errors
+from fmnist_flax import cli
+from fmnist_flax.runtime import errors
 
 
 @pytest.mark.slow

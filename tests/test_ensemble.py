@@ -14,19 +14,12 @@ from conftest import assert_same_models, env_without_device_count, load_config, 
 from flax import nnx
 
 from fmnist_flax import config as config_lib
-from fmnist_flax import ensemble as ensemble_lib
-from fmnist_flax import (
-    evaluate,
-    export,
-    load_model,
-    parallel,
-    report,
-    tables,
-    train,
-)
+from fmnist_flax import evaluate, load_model, train
 from fmnist_flax import model as model_lib
-from fmnist_flax.ensemble import Ensemble
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime import ensemble as ensemble_lib
+from fmnist_flax.runtime import export, parallel, report, tables
+from fmnist_flax.runtime.ensemble import Ensemble
+from fmnist_flax.runtime.errors import UserError
 
 RATES = (3e-3, 3e-3, 1e-2)  # a sweep of a kind: member 2 has its own learning rate
 

@@ -13,10 +13,11 @@ from conftest import forward, load_config, run_main
 from flax import nnx
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fmnist_flax import evaluate, input_pipeline, parallel, task
+from fmnist_flax import evaluate, input_pipeline, task
 from fmnist_flax import model as model_lib
-from fmnist_flax.errors import UserError
 from fmnist_flax.model import MLP
+from fmnist_flax.runtime import parallel
+from fmnist_flax.runtime.errors import UserError
 
 
 @pytest.fixture(scope="module")

@@ -18,20 +18,12 @@ from conftest import REPO, run_main
 from flax import nnx
 from PIL import Image
 
-from fmnist_flax import (
-    CLASS_NAMES,
-    datasets,
-    evaluate,
-    inference,
-    load_model,
-    predict,
-    records,
-    tables,
-)
-from fmnist_flax import workdir as workdir_lib
-from fmnist_flax.errors import UserError
+from fmnist_flax import CLASS_NAMES, datasets, evaluate, load_model, predict
 from fmnist_flax.input_pipeline import PIXEL_SCALE
 from fmnist_flax.model import MLP
+from fmnist_flax.runtime import inference, records, tables
+from fmnist_flax.runtime import workdir as workdir_lib
+from fmnist_flax.runtime.errors import UserError
 
 SHAPES = "expected (28, 28) or (N, 28, 28) or (28, 28, 1) or (N, 28, 28, 1) or (N, 784)"
 

@@ -14,8 +14,8 @@ from conftest import forward, load_config
 from flax import nnx
 
 from fmnist_flax import model as model_lib
-from fmnist_flax import parallel
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime import parallel
+from fmnist_flax.runtime.errors import UserError
 
 
 def test_codelab_architecture_and_parameter_count():

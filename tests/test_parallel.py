@@ -20,8 +20,9 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 from mesh_worker import MESHES
 
-from fmnist_flax import evaluate, inference, library_workarounds, parallel
-from fmnist_flax.errors import UserError
+from fmnist_flax import evaluate
+from fmnist_flax.runtime import inference, library_workarounds, parallel
+from fmnist_flax.runtime.errors import UserError
 
 # Measured on 2 CPU cores, 50 AdamW steps at batch 128: the 8-device runs differ from the
 # 1-device run by at most 7e-7 in loss (1.3e-6 relative) and 3.6e-5 in any parameter, from the

@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from PIL import Image
 
-from fmnist_flax import datasets, evaluate, inference
-from fmnist_flax.errors import UserError
+from fmnist_flax import datasets, evaluate
 from fmnist_flax.input_pipeline import PIXEL_SCALE
+from fmnist_flax.runtime import inference
+from fmnist_flax.runtime.errors import UserError
 
 FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -10,8 +10,9 @@ from conftest import load_config
 from flax import nnx
 from PIL import Image
 
-from fmnist_flax import datasets, evaluate, report, train
+from fmnist_flax import datasets, evaluate, train
 from fmnist_flax.model import MLP
+from fmnist_flax.runtime import report
 
 TABLE_TITLES = (  # every table of a run without the codelab's demonstrations
     "Set-up",
@@ -123,7 +124,7 @@ def test_prediction_grid_marks_a_known_wrong_prediction_red(real_dataset):
 
 
 def test_progress_bar_redraws_only_when_told(tmp_path):
-    from fmnist_flax.tables import ProgressBar
+    from fmnist_flax.runtime.tables import ProgressBar
 
     with (tmp_path / "log").open("w") as stream:
         bar = ProgressBar(400, stream)

@@ -27,7 +27,8 @@ from conftest import (
 )
 from PIL import Image
 
-from fmnist_flax import input_pipeline, load_model, parallel, predict, summaries, train
+from fmnist_flax import input_pipeline, load_model, predict, train
+from fmnist_flax.runtime import parallel, summaries
 
 PACKAGE = REPO / "fmnist_flax"
 # What a template user may delete; nothing that trains, evaluates or reports may import them.

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fmnist_flax import ensemble, input_pipeline, parallel, train
+from fmnist_flax import input_pipeline, train
 from fmnist_flax.model import MLP, create_model
+from fmnist_flax.runtime import ensemble, parallel
 
 
 def first_batches(real_dataset, count, batch_size=512):
@@ -223,7 +224,7 @@ def test_the_row_log_writes_rows_in_the_background_in_order_until_a_non_finite_l
     """Rows handed to the log's thread reach metrics.jsonl in order, an evaluation step's with
     its test metrics; a non-finite loss among them stops the run at the next check, naming
     the last finite row, and nothing after it is written."""
-    from fmnist_flax import checkpoint
+    from fmnist_flax.runtime import checkpoint
 
     checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
     sums = {"loss": jax.numpy.float32(2.0), "accuracy": jax.numpy.float32(1.0)}
@@ -250,7 +251,7 @@ def test_an_evaluation_waits_for_the_rows_before_to_be_timed_not_written(tmp_pat
     """`wait_timed` (before an evaluation's clock starts) returns once every handed-over row's
     values have reached the writer, while it is still writing them: a row timed during the
     evaluation would have the evaluation left out of an interval that never held it."""
-    from fmnist_flax import checkpoint
+    from fmnist_flax.runtime import checkpoint
 
     checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
     sums = {"loss": jax.numpy.float32(2.0), "accuracy": jax.numpy.float32(1.0)}

@@ -20,10 +20,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from fmnist_flax import compilation_cache, input_pipeline, parallel, report, tables, train
 from fmnist_flax import config as config_lib
+from fmnist_flax import input_pipeline, train
 from fmnist_flax.experiment import Extension, Run
-from fmnist_flax.tables import Table
+from fmnist_flax.runtime import compilation_cache, parallel, report, tables
+from fmnist_flax.runtime.tables import Table
 
 EAGER_STEPS = 20  # the codelab's sizes
 JIT_STEPS = 100

@@ -32,9 +32,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from fmnist_flax import errors, library_workarounds
-from fmnist_flax import workdir as workdir_lib
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime import errors, library_workarounds
+from fmnist_flax.runtime import workdir as workdir_lib
+from fmnist_flax.runtime.errors import UserError
 
 CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never deleted

@@ -24,7 +24,7 @@ import warnings
 
 import jax
 
-from fmnist_flax.errors import UserError, warning_line
+from fmnist_flax.runtime.errors import UserError, warning_line
 
 # Programs that cost little to run and give booleans or figures only shown (the finiteness
 # check, the codelab's gradient check) compile with LLVM's lightest optimisation, in about

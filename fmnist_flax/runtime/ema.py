@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime.errors import UserError
 
 SUFFIX = "_ema"  # a parameter `kernel`'s twin is the attribute `kernel_ema` beside it
 TEST_PREFIX = "test_ema_"  # the averaged model's test metrics: test_ema_loss, ...

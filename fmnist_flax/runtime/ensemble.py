@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from fmnist_flax import optimizer as optimizer_lib
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime.errors import UserError
 
 MEMBER_SEPARATOR = "/"  # the column of member k's metric `name` (metrics.jsonl, evaluations)
 # On a CPU an ensemble's step runs this many members per device side by side; the members'

@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fmnist_flax import inference, parallel
-from fmnist_flax import workdir as workdir_lib
-from fmnist_flax.errors import UserError
 from fmnist_flax.input_pipeline import PIXEL_SCALE
+from fmnist_flax.runtime import inference, parallel
+from fmnist_flax.runtime import workdir as workdir_lib
+from fmnist_flax.runtime.errors import UserError
 
 PLATFORMS = ("cpu", "cuda")  # lowered for both on any machine: no GPU is needed to export
 METADATA_SUFFIX = ".json"  # the metadata is FILE + this, so it never replaces FILE itself

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from fmnist_flax import parallel
+from fmnist_flax.runtime import parallel
 
 if TYPE_CHECKING:  # imported only by the runs that read with Grain: a slow import
     import grain

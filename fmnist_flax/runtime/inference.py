@@ -38,11 +38,12 @@ from flax import nnx
 from PIL import Image
 
 from fmnist_flax import config as config_lib
-from fmnist_flax import datasets, ensemble, errors, evaluate, parallel, restore, tables
-from fmnist_flax import ema as ema_lib
+from fmnist_flax import datasets, evaluate
 from fmnist_flax import model as model_lib
-from fmnist_flax import workdir as workdir_lib
-from fmnist_flax.checkpoint import (
+from fmnist_flax.runtime import ema as ema_lib
+from fmnist_flax.runtime import ensemble, errors, parallel, restore, tables
+from fmnist_flax.runtime import workdir as workdir_lib
+from fmnist_flax.runtime.checkpoint import (
     BEST,
     READ_ATTEMPTS,
     STEP_MARKER,
@@ -54,7 +55,7 @@ from fmnist_flax.checkpoint import (
     open_reader,
     saved_item,
 )
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime.errors import UserError
 
 MAX_IMAGE_SIDE = 4096  # larger image files are refused before they are decoded
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # grayscale, scaled by 1/65535

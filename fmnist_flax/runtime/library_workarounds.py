@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from absl import logging
 
-from fmnist_flax import workdir as workdir_lib
+from fmnist_flax.runtime import workdir as workdir_lib
 
 if TYPE_CHECKING:
     import orbax.checkpoint as ocp

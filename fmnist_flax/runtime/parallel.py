@@ -28,8 +28,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fmnist_flax import errors
-from fmnist_flax.errors import UserError, error_line
+from fmnist_flax.runtime import errors
+from fmnist_flax.runtime.errors import UserError, error_line
 
 DATA_AXIS = "data"
 MEMBER_AXIS = "member"  # an ensemble's members split over devices (config.ensemble.shards)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fmnist_flax.tables import Table
+from fmnist_flax.runtime.tables import Table
 
 if TYPE_CHECKING:  # matplotlib, a slow import, is imported by the first figure drawn
     from matplotlib.figure import Figure

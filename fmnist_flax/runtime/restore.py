@@ -15,8 +15,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from fmnist_flax import errors, parallel
-from fmnist_flax.checkpoint import (
+from fmnist_flax.runtime import errors, parallel
+from fmnist_flax.runtime.checkpoint import (
     ARRAY_ITEMS,
     DAMAGED_DIR,
     Checkpoints,
@@ -27,8 +27,8 @@ from fmnist_flax.checkpoint import (
     tree_metadata_problem,
     wrap_keys,
 )
-from fmnist_flax.errors import UserError
-from fmnist_flax.tables import path_name
+from fmnist_flax.runtime.errors import UserError
+from fmnist_flax.runtime.tables import path_name
 
 
 class Damaged(UserError):

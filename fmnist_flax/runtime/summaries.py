@@ -28,8 +28,8 @@ from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.record_writer import masked_crc32c
 
 from fmnist_flax import optimizer
-from fmnist_flax import workdir as workdir_lib
-from fmnist_flax.errors import warning_line
+from fmnist_flax.runtime import workdir as workdir_lib
+from fmnist_flax.runtime.errors import warning_line
 
 TENSORBOARD_DIR = "tensorboard"
 TEST_PREFIX = "test_"  # metrics.jsonl names the evaluation's metrics test_loss, test_accuracy

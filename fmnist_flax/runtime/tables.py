@@ -11,8 +11,8 @@ import jax
 from flax import nnx
 
 from fmnist_flax.datasets import Dataset
-from fmnist_flax.ensemble import MEMBER_SEPARATOR, member_values
 from fmnist_flax.model import count_params
+from fmnist_flax.runtime.ensemble import MEMBER_SEPARATOR, member_values
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ import flax
 import jax
 import optax
 
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime.errors import UserError
 
 RUNS_DIR = pathlib.Path("runs")
 SUMMARY_FILE = "summary.json"
