@@ -55,7 +55,7 @@ Config = ml_collections.FrozenConfigDict  # hashable: what the compiled steps ar
 def create_optimizer(model: nnx.Module, config: ml_collections.ConfigDict) -> nnx.Optimizer:
     """The config's Optax optimizer (AdamW by default, the codelab's) over the parameters."""
     if isinstance(model, Ensemble):
-        return ensemble.member_optimizers(model, config)
+        return ensemble.member_optimizers(model, functools.partial(optimizer_lib.create, config))
     return _optimizer_program(Config(config))(model)
 
 
@@ -531,7 +531,8 @@ class RowLog:
             path = workdir / workdir_lib.METRICS_FILE
             self.metrics = workdir_lib.MetricsLog(path, keep_until=start_step)
             self.progress = tables.ProgressBar(config.steps)
-            self.board = summaries.Summaries(workdir, config, start_step)
+            rate = optimizer_lib.learning_rate(config)
+            self.board = summaries.Summaries(workdir, config, start_step, rate)
         self.queue: queue.Queue | None = None
         if background and jax.process_count() == 1:
             self.queue = queue.Queue()

@@ -22,12 +22,12 @@ import time
 from typing import Any
 
 import ml_collections
+import optax
 from tensorboardX import summary
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.record_writer import masked_crc32c
 
-from fmnist_flax import optimizer
 from fmnist_flax.runtime import workdir as workdir_lib
 from fmnist_flax.runtime.errors import warning_line
 
@@ -55,9 +55,16 @@ class Summaries:
     the directory's place) is said once, in one line, and the run goes on without TensorBoard;
     metrics.jsonl holds every row anyway."""
 
-    def __init__(self, workdir: pathlib.Path, config: ml_collections.ConfigDict, start_step: int):
+    def __init__(
+        self,
+        workdir: pathlib.Path,
+        config: ml_collections.ConfigDict,
+        start_step: int,
+        schedule: optax.ScalarOrSchedule,
+    ):
+        """`schedule`: the learning rate (a number or a function of the step) logged each row."""
         self.directory = workdir / TENSORBOARD_DIR
-        self.schedule = optimizer.learning_rate(config)
+        self.schedule = schedule
         self._fd: int | None = None
         name = f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}"
         try:
