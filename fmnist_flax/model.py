@@ -311,8 +311,3 @@ def abstract_model(
     what it would hold, with nothing allocated; `experiment.check_memory` sizes runs by it."""
     static = static_args(config, image_shape, num_classes)
     return nnx.eval_shape(lambda: _construct(*static, jnp.uint32(0)))
-
-
-def count_params(model: nnx.Module) -> int:
-    """Total number of trainable scalars (235,146 for the codelab's MLP)."""
-    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
