@@ -32,6 +32,7 @@ from absl import logging
 
 from fmnist_flax.runtime import errors
 from fmnist_flax.runtime.errors import UserError
+from fmnist_flax.runtime.inference import as_hwc
 
 IMAGES_MAGIC = 2051
 LABELS_MAGIC = 2049
@@ -121,12 +122,6 @@ def identity_changes(saved: dict, now: dict) -> list[dict]:
         for key in IDENTITY
         if key in saved and saved[key] != now[key]
     ]
-
-
-def as_hwc(shape: Sequence[int]) -> tuple[int, int, int]:
-    """(H, W, C) of an image shape; (H, W), as checkpoints saved before colour, is grayscale."""
-    shape = tuple(int(side) for side in shape)
-    return shape if len(shape) == 3 else (*shape, 1)
 
 
 def _split_images(images: np.ndarray, name: str, pixel_range: Any) -> np.ndarray:

@@ -27,7 +27,15 @@ from fmnist_flax import datasets, evaluate, input_pipeline
 from fmnist_flax import model as model_lib
 from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax.runtime import checkpoint as checkpoint_lib
-from fmnist_flax.runtime import ensemble, grain_pipeline, parallel, report, summaries, tables
+from fmnist_flax.runtime import (
+    ensemble,
+    grain_pipeline,
+    inference,
+    parallel,
+    report,
+    summaries,
+    tables,
+)
 from fmnist_flax.runtime import workdir as workdir_lib
 from fmnist_flax.runtime.errors import UserError, warning_line
 from fmnist_flax.runtime.tables import Table
@@ -534,7 +542,7 @@ def evaluate_model(run: Run) -> dict[str, Any]:
     whole_batches = full[evaluate.COUNT] // run.config.batch_size
     codelab = evaluate.means(full["batch_sums"], whole_batches)
     labels = test_set(run)[1]
-    counts = evaluate.confusion_matrix(labels, full["predictions"], d.num_classes)
+    counts = inference.confusion_matrix(labels, full["predictions"], d.num_classes)
     result = {"full": metrics_of(full), "codelab": codelab, "confusion": counts}
     if not parallel.is_primary():
         return result

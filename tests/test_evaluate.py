@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from fmnist_flax import evaluate, input_pipeline, task
 from fmnist_flax import model as model_lib
 from fmnist_flax.model import MLP
-from fmnist_flax.runtime import parallel
+from fmnist_flax.runtime import inference, parallel
 from fmnist_flax.runtime.errors import UserError
 
 
@@ -177,7 +177,7 @@ def test_whole_set_metrics_come_from_every_prediction_of_the_evaluation(model, r
     assert {k: result[k] for k in expected} == expected and len(expected) == 11
     assert set(result) - set(plain) == set(expected)
     assert result["accuracy"] == plain["accuracy"]
-    counts = evaluate.confusion_matrix(labels, result["predictions"], 10)
+    counts = inference.confusion_matrix(labels, result["predictions"], 10)
     np.testing.assert_allclose(
         [result[f"class_accuracy_{k}"] for k in range(10)], counts.diagonal() / counts.sum(1)
     )

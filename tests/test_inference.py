@@ -18,12 +18,12 @@ from conftest import REPO, run_main
 from flax import nnx
 from PIL import Image
 
-from fmnist_flax import CLASS_NAMES, datasets, evaluate, load_model, predict
-from fmnist_flax.input_pipeline import PIXEL_SCALE
+from fmnist_flax import CLASS_NAMES, datasets, load_model, predict
 from fmnist_flax.model import MLP
 from fmnist_flax.runtime import inference, records, tables
 from fmnist_flax.runtime import workdir as workdir_lib
 from fmnist_flax.runtime.errors import UserError
+from fmnist_flax.runtime.inference import PIXEL_SCALE
 
 SHAPES = "expected (28, 28) or (N, 28, 28) or (28, 28, 1) or (N, 28, 28, 1) or (N, 784)"
 
@@ -385,7 +385,7 @@ def test_integer_pixels_are_0_to_255_whatever_their_dtype(model, tmp_path):
             images_of(tmp_path / "ints.npy").reshape(3, -1), scaled.reshape(3, -1)
         )
         np.testing.assert_array_equal(
-            evaluate.model_input(u8.astype(dtype), (28, 28, 1)), scaled.reshape(3, 28, 28, 1)
+            inference.model_input(u8.astype(dtype), (28, 28, 1)), scaled.reshape(3, 28, 28, 1)
         )
     wide = u8.astype(np.uint16)
     wide[0, 0, 0] = 300
@@ -468,7 +468,7 @@ def test_cli_files_and_the_python_api_give_identical_probabilities(model, tmp_pa
         images_of(tmp_path / "rows.npy"),
         images_of(tmp_path / "floats.npy"),
     ):
-        np.testing.assert_array_equal(evaluate.predict(model, read), expected)
+        np.testing.assert_array_equal(inference.predict(model, read), expected)
     np.testing.assert_array_equal(predict(model, u8.astype(np.float32) * PIXEL_SCALE), expected)
     np.testing.assert_allclose(predict(model, u8 / 255.0), expected, atol=1e-6)
     np.testing.assert_array_equal(predict(model, u8, image_shape=(28, 28, 1)), expected)

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fmnist_flax.input_pipeline import PIXEL_SCALE
 from fmnist_flax.runtime import inference, parallel
 from fmnist_flax.runtime import workdir as workdir_lib
 from fmnist_flax.runtime.errors import UserError
@@ -43,7 +42,7 @@ def probabilities_fn(model: nnx.Module) -> Callable[[jax.Array], jax.Array]:
     arrays, structure = jax.tree.flatten(state)
 
     def probabilities(images: jax.Array) -> jax.Array:
-        x = images.astype(jnp.float32) * PIXEL_SCALE
+        x = images.astype(jnp.float32) * inference.PIXEL_SCALE
         rebuilt = nnx.merge(graphdef, jax.tree.unflatten(structure, arrays))
         return jax.nn.softmax(rebuilt(x), axis=-1)
 
