@@ -4,7 +4,6 @@ literally (they are read from docs/extending.md, so the guide cannot rot)."""
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import pathlib
@@ -31,42 +30,6 @@ from fmnist_flax import input_pipeline, load_model, predict, train
 from fmnist_flax.runtime import parallel, summaries
 
 PACKAGE = REPO / "fmnist_flax"
-# What a template user may delete; nothing that trains, evaluates or reports may import them.
-DEMONSTRATIONS = {"codelab", "reference", "benchmark", "profiling"}
-
-
-def imports_of(path: pathlib.Path, inside_functions: bool = True) -> set[str]:
-    """The fmnist_flax modules a file imports (inside functions too, unless told not to)."""
-    found = set()
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree) if inside_functions else tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "fmnist_flax":
-                found |= {alias.name for alias in node.names}
-            elif node.module.startswith("fmnist_flax."):
-                found.add(node.module.split(".")[1])
-        elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("fmnist_flax.")}
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
-    return found & modules
-
-
-def test_imports_go_one_way_and_the_training_path_never_reaches_the_demonstrations():
-    graph = {p.stem: imports_of(p) - {p.stem} for p in PACKAGE.glob("*.py")}
-
-    def reach(start: str, seen: set[str]) -> set[str]:
-        for module in graph[start] - seen:
-            seen.add(module)
-            reach(module, seen)
-        return seen
-
-    for module in graph:
-        assert module not in reach(module, set()), f"{module} imports itself through a cycle"
-    for entry in ("experiment", "inference", "__init__"):
-        assert not (reach(entry, set()) & DEMONSTRATIONS), entry
-    # The CLI imports the benchmark only inside --mode=benchmark, the codelab only if present.
-    cli_imports = imports_of(PACKAGE / "cli.py", inside_functions=False)
-    assert not (set().union(*(reach(m, {m}) for m in cli_imports)) & DEMONSTRATIONS)
 
 
 def test_golden_first_steps_on_fixed_real_images(real_dataset):
