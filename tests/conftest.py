@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import runpy
 import struct
 import subprocess
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # imported where used: xdist's controller, which runs no test
     from fmnist_flax import datasets
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+HELP_FLAG = re.compile(r"^\s+--(?:\[no\])?([\w.]+):", re.M)  # a flag `main.py --help` lists
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -66,6 +68,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     workers stealing each other's queued tests, they then finish together instead of one
     waiting while the other runs a long test started last."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(scope="session")
+def help_flags() -> set[str]:
+    """Every flag `main.py --help` lists (one process, about 2 s)."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "main.py"), "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    flags = set(HELP_FLAG.findall(out))
+    assert {"steps", "workdir", "mode", "config"} <= flags, out[:2000]
+    return flags
 
 
 def run_main(*args, cwd=REPO, **kwargs) -> subprocess.CompletedProcess:
