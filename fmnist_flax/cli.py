@@ -425,7 +425,7 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
 
 
 def prepare(config: ml_collections.ConfigDict) -> None:
-    """--mode=prepare: the config's dataset as record files in --output (records.py)."""
+    """--mode=prepare: the config's dataset as record files in --output (runtime/records.py)."""
     config_lib.import_modules(config.imports)  # a source of the project's own
     if not _OUTPUT.value:
         raise UserError("--mode=prepare needs --output=DIR, a new directory for the record files")

@@ -714,7 +714,7 @@ def load_arrays(data_dir: pathlib.Path) -> Dataset:
 
 @register("records", needs="record files written by --mode=prepare --output=DIR")
 def load_records(data_dir: pathlib.Path) -> Dataset:
-    """Record shards that `--mode=prepare` wrote (fmnist_flax/records.py): images stay
+    """Record shards that `--mode=prepare` wrote (fmnist_flax/runtime/records.py): images stay
     in the files and are read a batch at a time; labels are read whole (4 bytes each)."""
     from fmnist_flax.runtime import records
 

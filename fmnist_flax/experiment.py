@@ -2,8 +2,8 @@
 the final evaluation and the outputs (summary.json, report/).
 
 The loop itself is `train.train_and_evaluate`. Extensions (the codelab's demonstrations in
-`codelab.py`) add tables, figures and summary entries before and after training; nothing on
-the training path imports them, so deleting one leaves a working trainer.
+`codelab/demonstrations.py`) add tables, figures and summary entries before and after
+training; nothing on the training path imports them, so deleting one leaves a working trainer.
 """
 
 from __future__ import annotations

@@ -346,7 +346,7 @@ def test_the_data_source_recipe(project):
 def test_deleting_the_demonstrations_leaves_a_working_trainer_and_a_passing_fast_tier(tmp_path):
     root = copy_project(tmp_path, whole=True)
     follow(recipe("Delete the demonstrations"), root)
-    assert not (root / "fmnist_flax" / "codelab.py").exists() and not (root / "scripts").exists()
+    assert not (root / "fmnist_flax" / "codelab").exists() and not (root / "scripts").exists()
     work = root / "runs" / "w"
     done = run(root, *QUICK, "--report=basic", f"--workdir={work}")
     where = isolated(root, "-c", "import fmnist_flax; print(fmnist_flax.__file__)").stdout
@@ -370,6 +370,7 @@ def test_deleting_the_demonstrations_leaves_a_working_trainer_and_a_passing_fast
     refused = run(root, "--mode=benchmark", check=False)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().startswith("error: ") and len(refused.stderr.splitlines()) == 1
+    assert "the benchmark was removed" in refused.stderr
     # The copy's own fast tier passes, sharing this run's compilation cache.
     fast_tier = ["-m", "pytest", "-q", "-m", "not slow", "-x", "-p", "no:randomly"]
     tier = isolated(root, *fast_tier, "-o", f"cache_dir={REPO / '.pytest_cache'}")

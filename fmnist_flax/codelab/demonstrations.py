@@ -3,7 +3,7 @@
 The gradient check, Python dispatch vs the jitted step, float32 vs bfloat16 timing and the
 tokens/sec projection. Nothing on the training path imports this module: the CLI adds
 `Codelab()` to the run when it exists, so a project that starts from this template can delete
-it (with `reference.py`, `benchmark.py` and their tests) and keep a working trainer.
+`fmnist_flax/codelab/` (with its tests) and keep a working trainer.
 """
 
 from __future__ import annotations
