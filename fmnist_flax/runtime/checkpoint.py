@@ -7,6 +7,9 @@ Each step directory under `<workdir>/checkpoints` holds six items: `model` and `
 shape) and `changes` (accepted config changes), the last four as JSON. Nothing is pickled.
 Reading them back (resume, damaged steps) is `restore.py`; loading a model for inference is
 `inference.load_model`.
+
+API: `Checkpoints` (saves and their policies; `open_reader` for a reader), `checkpoint_dir`,
+`saved_item`, `warm_up`.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ follows saves it whole; a run says one line about the first fault.
 JAX's file lock (`jax_compilation_cache_max_size`) is left off: with it, every write reads the
 size and access time of every entry (O(entries), under the lock), and fails outright on a
 cache written without it.
+
+API: `use(directory)`.
 """
 
 from __future__ import annotations

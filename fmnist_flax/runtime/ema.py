@@ -8,6 +8,8 @@ its parameter), checkpoints, resumes, an ensemble's stacked members. `update`, r
 `averaged(model)` is the model with the averages as its parameters, to evaluate, predict or
 export. BatchNorm statistics (`nnx.BatchStat`) are not averaged: an
 averaged model normalises with the trained model's running statistics.
+
+API: `attach`, `update`, `averaged`, `kept`.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ The members' arrays (and their optimizers') are stacked on a leading axis and tr
 at a time. Each metric has one value per member: metrics.jsonl gets their mean as `name` and
 member k's as `name/k`. Everything here is what differs from one model: the rest of the
 template sees a model (`Ensemble` gives the ensemble's logits) and a step function.
+
+API: `Ensemble`, `stack`, `member_optimizers`, `train_members`, `select_member`,
+`member_column`, `members_table_rows`.
 """
 
 from __future__ import annotations

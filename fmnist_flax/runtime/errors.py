@@ -1,6 +1,8 @@
 """The one exception type for mistakes a user can fix; the CLI prints it as one line.
 
 FMNIST_FLAX_DEBUG=1 (or main.py's --debug) adds the full traceback above every error line.
+
+API: `UserError`, `error_line`, `warning_line`, `reason`, `print_traceback`.
 """
 
 import os

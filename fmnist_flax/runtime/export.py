@@ -10,6 +10,8 @@ probabilities (batch, classes), for CPU and CUDA. It holds the parameters as con
 gives `predict`'s probabilities with no Flax, Orbax or project code (JAX reads the file with
 the `flatbuffers` package). `FILE.json` beside it names the classes, the input and output
 contract and the checkpoint it came from.
+
+API: `export_model`, `export_probabilities`.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ data that does not fit, `records.RecordSource` (record files read a batch at a t
 steps' batches travel as one block and train in one compiled call. The iterator's position
 travels in the Orbax checkpoint, so a killed run resumes mid-epoch exactly. Augmentation stays
 on the device, in the compiled step, as in the device pipeline.
+
+API: `from_config`, `train_source`.
 """
 
 from __future__ import annotations

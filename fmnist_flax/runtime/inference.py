@@ -19,6 +19,9 @@ What --mode=predict (`read_images`) and the Python `predict(model, images)` acce
   float rule; another size is resized to (H, W), with a note.
 
 A file that breaks the rule gets one error line naming it and the others are still classified.
+
+API: `load_model`, `predict`, `class_names`, `restore_model`, `run_eval`, `run_predict`;
+`Template` and `use`, how the template hands in its parts.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Importing this changes nothing: the command line calls `install()` as it starts, and tests
 that drive the library in their own process call `quiet_orbax()`. Each item names the
 versions it was written against and why it exists, to be deleted once they no longer need it.
+
+API: `install`, `serial_cpu_dispatch`, `quiet_orbax`, `exit_after_hooks`.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ Python object a record, and few NumPy calls a block, so a thread seldom waits to
 back). Each record's check and label is compared with what was written, once for the block (a
 damaged record, a shard of another set or edited labels: one line naming the file). The mapped
 pages a source holds stay within RESIDENT_BYTES: past it, all are let go at once.
+
+API: `write_dataset`, `read_splits`, `RecordSource`.
 """
 
 from __future__ import annotations

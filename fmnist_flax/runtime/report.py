@@ -3,6 +3,8 @@
 A report is a dict of sections (heading -> tables, figures, notes) that the run and its
 extensions fill; a `Painter` draws each figure into PNG bytes on its own thread while the run
 goes on, and `write_report` orders the sections, writes each PNG and inlines it.
+
+API: `Painter`, `write_report` and the figure builders.
 """
 
 from __future__ import annotations

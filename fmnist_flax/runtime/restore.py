@@ -3,6 +3,8 @@ check shapes, and resume a run exactly (model, optimizer, data position, running
 
 A reader of a live run (eval, predict, export) never moves anything: it skips a damaged step
 and starts over when the trainer rotates the step it was reading away.
+
+API: `restore`, `resume`, `check_best`, `ShapeMismatch`.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ should be is an OSError at once, in the training thread (no writer thread to die
 it), and every event written before a kill is in the file. Each start writes a purge marker,
 so TensorBoard drops the events a killed run logged past the checkpoint this one resumes
 from: one event per tag and step.
+
+API: `Summaries(workdir, config, start_step, schedule)` with `write(row)` and `close()`;
+`write_members`.
 """
 
 from __future__ import annotations

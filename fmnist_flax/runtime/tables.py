@@ -1,4 +1,7 @@
-"""The codelab's tables as plain data: built once, printed in the terminal, reused by reports."""
+"""The codelab's tables as plain data: built once, printed in the terminal, reused by reports.
+
+API: `Table`, `ProgressBar` and the `*_table` builders.
+"""
 
 from __future__ import annotations
 

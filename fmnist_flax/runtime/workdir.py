@@ -1,4 +1,8 @@
-"""Where a run's outputs go: the work directory, its JSON files and what they record."""
+"""Where a run's outputs go: the work directory, its JSON files and what they record.
+
+API: `prepare_workdir`, `MetricsLog`, `Lock`, `write_json`, `read_json`, `write_atomically`,
+`check_output_path`, `disk_problem`, `versions`.
+"""
 
 from __future__ import annotations
 
