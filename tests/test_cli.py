@@ -220,6 +220,7 @@ def test_the_wheel_installs_no_top_level_configs_package(tmp_path):
     [wheel] = tmp_path.glob("fmnist_flax-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "fmnist_flax/config.py" in names and "fmnist_flax/__main__.py" in names
+    assert {"fmnist_flax/runtime/checkpoint.py", "fmnist_flax/codelab/benchmark.py"} <= set(names)
     assert {name.split("/")[0] for name in names if "dist-info" not in name} == {"fmnist_flax"}
 
 
