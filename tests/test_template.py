@@ -75,13 +75,23 @@ def copy_project(tmp_path: pathlib.Path, whole: bool = False) -> pathlib.Path:
     return root
 
 
+def bare_python(root: pathlib.Path) -> pathlib.Path:
+    """A virtual environment beside a copied project with this one's libraries and no install
+    of this checkout: site-packages is on its path, but its .pth files (an editable install's
+    finder among them) are not run, so its processes and theirs import only the copy."""
+    venv = root / ".bare-venv"
+    if not venv.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        [site] = (venv / "lib").glob("python*/site-packages")
+        (site / "libraries.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return venv / "bin" / "python"
+
+
 def isolated(root: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
-    """`python ARGS` in a copied project, seeing its own package only: `-S` skips the .pth
-    files, so this checkout's editable install cannot fill in modules the copy deleted, and
-    the libraries come from site-packages on PYTHONPATH."""
-    env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    """`python ARGS` in a copied project, seeing its own package only (`bare_python`)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run(
-        [sys.executable, "-S", *args], cwd=root, env=env, capture_output=True, text=True
+        [bare_python(root), *args], cwd=root, env=env, capture_output=True, text=True
     )
 
 
