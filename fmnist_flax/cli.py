@@ -21,28 +21,37 @@ from ml_collections import config_flags
 from ml_collections.config_flags import config_path as config_fields
 from ml_collections.config_flags import tuple_parser
 
-from fmnist_flax import (
+from fmnist_flax import config as config_lib
+from fmnist_flax import datasets, experiment, train
+from fmnist_flax.runtime import (
     checkpoint,
     compilation_cache,
-    datasets,
     ensemble,
     errors,
-    experiment,
     export,
     inference,
     library_workarounds,
     parallel,
     records,
-    train,
 )
-from fmnist_flax import config as config_lib
-from fmnist_flax.errors import UserError, error_line
+from fmnist_flax.runtime.errors import UserError, error_line
 
 DEFAULT_CONFIG = config_lib.__file__  # its get_config(): the codelab's values
 PIPE_CLOSED_STATUS = 128 + 13  # what a shell reports for a writer stopped by SIGPIPE
-EXTENSIONS = ("fmnist_flax.codelab",)  # added to every run when present; delete freely
-# --mode=benchmark is offered only while its module exists (a demonstration: delete freely).
-BENCHMARK = importlib.util.find_spec("fmnist_flax.benchmark") is not None
+# Added to every run when present: the codelab's demonstrations (delete fmnist_flax/codelab/).
+EXTENSIONS = ("fmnist_flax.codelab.demonstrations",)
+BENCHMARK_MODULE = "fmnist_flax.codelab.benchmark"  # --mode=benchmark, offered while it exists
+
+
+def exists(name: str) -> bool:
+    """Whether module `name` can be imported; False when it or its package was deleted."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # its package is gone
+        return False
+
+
+BENCHMARK = exists(BENCHMARK_MODULE)
 # The parsers of a --config.FIELD's value by the field's type, as ml_collections parses them.
 VALUE_PARSERS = {
     int: flags.IntegerParser,
@@ -291,6 +300,8 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     except flags.Error as exc:
         if str(exc).startswith("flag --config"):
             fail(explain_config_error(argv, exc), 2)
+        if str(exc).startswith("flag --mode=benchmark:"):  # only while it is not a mode
+            fail("--mode=benchmark: the benchmark was removed with fmnist_flax/codelab/", 2)
         fail(f"{str(exc).splitlines()[0]} (see --help)", 2)
     except Exception as exc:  # the config file failed to load
         fail(explain_config_error(argv, exc), 2)
@@ -421,7 +432,7 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
 
 
 def prepare(config: ml_collections.ConfigDict) -> None:
-    """--mode=prepare: the config's dataset as record files in --output (records.py)."""
+    """--mode=prepare: the config's dataset as record files in --output (runtime/records.py)."""
     if not _OUTPUT.value:
         raise UserError("--mode=prepare needs --output=DIR, a new directory for the record files")
     if config.dataset.name == "records":
@@ -446,8 +457,7 @@ def prepare(config: ml_collections.ConfigDict) -> None:
 
 
 def run_benchmark(config: ml_collections.ConfigDict) -> None:
-    from fmnist_flax import benchmark  # the training path never imports it
-
+    benchmark = importlib.import_module(BENCHMARK_MODULE)  # the training path never imports it
     try:
         batch_sizes = [int(b) for b in FLAGS.bench_batch_sizes]
     except ValueError:
@@ -469,8 +479,7 @@ def run_benchmark(config: ml_collections.ConfigDict) -> None:
 
 def extensions() -> list[experiment.Extension]:
     """One instance of each extension module in EXTENSIONS that exists (its `EXTENSION`)."""
-    found = [name for name in EXTENSIONS if importlib.util.find_spec(name) is not None]
-    return [importlib.import_module(name).EXTENSION for name in found]
+    return [importlib.import_module(name).EXTENSION for name in EXTENSIONS if exists(name)]
 
 
 def define_config_flag() -> None:

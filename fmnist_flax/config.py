@@ -8,15 +8,8 @@ fields by `datasets.get`.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import importlib.util
 import json
 import math
-import os
-import pathlib
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import ml_collections
@@ -24,9 +17,10 @@ import numpy as np
 from ml_collections import config_dict
 
 from fmnist_flax import optimizer, task
-from fmnist_flax.errors import QUOTE_CHARS, UserError, clip, is_whole
 from fmnist_flax.model import COMPUTE_DTYPES
-from fmnist_flax.parallel import PARAM_SHARDINGS, check_mesh_config, say
+from fmnist_flax.runtime.errors import UserError, is_whole
+from fmnist_flax.runtime.parallel import PARAM_SHARDINGS, check_mesh_config
+from fmnist_flax.runtime.plugins import import_modules
 
 REPORT_CHOICES = ("full", "basic", "none")
 INPUT_PIPELINES = ("device", "grain")
@@ -351,93 +345,6 @@ def with_defaults(saved: dict[str, Any]) -> ml_collections.ConfigDict:
 
     fill(merged, saved)
     return ml_collections.ConfigDict(merged)
-
-
-def import_modules(names: Any) -> None:
-    """Import the project's modules of `config.imports`, so that what they register exists."""
-    if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
-        raise UserError(
-            f"--config.imports={names!r} must be a tuple of module names, e.g. "
-            "--config.imports=\"('my_models',)\""
-        )
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except (Exception, SystemExit) as exc:  # an ImportError, whatever the module raised
-            if isinstance(exc, SystemExit):  # it would end the run with no line
-                raise UserError(
-                    f"--config.imports: importing {name!r} called sys.exit({exc.code!r}); a "
-                    "module of config.imports must not exit"
-                ) from None
-            raise UserError(
-                f"--config.imports: importing {name!r} failed ({type(exc).__name__}: {exc}); "
-                "put the module on PYTHONPATH or beside main.py"
-            ) from exc
-
-
-class NotInstalled(UserError):
-    """A module a checkpoint names that only the workdir or the current directory holds."""
-
-
-def pending_imports(names: Any, source: str) -> list[str]:
-    """The modules of a checkpoint's saved config.imports (`source` says which checkpoint)
-    that are not imported yet."""
-    if not isinstance(names, list | tuple) or not all(_is_module_name(n) for n in names):
-        raise UserError(
-            f"{source}: its saved config.imports {clip(repr(names), QUOTE_CHARS)} is not a list "
-            "of module names; read another step with --step"
-        )
-    return [name for name in names if name not in sys.modules]
-
-
-def import_recorded(names: list[str], source: str, workdir: pathlib.Path) -> None:
-    """Import `pending_imports`' modules, each only if it is installed: found on the import
-    path without the current directory and `workdir`. A workdir is data: no file in it or in
-    the current directory runs as code because a checkpoint names it."""
-    if not names:
-        return
-    with _installed_path(workdir):
-        missing = [name for name in names if not _findable(name)]
-        if missing:
-            raise NotInstalled(
-                f"{source} names config.imports {', '.join(missing)}, not found among the "
-                "installed modules; a module in the current directory or the workdir is "
-                "imported only when the command line names it (importing runs its code): if "
-                f'you trust it, pass --config.imports="{tuple(missing)!r}"'
-            )
-        say(
-            f"note: {source} names config.imports {', '.join(names)}; importing them runs "
-            "their code"
-        )
-        import_modules(names)
-
-
-def _is_module_name(name: object) -> bool:
-    return isinstance(name, str) and all(part.isidentifier() for part in name.split("."))
-
-
-def _findable(name: str) -> bool:
-    """Whether the import system finds `name` (its top-level package unless that is imported
-    already), without importing it."""
-    top = name.partition(".")[0]
-    try:
-        return importlib.util.find_spec(name if top in sys.modules else top) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-@contextlib.contextmanager
-def _installed_path(workdir: pathlib.Path) -> Iterator[None]:
-    """sys.path without the entries that are the current directory or `workdir`."""
-    left_out = {os.path.realpath(workdir)}
-    with contextlib.suppress(OSError):  # a removed current directory: '' finds nothing there
-        left_out.add(os.path.realpath(os.getcwd()))
-    saved = list(sys.path)
-    sys.path[:] = [p for p in saved if p and os.path.realpath(p) not in left_out]
-    try:
-        yield
-    finally:
-        sys.path[:] = saved
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

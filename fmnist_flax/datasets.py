@@ -30,8 +30,9 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from fmnist_flax import errors
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime import errors
+from fmnist_flax.runtime.errors import UserError
+from fmnist_flax.runtime.inference import as_hwc
 
 IMAGES_MAGIC = 2051
 LABELS_MAGIC = 2049
@@ -121,12 +122,6 @@ def identity_changes(saved: dict, now: dict) -> list[dict]:
         for key in IDENTITY
         if key in saved and saved[key] != now[key]
     ]
-
-
-def as_hwc(shape: Sequence[int]) -> tuple[int, int, int]:
-    """(H, W, C) of an image shape; (H, W), as checkpoints saved before colour, is grayscale."""
-    shape = tuple(int(side) for side in shape)
-    return shape if len(shape) == 3 else (*shape, 1)
 
 
 def _split_images(images: np.ndarray, name: str, pixel_range: Any) -> np.ndarray:
@@ -719,9 +714,9 @@ def load_arrays(data_dir: pathlib.Path) -> Dataset:
 
 @register("records", needs="record files written by --mode=prepare --output=DIR")
 def load_records(data_dir: pathlib.Path) -> Dataset:
-    """Record shards that `--mode=prepare` wrote (fmnist_flax/records.py): images stay
+    """Record shards that `--mode=prepare` wrote (fmnist_flax/runtime/records.py): images stay
     in the files and are read a batch at a time; labels are read whole (4 bytes each)."""
-    from fmnist_flax import records
+    from fmnist_flax.runtime import records
 
     info, images, labels = records.read_splits(data_dir)
     for split in records.SPLITS:  # training would end at its first evaluation

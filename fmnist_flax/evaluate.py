@@ -1,6 +1,6 @@
 """Evaluation: every metric of the task over a test set, streamed to the devices in fixed-size
 compiled calls, each an `nnx.vmap` over its batches (section 10), then the whole-test-set
-metrics of `config.test_set_metrics` from every prediction; `predict` and its input rule.
+metrics of `config.test_set_metrics` from every prediction.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from fmnist_flax import datasets, ensemble, errors, input_pipeline, parallel, task
-from fmnist_flax.errors import UserError
-from fmnist_flax.input_pipeline import PIXEL_SCALE
+from fmnist_flax import input_pipeline, task
+from fmnist_flax.runtime import ensemble, parallel
 
 # Test examples per compiled call at most (whole batches): a call's device memory is this
 # many uint8 images and one vmapped forward pass over them, whatever the test set's size.
@@ -154,122 +153,3 @@ def means(batch_sums: dict[str, np.ndarray], num_batches: int | None = None) -> 
         **{name: total / count if count else float("nan") for name, total in totals.items()},
         COUNT: count,
     }
-
-
-def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> np.ndarray:
-    """counts[true, predicted] over every evaluated example."""
-    counts = np.zeros((num_classes, num_classes), np.int64)
-    np.add.at(counts, (np.asarray(labels), np.asarray(predictions)), 1)
-    return counts
-
-
-@nnx.jit
-def _probabilities(model: nnx.Module, x: jax.Array) -> jax.Array:
-    return jax.nn.softmax(model(x), axis=-1)
-
-
-def model_input(images: Any, image_shape: tuple[int, int, int], name: str = "images") -> np.ndarray:
-    """The one input rule of `predict` and of --mode=predict's .npy files and pictures:
-    `images` as float32 (N, H, W, C) in [0, 1], or a one-line UserError that starts with `name`.
-
-    Shapes: (H, W, C) is one image, (N, H, W, C) is N >= 1 images, and so is the flat
-    (N, H * W * C); for grayscale (C = 1) also (H, W) and (N, H, W).
-    Pixels: uint8 is 0..255 and is scaled by 1/255 (`PIXEL_SCALE`, as training does); any
-    other integer dtype must hold only 0..255 and is scaled the same; floats (16, 32 or 64
-    bits) must be finite and already in [0, 1], and are never rescaled (divide 0..255 floats
-    by 255 first). bool, complex, string, object, structured and date/time arrays are refused.
-    """
-    h, w, c = (int(side) for side in image_shape)
-    one = [(h, w, c), *([(h, w)] if c == 1 else [])]
-    expected = "expected " + " or ".join(
-        ([f"({h}, {w})", f"(N, {h}, {w})"] if c == 1 else [])
-        + [f"({h}, {w}, {c})", f"(N, {h}, {w}, {c})", f"(N, {h * w * c})"]
-    )
-    try:
-        array = np.asarray(images)
-    except (ValueError, TypeError) as exc:
-        reason = errors.reason(exc)
-        raise UserError(f"{name}: cannot be made into one array ({reason}); {expected}") from None
-    if array.dtype.kind == "V" and jnp.issubdtype(array.dtype, jnp.floating):
-        array = array.astype(np.float32)  # bfloat16 and other ml_dtypes floats: exact in f32
-    kind = array.dtype.kind
-    if kind not in "uif":  # timedelta64 counts as an integer for np.issubdtype: go by kind
-        raise UserError(
-            f"{name}: pixels of dtype {array.dtype} cannot be used; pass uint8 (0..255), "
-            "other integers in 0..255 or floats in [0, 1]"
-        )
-    if array.shape in one:
-        array = array[None]
-    if array.ndim < 2 or array.shape[1:] not in (*one, (h * w * c,)):
-        raise UserError(f"{name}: array shape {array.shape}; {expected}")
-    if len(array) == 0:
-        raise UserError(f"{name}: no images in it (shape {array.shape}); {expected} with N >= 1")
-    _check_range(array, name)
-    x = array.astype(np.float32)
-    if kind != "f":
-        x = x * PIXEL_SCALE  # bit for bit what training feeds the model
-    return x.reshape(len(x), h, w, c)
-
-
-def _check_range(array: np.ndarray, name: str) -> None:
-    """Floats must be finite and in [0, 1]; integers other than uint8 in 0..255."""
-    if array.dtype.kind == "f":
-        finite = np.isfinite(array)
-        if not finite.all():
-            bad = int(array.size - np.count_nonzero(finite))
-            raise UserError(
-                f"{name}: {bad} non-finite pixel value{'s' * (bad != 1)} (NaN or infinity); "
-                "every pixel must be a number in [0, 1]"
-            )
-        low, high = array.min(), array.max()
-        if low < 0 or high > 1:
-            raise UserError(
-                f"{name}: float pixels must lie in [0, 1] but these range over "
-                f"[{low!s}, {high!s}]; divide 0..255 values by 255 first (or pass them as uint8)"
-            )
-    elif array.dtype != np.uint8:
-        low, high = array.min(), array.max()
-        if low < 0 or high > 255:
-            raise UserError(
-                f"{name}: integer pixels must lie in 0..255 but these range over "
-                f"{low}..{high}; scale them to 0..255 (uint8) or to floats in [0, 1] first"
-            )
-
-
-def image_shape_of(model: nnx.Module, image_shape: tuple[int, ...] | None) -> tuple[int, ...]:
-    """(H, W, C) of the images a model takes: the argument, or the model's own `image_shape`
-    (the built-in models keep the one they were built for)."""
-    shape = image_shape if image_shape is not None else getattr(model, "image_shape", None)
-    if shape is None:
-        raise UserError(
-            f"predict: cannot tell the image shape {type(model).__name__} takes; pass "
-            "image_shape=(H, W, C)"
-        )
-    return datasets.as_hwc(shape)
-
-
-def predict(
-    model: nnx.Module,
-    images: Any,
-    mesh: jax.sharding.Mesh | None = None,
-    *,
-    image_shape: tuple[int, ...] | None = None,
-) -> np.ndarray:
-    """Class probabilities (N, classes) for images shaped as `model_input` says: (N, H, W, C)
-    or one (H, W, C), and for grayscale also (N, H, W) and (H, W).
-
-    The same rule as --mode=predict (`model_input`): uint8 pixels (0..255) and other integers
-    in 0..255 are scaled by 1/255; floats must be finite and already in [0, 1] (they are never
-    rescaled: divide 0..255 floats by 255 first). Anything else is a one-line UserError: a
-    wrong shape, no images, NaN or infinite pixels, values out of range, a non-numeric dtype.
-    (H, W, C) is the model's `image_shape` (the built-in models keep it); pass `image_shape`
-    for other models. On a mesh the images are padded to a multiple of its size and split
-    along `data`.
-    """
-    x = model_input(images, image_shape_of(model, image_shape))
-    if mesh is None:
-        return np.asarray(_probabilities(model, jnp.asarray(x)))
-    pad = -len(x) % parallel.data_size(mesh)
-    x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
-    sharded = parallel.shard_host_array(x, parallel.batch_sharding(mesh))
-    return parallel.to_host(_probabilities(model, sharded))[: len(x) - pad]

@@ -2,8 +2,8 @@
 the final evaluation and the outputs (summary.json, report/).
 
 The loop itself is `train.train_and_evaluate`. Extensions (the codelab's demonstrations in
-`codelab.py`) add tables, figures and summary entries before and after training; nothing on
-the training path imports them, so deleting one leaves a working trainer.
+`codelab/demonstrations.py`) add tables, figures and summary entries before and after
+training; nothing on the training path imports them, so deleting one leaves a working trainer.
 """
 
 from __future__ import annotations
@@ -22,24 +22,23 @@ import ml_collections
 from absl import logging
 from flax import nnx
 
-from fmnist_flax import checkpoint as checkpoint_lib
 from fmnist_flax import config as config_lib
-from fmnist_flax import (
-    datasets,
+from fmnist_flax import datasets, evaluate, input_pipeline
+from fmnist_flax import model as model_lib
+from fmnist_flax import optimizer as optimizer_lib
+from fmnist_flax.runtime import checkpoint as checkpoint_lib
+from fmnist_flax.runtime import (
     ensemble,
-    evaluate,
     grain_pipeline,
-    input_pipeline,
+    inference,
     parallel,
     report,
     summaries,
     tables,
 )
-from fmnist_flax import model as model_lib
-from fmnist_flax import optimizer as optimizer_lib
-from fmnist_flax import workdir as workdir_lib
-from fmnist_flax.errors import UserError, is_digits, warning_line
-from fmnist_flax.tables import Table
+from fmnist_flax.runtime import workdir as workdir_lib
+from fmnist_flax.runtime.errors import UserError, is_digits, warning_line
+from fmnist_flax.runtime.tables import Table
 
 
 @dataclasses.dataclass
@@ -543,7 +542,7 @@ def evaluate_model(run: Run) -> dict[str, Any]:
     whole_batches = full[evaluate.COUNT] // run.config.batch_size
     codelab = evaluate.means(full["batch_sums"], whole_batches)
     labels = test_set(run)[1]
-    counts = evaluate.confusion_matrix(labels, full["predictions"], d.num_classes)
+    counts = inference.confusion_matrix(labels, full["predictions"], d.num_classes)
     result = {"full": metrics_of(full), "codelab": codelab, "confusion": counts}
     if not parallel.is_primary():
         return result

@@ -20,13 +20,10 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
-from fmnist_flax import ensemble, parallel
 from fmnist_flax.datasets import Dataset
-from fmnist_flax.errors import UserError
-
-# uint8 -> [0, 1]. A multiply, not a division: XLA turns x / 255 into x * (1 / 255) anyway, and
-# host (NumPy) and device preprocessing must agree to the bit.
-PIXEL_SCALE = np.float32(1 / 255)
+from fmnist_flax.runtime import ensemble, parallel
+from fmnist_flax.runtime.errors import UserError
+from fmnist_flax.runtime.inference import PIXEL_SCALE
 
 
 def prepare_images(images: np.ndarray) -> np.ndarray:

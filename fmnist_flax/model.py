@@ -23,9 +23,9 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from fmnist_flax import errors, parallel
-from fmnist_flax.ensemble import Ensemble, stack
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime import errors, parallel
+from fmnist_flax.runtime.ensemble import Ensemble, stack
+from fmnist_flax.runtime.errors import UserError
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -311,8 +311,3 @@ def abstract_model(
     what it would hold, with nothing allocated; `experiment.check_memory` sizes runs by it."""
     static = static_args(config, image_shape, num_classes)
     return nnx.eval_shape(lambda: _construct(*static, jnp.uint32(0)))
-
-
-def count_params(model: nnx.Module) -> int:
-    """Total number of trainable scalars (235,146 for the codelab's MLP)."""
-    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime import ensemble
+from fmnist_flax.runtime.errors import UserError
 
 # Every field of config.optimizer that is not one optimizer's or one schedule's own.
 COMMON_FIELDS = (
@@ -257,17 +258,6 @@ def own_fields(opt: ml_collections.ConfigDict) -> dict[str, Any]:
     return {f: opt[f] for f in own_field_names() if opt.get(f) not in (None, False)}
 
 
-def member_hyperparams(config: ml_collections.ConfigDict, member: int) -> dict[str, float]:
-    """Ensemble member `member`'s learning rate and weight decay: its own where
-    `config.ensemble` lists them, config.optimizer's otherwise."""
-    ens = config.ensemble
-    opt = config.optimizer
-    return {
-        field: float(ens[field][member] if ens[field] else opt[field])
-        for field in ("learning_rate", "weight_decay")
-    }
-
-
 def create(
     config: ml_collections.ConfigDict, member: int | None = None
 ) -> optax.GradientTransformation:
@@ -287,7 +277,7 @@ def create(
     if member is None:
         tx = build(rate, weight_decay=opt.weight_decay, **fields)
     else:  # only these two injected: the others stay Python floats, bit-exact with one run
-        values = member_hyperparams(config, member)
+        values = ensemble.member_hyperparams(config, member)
         if callable(rate):  # one schedule for every member (its peak is shared)
             values["learning_rate"] = rate
 

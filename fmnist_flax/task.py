@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime.errors import UserError
 
 
 def per_example(

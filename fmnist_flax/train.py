@@ -28,27 +28,30 @@ import numpy as np
 import optax
 from flax import nnx
 
-from fmnist_flax import checkpoint as checkpoint_lib
-from fmnist_flax import config as config_lib
 from fmnist_flax import (
+    api,  # noqa: F401  (hands the template's parts to runtime.inference)
     datasets,
+    experiment,
+    input_pipeline,
+    task,
+)
+from fmnist_flax import config as config_lib
+from fmnist_flax import optimizer as optimizer_lib
+from fmnist_flax.model import create_model
+from fmnist_flax.runtime import checkpoint as checkpoint_lib
+from fmnist_flax.runtime import (
     ema,
     ensemble,
-    experiment,
     grain_pipeline,
     inference,
-    input_pipeline,
     parallel,
     restore,
     summaries,
     tables,
-    task,
 )
-from fmnist_flax import optimizer as optimizer_lib
-from fmnist_flax import workdir as workdir_lib
-from fmnist_flax.ensemble import Ensemble
-from fmnist_flax.errors import UserError
-from fmnist_flax.model import create_model
+from fmnist_flax.runtime import workdir as workdir_lib
+from fmnist_flax.runtime.ensemble import Ensemble
+from fmnist_flax.runtime.errors import UserError
 
 Metrics = dict[str, jax.Array]
 Config = ml_collections.FrozenConfigDict  # hashable: what the compiled steps are built for
@@ -57,7 +60,7 @@ Config = ml_collections.FrozenConfigDict  # hashable: what the compiled steps ar
 def create_optimizer(model: nnx.Module, config: ml_collections.ConfigDict) -> nnx.Optimizer:
     """The config's Optax optimizer (AdamW by default, the codelab's) over the parameters."""
     if isinstance(model, Ensemble):
-        return ensemble.member_optimizers(model, config)
+        return ensemble.member_optimizers(model, functools.partial(optimizer_lib.create, config))
     return _optimizer_program(Config(config))(model)
 
 
@@ -529,7 +532,8 @@ class RowLog:
             path = workdir / workdir_lib.METRICS_FILE
             self.metrics = workdir_lib.MetricsLog(path, keep_until=start_step)
             self.progress = tables.ProgressBar(config.steps)
-            self.board = summaries.Summaries(workdir, config, start_step)
+            rate = optimizer_lib.learning_rate(config)
+            self.board = summaries.Summaries(workdir, config, start_step, rate)
         self.queue: queue.Queue | None = None
         if background and jax.process_count() == 1:
             self.queue = queue.Queue()

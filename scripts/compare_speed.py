@@ -42,18 +42,30 @@ def base_package(rev: str, into: pathlib.Path) -> None:
             check=True,
             capture_output=True,
         )
-    for path in (into / "fmnist_flax_base").glob("*.py"):
+    for path in (into / "fmnist_flax_base").rglob("*.py"):
         path.write_text(re.sub(r"\bfmnist_flax\b", "fmnist_flax_base", path.read_text()))
+
+
+def module(package: str, name: str):
+    """`package`'s module `name`, in its folder (runtime/, codelab/) or, at older commits, in the
+    package itself."""
+    import importlib.util
+
+    for folder in ("runtime.", "codelab.", ""):
+        try:
+            if importlib.util.find_spec(f"{package}.{folder}{name}") is not None:
+                return importlib.import_module(f"{package}.{folder}{name}")
+        except ModuleNotFoundError:  # no such folder at that commit
+            continue
+    raise ModuleNotFoundError(f"{package} has no module {name}")
 
 
 def runner(package: str, batch_size: int):
     """That package's fused runner for the default config at `batch_size`, warmed up."""
-    import importlib
-
     import jax
 
     modules = {
-        n: importlib.import_module(f"{package}.{n}")
+        n: module(package, n)
         for n in ("benchmark", "config", "datasets", "input_pipeline", "parallel")
     }
     config = modules["config"].get_config()

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import runpy
 import struct
 import subprocess
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # imported where used: xdist's controller, which runs no test
     from fmnist_flax import datasets
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+HELP_FLAG = re.compile(r"^\s+--(?:\[no\])?([\w.]+):", re.M)  # a flag `main.py --help` lists
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -44,7 +46,7 @@ def use_compilation_cache(directory: pathlib.Path) -> None:
     processes that call this (mesh_worker.py)."""
     import jax
 
-    from fmnist_flax import compilation_cache
+    from fmnist_flax.runtime import compilation_cache
 
     compilation_cache.use(directory)
     # A size limit turns on JAX's file lock (the filelock package): no process reads an entry
@@ -56,7 +58,7 @@ def use_compilation_cache(directory: pathlib.Path) -> None:
 def quiet_orbax() -> None:
     """Orbax's noise dropped as the command line drops it, for the tests that save and read
     checkpoints in this process (set when the session starts: after pytest's own hooks)."""
-    from fmnist_flax import library_workarounds
+    from fmnist_flax.runtime import library_workarounds
 
     library_workarounds.quiet_orbax()
 
@@ -66,6 +68,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     workers stealing each other's queued tests, they then finish together instead of one
     waiting while the other runs a long test started last."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(scope="session")
+def help_flags() -> set[str]:
+    """Every flag `main.py --help` lists (one process, about 2 s)."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "main.py"), "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    flags = set(HELP_FLAG.findall(out))
+    assert {"steps", "workdir", "mode", "config"} <= flags, out[:2000]
+    return flags
 
 
 def run_main(*args, cwd=REPO, timeout=300, **kwargs) -> subprocess.CompletedProcess:
@@ -272,7 +290,7 @@ def quick_config():
 @pytest.fixture(scope="session")
 def fmnist_records(real_dataset, tmp_path_factory) -> pathlib.Path:
     """The real Fashion-MNIST written once as record files (--mode=prepare's writer)."""
-    from fmnist_flax import records
+    from fmnist_flax.runtime import records
 
     path = tmp_path_factory.mktemp("records") / "fashion_mnist"
     records.write_dataset(real_dataset, path)

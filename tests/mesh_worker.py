@@ -21,20 +21,16 @@ import numpy as np
 from conftest import load_config, use_compilation_cache
 from flax import nnx
 
-from fmnist_flax import (
+from fmnist_flax import datasets, evaluate, experiment, input_pipeline, train
+from fmnist_flax.runtime import (
     checkpoint,
-    datasets,
-    evaluate,
-    experiment,
     export,
     inference,
-    input_pipeline,
     library_workarounds,
     parallel,
     restore,
-    train,
 )
-from fmnist_flax import workdir as workdir_lib
+from fmnist_flax.runtime import workdir as workdir_lib
 
 PREDICTED = 5  # does not divide by 8: predict pads and unpads
 
@@ -90,7 +86,7 @@ def run(dataset, config, devices, param_sharding: str, workdir: pathlib.Path) ->
         "losses": [row["loss"] for row in rows],
         "test_accuracy": full["accuracy"],
         "test_examples": full["examples"],
-        "predictions": evaluate.predict(model, dataset.test_images[:PREDICTED], mesh).tolist(),
+        "predictions": inference.predict(model, dataset.test_images[:PREDICTED], mesh).tolist(),
         "params": host_params(model),
         "restored_equal": all(
             bool((parallel.to_host(a) == parallel.to_host(b)).all())
@@ -170,7 +166,7 @@ def model_parallel(
     split = train_quietly(config, workdir / "split", devices)
     split_summary = json.loads((workdir / "split" / workdir_lib.SUMMARY_FILE).read_text())
     images = dataset.test_images[:PREDICTED]
-    split_predictions = evaluate.predict(split.model, images, split.device_data.mesh)
+    split_predictions = inference.predict(split.model, images, split.device_data.mesh)
 
     single = parallel.make_mesh(devices[:1])
     restored, _, saved, _ = inference.restore_model(workdir / "split", mesh=single)
@@ -220,9 +216,9 @@ def model_parallel(
         "split_test": [split_summary["test_accuracy"], split_summary["test_loss"]],
         "restored_test": [evaluated["accuracy"], evaluated["loss"]],
         "split_predictions": np.asarray(split_predictions).tolist(),
-        "restored_predictions": np.asarray(evaluate.predict(restored, images, single)).tolist(),
+        "restored_predictions": np.asarray(inference.predict(restored, images, single)).tolist(),
         "exported_predictions": np.asarray(exported.call(images)).tolist(),
-        "loaded_predictions": np.asarray(evaluate.predict(loaded, images, single)).tolist(),
+        "loaded_predictions": np.asarray(inference.predict(loaded, images, single)).tolist(),
         "one_params": host_params(base.model),
         "spread_params": host_params(spread),
         "spread_layouts": parallel.param_layouts(spread),

@@ -20,8 +20,9 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import EVERY_DUE_SAVE, REPO, load_config
 
-from fmnist_flax import checkpoint, errors, inference, load_model, parallel, restore, train
-from fmnist_flax.errors import UserError
+from fmnist_flax import load_model, train
+from fmnist_flax.runtime import checkpoint, errors, inference, parallel, restore
+from fmnist_flax.runtime.errors import UserError
 
 
 def params_of(workdir, step=None):

@@ -18,8 +18,9 @@ from conftest import REPO, assert_one_line_error, run_main
 from flax import nnx
 from ml_collections import config_flags
 
-from fmnist_flax import cli, ensemble, errors, experiment
-from fmnist_flax.errors import UserError
+from fmnist_flax import cli, experiment
+from fmnist_flax.runtime import ensemble, errors
+from fmnist_flax.runtime.errors import UserError
 
 
 @pytest.mark.slow
@@ -260,6 +261,7 @@ def test_the_wheel_installs_no_top_level_configs_package(tmp_path):
     [wheel] = tmp_path.glob("fmnist_flax-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "fmnist_flax/config.py" in names and "fmnist_flax/__main__.py" in names
+    assert {"fmnist_flax/runtime/checkpoint.py", "fmnist_flax/codelab/benchmark.py"} <= set(names)
     assert {name.split("/")[0] for name in names if "dist-info" not in name} == {"fmnist_flax"}
 
 

@@ -10,7 +10,8 @@ from conftest import load_config
 from flax import nnx
 from PIL import Image
 
-from fmnist_flax import codelab, train
+from fmnist_flax import train
+from fmnist_flax.codelab import demonstrations as codelab
 from fmnist_flax.model import MLP
 
 TABLE_TITLES = (  # what the codelab adds to the report's tables

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from fmnist_flax import compilation_cache
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime import compilation_cache
+from fmnist_flax.runtime.errors import UserError
 
 KEY = "0123456789abcdef" * 4  # JAX names an entry `{module}-{sha256 hex}-cache`
 

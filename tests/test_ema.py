@@ -17,9 +17,10 @@ from conftest import REPO, assert_one_line_error, load_config, run_main
 from flax import nnx
 
 from fmnist_flax import config as config_lib
-from fmnist_flax import ema, experiment, export, inference, input_pipeline, parallel, predict, train
-from fmnist_flax.errors import UserError
+from fmnist_flax import experiment, input_pipeline, predict, train
 from fmnist_flax.model import create_model
+from fmnist_flax.runtime import ema, export, inference, parallel
+from fmnist_flax.runtime.errors import UserError
 
 
 def small_config(decay: float, hidden: tuple[int, ...] = (16,)):

@@ -14,19 +14,12 @@ from conftest import assert_same_models, env_without_device_count, load_config, 
 from flax import nnx
 
 from fmnist_flax import config as config_lib
-from fmnist_flax import ensemble as ensemble_lib
-from fmnist_flax import (
-    evaluate,
-    export,
-    load_model,
-    parallel,
-    report,
-    tables,
-    train,
-)
+from fmnist_flax import load_model, train
 from fmnist_flax import model as model_lib
-from fmnist_flax.ensemble import Ensemble
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime import ensemble as ensemble_lib
+from fmnist_flax.runtime import export, inference, parallel, report, tables
+from fmnist_flax.runtime.ensemble import Ensemble
+from fmnist_flax.runtime.errors import UserError
 
 RATES = (3e-3, 3e-3, 1e-2)  # a sweep of a kind: member 2 has its own learning rate
 
@@ -133,12 +126,12 @@ def test_member_picks_one_member_the_best_or_the_ensemble(ensemble, real_dataset
     images = real_dataset.test_images[:64]
     whole = load_model(workdir)
     assert isinstance(whole, Ensemble) and whole.size == 3
-    each = [evaluate.predict(load_model(workdir, member=k), images) for k in range(3)]
-    np.testing.assert_allclose(evaluate.predict(whole, images), np.mean(each, axis=0), atol=1e-6)
+    each = [inference.predict(load_model(workdir, member=k), images) for k in range(3)]
+    np.testing.assert_allclose(inference.predict(whole, images), np.mean(each, axis=0), atol=1e-6)
     np.testing.assert_array_equal(
-        evaluate.predict(load_model(workdir, member="best"), images), each[summary["best_member"]]
+        inference.predict(load_model(workdir, member="best"), images), each[summary["best_member"]]
     )
-    assert evaluate.predict(load_model(workdir, member="ensemble"), images).shape == (64, 10)
+    assert inference.predict(load_model(workdir, member="ensemble"), images).shape == (64, 10)
 
 
 @pytest.mark.slow
@@ -148,7 +141,7 @@ def test_the_exported_ensemble_runs_with_jax_alone(ensemble, real_dataset, jax_o
     meta = export.export_model(workdir, artifact, member="ensemble")
     assert meta["source"]["member"] == "ensemble"
     images = real_dataset.test_images[:5]
-    expected = evaluate.predict(load_model(workdir), images)
+    expected = inference.predict(load_model(workdir), images)
     np.testing.assert_allclose(jax_only(artifact, images), expected, rtol=1e-6, atol=1e-7)
 
 

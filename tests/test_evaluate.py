@@ -13,10 +13,11 @@ from conftest import forward, load_config, run_main
 from flax import nnx
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fmnist_flax import evaluate, input_pipeline, parallel, task
+from fmnist_flax import evaluate, input_pipeline, task
 from fmnist_flax import model as model_lib
-from fmnist_flax.errors import UserError
 from fmnist_flax.model import MLP
+from fmnist_flax.runtime import inference, parallel
+from fmnist_flax.runtime.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +177,7 @@ def test_whole_set_metrics_come_from_every_prediction_of_the_evaluation(model, r
     assert {k: result[k] for k in expected} == expected and len(expected) == 11
     assert set(result) - set(plain) == set(expected)
     assert result["accuracy"] == plain["accuracy"]
-    counts = evaluate.confusion_matrix(labels, result["predictions"], 10)
+    counts = inference.confusion_matrix(labels, result["predictions"], 10)
     np.testing.assert_allclose(
         [result[f"class_accuracy_{k}"] for k in range(10)], counts.diagonal() / counts.sum(1)
     )

@@ -15,10 +15,11 @@ import pytest
 from conftest import edit_saved_configs, load_config
 from flax import nnx
 
-from fmnist_flax import checkpoint, experiment, grain_pipeline, load_model, train
+from fmnist_flax import experiment, load_model, train
 from fmnist_flax import model as model_lib
-from fmnist_flax.errors import UserError
 from fmnist_flax.model import create_model
+from fmnist_flax.runtime import checkpoint, grain_pipeline
+from fmnist_flax.runtime.errors import UserError
 
 
 def read_metrics(workdir):

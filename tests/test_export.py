@@ -12,7 +12,8 @@ import pytest
 import scanned_model
 from conftest import assert_one_line_error, assert_same_models, load_config, run_main
 
-from fmnist_flax import CLASS_NAMES, export, inference, load_model, model, predict, train
+from fmnist_flax import CLASS_NAMES, load_model, model, predict, train
+from fmnist_flax.runtime import export, inference
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from conftest import EVERY_DUE_SAVE, REPO, run_main
 
-from fmnist_flax import checkpoint
+from fmnist_flax.runtime import checkpoint
 
 pytestmark = pytest.mark.slow
 QUICK = ("--report=none", "--log_every=5", EVERY_DUE_SAVE)

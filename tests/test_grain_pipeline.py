@@ -13,7 +13,8 @@ from conftest import EVERY_DUE_SAVE, run_main
 from test_faults import saved_steps, start, wait_for
 from test_parallel import LOSS_RTOL, main_py, start_two_processes
 
-from fmnist_flax import grain_pipeline, load_model, parallel
+from fmnist_flax import load_model
+from fmnist_flax.runtime import grain_pipeline, parallel
 
 GRAIN = "--config.input_pipeline=grain"
 

@@ -21,21 +21,12 @@ from conftest import REPO, assert_one_line_error, edit_saved_configs, run_main
 from flax import nnx
 from PIL import Image
 
-from fmnist_flax import (
-    CLASS_NAMES,
-    datasets,
-    evaluate,
-    inference,
-    load_model,
-    predict,
-    records,
-    tables,
-    train,
-)
-from fmnist_flax import workdir as workdir_lib
-from fmnist_flax.errors import UserError
-from fmnist_flax.input_pipeline import PIXEL_SCALE
+from fmnist_flax import CLASS_NAMES, datasets, load_model, predict, train
 from fmnist_flax.model import MLP
+from fmnist_flax.runtime import inference, records, tables
+from fmnist_flax.runtime import workdir as workdir_lib
+from fmnist_flax.runtime.errors import UserError
+from fmnist_flax.runtime.inference import PIXEL_SCALE
 
 SHAPES = "expected (28, 28) or (N, 28, 28) or (28, 28, 1) or (N, 28, 28, 1) or (N, 784)"
 
@@ -467,7 +458,7 @@ def test_integer_pixels_are_0_to_255_whatever_their_dtype(model, tmp_path):
             images_of(tmp_path / "ints.npy").reshape(3, -1), scaled.reshape(3, -1)
         )
         np.testing.assert_array_equal(
-            evaluate.model_input(u8.astype(dtype), (28, 28, 1)), scaled.reshape(3, 28, 28, 1)
+            inference.model_input(u8.astype(dtype), (28, 28, 1)), scaled.reshape(3, 28, 28, 1)
         )
     wide = u8.astype(np.uint16)
     wide[0, 0, 0] = 300
@@ -550,7 +541,7 @@ def test_cli_files_and_the_python_api_give_identical_probabilities(model, tmp_pa
         images_of(tmp_path / "rows.npy"),
         images_of(tmp_path / "floats.npy"),
     ):
-        np.testing.assert_array_equal(evaluate.predict(model, read), expected)
+        np.testing.assert_array_equal(inference.predict(model, read), expected)
     np.testing.assert_array_equal(predict(model, u8.astype(np.float32) * PIXEL_SCALE), expected)
     np.testing.assert_allclose(predict(model, u8 / 255.0), expected, atol=1e-6)
     np.testing.assert_array_equal(predict(model, u8, image_shape=(28, 28, 1)), expected)
@@ -661,7 +652,8 @@ def diverged_workdir(tmp_path_factory, real_dataset):
     import jax.numpy as jnp
     from conftest import load_config
 
-    from fmnist_flax import checkpoint, parallel, train
+    from fmnist_flax import train
+    from fmnist_flax.runtime import checkpoint, parallel
 
     workdir = tmp_path_factory.mktemp("diverged") / "w"
     config = load_config("default")

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from conftest import offline
 
-from fmnist_flax import datasets, input_pipeline, parallel
-from fmnist_flax.errors import UserError
+from fmnist_flax import datasets, input_pipeline
+from fmnist_flax.runtime import parallel
+from fmnist_flax.runtime.errors import UserError
 
 
 def test_device_data_keeps_uint8_train_images_flat_and_no_test_set(real_dataset):

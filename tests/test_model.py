@@ -14,13 +14,13 @@ from conftest import forward, load_config
 from flax import nnx
 
 from fmnist_flax import model as model_lib
-from fmnist_flax import parallel
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime import parallel, tables
+from fmnist_flax.runtime.errors import UserError
 
 
 def test_codelab_architecture_and_parameter_count():
     model = model_lib.MLP(rngs=nnx.Rngs(0))
-    assert model_lib.count_params(model) == 235_146
+    assert tables.count_params(model) == 235_146
     shapes = [(layer.kernel.shape, layer.bias.shape) for layer in model.layers]
     assert shapes == [((784, 256), (256,)), ((256, 128), (128,)), ((128, 10), (10,))]
     for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
@@ -54,7 +54,7 @@ def test_create_model_follows_the_config_and_seed():
     config.compute_dtype = "bfloat16"
     model = model_lib.create_model(config, (28, 28, 1), 10)
     assert model.compute_dtype == jnp.bfloat16
-    assert model_lib.count_params(model) == 784 * 32 + 32 + 32 * 10 + 10
+    assert tables.count_params(model) == 784 * 32 + 32 + 32 * 10 + 10
     again = model_lib.create_model(config, (28, 28, 1), 10)
     other = model_lib.create_model(config, (28, 28, 1), 10, seed=1)
     k = model.layers[0].kernel[...]

@@ -18,8 +18,8 @@ from conftest import load_config
 
 from fmnist_flax import optimizer
 from fmnist_flax.config import get_config, training_changes
-from fmnist_flax.errors import UserError
 from fmnist_flax.model import create_model
+from fmnist_flax.runtime.errors import UserError
 
 
 def tree(seed: int) -> dict[str, jax.Array]:

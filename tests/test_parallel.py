@@ -20,8 +20,9 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 from mesh_worker import MESHES
 
-from fmnist_flax import evaluate, inference, library_workarounds, parallel
-from fmnist_flax.errors import UserError
+from fmnist_flax import evaluate
+from fmnist_flax.runtime import inference, library_workarounds, parallel
+from fmnist_flax.runtime.errors import UserError
 
 # Over 50 AdamW steps at batch 128 the 8-device runs differ from the 1-device run only by the
 # order of float32 sums in the gradient all-reduce; the bounds are several times the largest

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fmnist_flax import profiling
+from fmnist_flax.codelab import profiling
 
 
 def test_op_kinds_tells_matmuls_from_weight_shaped_and_other_work():

@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from PIL import Image
 
-from fmnist_flax import datasets, evaluate, inference
-from fmnist_flax.errors import UserError
-from fmnist_flax.input_pipeline import PIXEL_SCALE
+from fmnist_flax import datasets
+from fmnist_flax.runtime import inference
+from fmnist_flax.runtime.errors import UserError
+from fmnist_flax.runtime.inference import PIXEL_SCALE
 
 FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -92,7 +93,7 @@ def pixel_arrays(draw) -> tuple[np.ndarray, tuple[int, int, int]]:
 def test_the_input_rule_gives_pixels_in_0_1_or_a_one_line_refusal(case):
     array, (h, w, c) = case
     try:
-        x = evaluate.model_input(array, (h, w, c))
+        x = inference.model_input(array, (h, w, c))
     except UserError as exc:
         assert one_line(exc).startswith("images: ")
         return

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from conftest import REPO, assert_one_line_error, run_main, small_arrays
 
-from fmnist_flax import datasets, evaluate, grain_pipeline, parallel, records, train
-from fmnist_flax.errors import UserError
+from fmnist_flax import datasets, evaluate, train
+from fmnist_flax.runtime import grain_pipeline, parallel, records
+from fmnist_flax.runtime.errors import UserError
 
 RECORDS = "--config.dataset.name=records"
 GRAIN = "--config.input_pipeline=grain"

@@ -10,7 +10,9 @@ import pytest
 from conftest import forward, load_config
 from flax import nnx
 
-from fmnist_flax import codelab, reference, train
+from fmnist_flax import train
+from fmnist_flax.codelab import demonstrations as codelab
+from fmnist_flax.codelab import reference
 from fmnist_flax.model import MLP
 
 RTOL = 1e-6  # float32 parity

@@ -10,8 +10,9 @@ from conftest import load_config
 from flax import nnx
 from PIL import Image
 
-from fmnist_flax import datasets, evaluate, report, train
+from fmnist_flax import datasets, train
 from fmnist_flax.model import MLP
+from fmnist_flax.runtime import inference, report
 
 TABLE_TITLES = (  # every table of a run without the codelab's demonstrations
     "Set-up",
@@ -111,7 +112,7 @@ def test_prediction_grid_marks_a_known_wrong_prediction_red(real_dataset):
     model.layers[-1].bias[...] = model.layers[-1].bias[...].at[0].set(1e4)  # always "T-shirt"
     picks = report.sample_indices(len(real_dataset.test_images))
     images, labels = real_dataset.test_images[picks], real_dataset.test_labels[picks]
-    predictions = evaluate.predict(model, images).argmax(axis=1)
+    predictions = inference.predict(model, images).argmax(axis=1)
     assert (predictions == 0).all()
     names = datasets.IDX_DATASETS["fashion_mnist"].class_names
     fig = report.prediction_grid(images, labels, predictions, names)
@@ -123,7 +124,7 @@ def test_prediction_grid_marks_a_known_wrong_prediction_red(real_dataset):
 
 
 def test_progress_bar_redraws_only_when_told(tmp_path):
-    from fmnist_flax.tables import ProgressBar
+    from fmnist_flax.runtime.tables import ProgressBar
 
     with (tmp_path / "log").open("w") as stream:
         bar = ProgressBar(400, stream)

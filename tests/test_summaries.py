@@ -9,7 +9,8 @@ import pytest
 from conftest import load_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fmnist_flax import optimizer, summaries, train
+from fmnist_flax import optimizer, train
+from fmnist_flax.runtime import summaries
 
 pytestmark = pytest.mark.slow
 

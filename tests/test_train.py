@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fmnist_flax import ensemble, input_pipeline, parallel, train
+from fmnist_flax import input_pipeline, train
 from fmnist_flax.model import MLP, create_model
+from fmnist_flax.runtime import ensemble, parallel
 
 
 def first_batches(real_dataset, count, batch_size=512):
@@ -224,7 +225,7 @@ def test_the_row_log_writes_rows_in_the_background_in_order_until_a_non_finite_l
     """Rows handed to the log's thread reach metrics.jsonl in order, an evaluation step's with
     its test metrics; a non-finite loss among them stops the run at the next check, naming
     the last finite row, and nothing after it is written."""
-    from fmnist_flax import checkpoint
+    from fmnist_flax.runtime import checkpoint
 
     checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
     sums = {"loss": jax.numpy.float32(2.0), "accuracy": jax.numpy.float32(1.0)}
@@ -251,7 +252,7 @@ def test_an_evaluation_waits_for_the_rows_before_to_be_timed_not_written(tmp_pat
     """`wait_timed` (before an evaluation's clock starts) returns once every handed-over row's
     values have reached the writer, while it is still writing them: a row timed during the
     evaluation would have the evaluation left out of an interval that never held it."""
-    from fmnist_flax import checkpoint
+    from fmnist_flax.runtime import checkpoint
 
     checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
     sums = {"loss": jax.numpy.float32(2.0), "accuracy": jax.numpy.float32(1.0)}
@@ -276,7 +277,7 @@ def test_an_evaluation_waits_for_the_rows_before_to_be_timed_not_written(tmp_pat
 def test_waits_for_rows_after_a_non_finite_one_end_and_stop_the_run(tmp_path, quick_config):
     """Rows handed over after a non-finite one are skipped but still count as timed and
     handled: a wait before an evaluation or a save ends and stops the run, not hangs."""
-    from fmnist_flax import checkpoint
+    from fmnist_flax.runtime import checkpoint
 
     checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
     sums = {"loss": jax.numpy.float32(2.0), "accuracy": jax.numpy.float32(1.0)}
@@ -312,7 +313,7 @@ def test_waits_for_rows_after_a_non_finite_one_end_and_stop_the_run(tmp_path, qu
 def test_a_signal_ends_a_wait_for_rows_to_be_timed(tmp_path, quick_config, monkeypatch):
     """A row whose values are slow to reach the host keeps the loop waiting before an
     evaluation only until a stop signal comes: the loop then acts on it at its stop."""
-    from fmnist_flax import checkpoint
+    from fmnist_flax.runtime import checkpoint
 
     checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
     sums = {"loss": jax.numpy.float32(2.0), "accuracy": jax.numpy.float32(1.0)}

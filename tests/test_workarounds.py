@@ -32,7 +32,7 @@ states = [state()]
 for name in modules:
     importlib.import_module(name)
 states.append(state())
-from fmnist_flax import library_workarounds
+from fmnist_flax.runtime import library_workarounds
 library_workarounds.install()
 states.append(state())
 print(json.dumps(states))
@@ -41,14 +41,15 @@ print(json.dumps(states))
 
 def package_modules() -> list[str]:
     """Every module of the package but `__main__` (which runs the command line)."""
-    paths = sorted(PACKAGE.glob("*.py"))
-    return [f"fmnist_flax.{path.stem}" for path in paths if path.stem != "__main__"]
+    paths = sorted(PACKAGE.rglob("*.py"))
+    names = [".".join(path.relative_to(REPO).with_suffix("").parts) for path in paths]
+    return [name.removesuffix(".__init__") for name in names if not name.endswith("__main__")]
 
 
 def libraries() -> list[str]:
     """The modules outside the package that the package imports, anywhere in its files."""
     found = set()
-    for path in PACKAGE.glob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)
@@ -59,7 +60,7 @@ def libraries() -> list[str]:
 
 def test_importing_the_package_changes_nothing_global_and_install_does():
     modules = ["fmnist_flax", *package_modules()]
-    assert "fmnist_flax.checkpoint" in modules and "fmnist_flax.cli" in modules
+    assert "fmnist_flax.runtime.checkpoint" in modules and "fmnist_flax.cli" in modules
     result = subprocess.run(
         [sys.executable, "-c", PROBE, json.dumps([libraries(), modules])],
         cwd=REPO,

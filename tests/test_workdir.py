@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from fmnist_flax import export, inference, workdir
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime import export, inference, workdir
+from fmnist_flax.runtime.errors import UserError
 
 
 def test_a_finished_run_without_checkpoints_is_not_overwritten(tmp_path):

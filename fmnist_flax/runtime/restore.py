@@ -3,6 +3,8 @@ check shapes, and resume a run exactly (model, optimizer, data position, running
 
 A reader of a live run (eval, predict, export) never moves anything: it skips a damaged step
 and starts over when the trainer rotates the step it was reading away.
+
+API: `restore`, `resume`, `check_best`, `ShapeMismatch`.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from fmnist_flax import errors, parallel
-from fmnist_flax.checkpoint import (
+from fmnist_flax.runtime import errors, parallel
+from fmnist_flax.runtime.checkpoint import (
     ARRAY_ITEMS,
     DAMAGED_DIR,
     Checkpoints,
@@ -27,8 +29,8 @@ from fmnist_flax.checkpoint import (
     tree_metadata_problem,
     wrap_keys,
 )
-from fmnist_flax.errors import UserError
-from fmnist_flax.tables import path_name
+from fmnist_flax.runtime.errors import UserError
+from fmnist_flax.runtime.tables import path_name
 
 
 class Damaged(UserError):

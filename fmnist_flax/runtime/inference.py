@@ -2,7 +2,7 @@
 (--mode=eval), or classify a user's images (--mode=predict).
 
 What --mode=predict (`read_images`) and the Python `predict(model, images)` accept is one rule,
-`evaluate.model_input`, with the model's image shape (H, W, C) ((28, 28, 1) for Fashion-MNIST):
+`model_input`, with the model's image shape (H, W, C) ((28, 28, 1) for Fashion-MNIST):
 
 * .npy arrays and `predict`'s arrays are (H, W, C) for one image, or (N, H, W, C) or
   (N, H * W * C) for N >= 1 images; for grayscale (C = 1) also (H, W) and (N, H, W).
@@ -19,30 +19,33 @@ What --mode=predict (`read_images`) and the Python `predict(model, images)` acce
   float rule; another size is resized to (H, W), with a note.
 
 A file that breaks the rule gets one error line naming it and the others are still classified.
+
+API: `load_model`, `predict`, `class_names`, `restore_model`, `run_eval`, `run_predict`;
+`Template` and `use`, how the template hands in its parts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
 from flax import nnx
 from PIL import Image
 
-from fmnist_flax import config as config_lib
-from fmnist_flax import datasets, ensemble, errors, evaluate, parallel, restore, tables
-from fmnist_flax import ema as ema_lib
-from fmnist_flax import model as model_lib
-from fmnist_flax import workdir as workdir_lib
-from fmnist_flax.checkpoint import (
+from fmnist_flax.runtime import ema as ema_lib
+from fmnist_flax.runtime import ensemble, errors, parallel, plugins, restore, tables
+from fmnist_flax.runtime import workdir as workdir_lib
+from fmnist_flax.runtime.checkpoint import (
     BEST,
     READ_ATTEMPTS,
     STEP_MARKER,
@@ -54,7 +57,7 @@ from fmnist_flax.checkpoint import (
     open_reader,
     saved_item,
 )
-from fmnist_flax.errors import UserError
+from fmnist_flax.runtime.errors import UserError
 
 MAX_IMAGE_SIDE = 4096  # larger image files are refused before they are decoded
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # grayscale, scaled by 1/65535
@@ -63,14 +66,63 @@ GREY_MODES = ("L", "F", *SIXTEEN_BIT_MODES)  # read as they are, the channel cop
 REMOVAL_SECONDS = 1.0  # a rotated-away step's directory is gone this soon after it vanishes
 LIST_PAUSE_S = 0.05  # between listings of a rotating run's steps that found none
 
+# uint8 -> [0, 1]. A multiply, not a division: XLA turns x / 255 into x * (1 / 255) anyway, and
+# host (NumPy) and device preprocessing must agree to the bit.
+PIXEL_SCALE = np.float32(1 / 255)
 
-# What restore_model assumes for a checkpoint written before the `dataset` item existed.
+# What restore_model assumes for a checkpoint written before the `dataset` item existed: those
+# runs all trained on Fashion-MNIST.
 FASHION_MNIST_INFO = {
     "name": "fashion_mnist",
     "title": "Fashion-MNIST",
-    "class_names": list(datasets.IDX_DATASETS["fashion_mnist"].class_names),
+    "class_names": [
+        "T-shirt/top",
+        "Trouser",
+        "Pullover",
+        "Dress",
+        "Coat",
+        "Sandal",
+        "Shirt",
+        "Sneaker",
+        "Bag",
+        "Ankle boot",
+    ],
     "image_shape": [28, 28],
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Template:
+    """What inference calls of the template that trained a model: the runtime imports none of
+    its modules; `fmnist_flax/__init__.py` hands its own parts to `use` as it is imported."""
+
+    with_defaults: Callable[[dict[str, Any]], ml_collections.ConfigDict]  # a saved config, whole
+    create_model: Callable[[ml_collections.ConfigDict, tuple[int, int, int], int], nnx.Module]
+    compute_dtypes: tuple[str, ...]  # what --compute_dtype may name
+    load_dataset: Callable[[ml_collections.ConfigDict, str | None], Any]  # its test set's Dataset
+    evaluate: Callable[..., dict[str, Any]]  # (model, images, labels, config, mesh, batch_size)
+
+
+_template: Template | None = None
+
+
+def use(template: Template) -> None:
+    """Make `template` the one inference rebuilds, loads and evaluates models with."""
+    global _template
+    _template = template
+
+
+def template() -> Template:
+    """The template `use` was given."""
+    if _template is None:
+        raise RuntimeError("no template: fmnist_flax/__init__.py calls inference.use(...)")
+    return _template
+
+
+def as_hwc(shape: Sequence[int]) -> tuple[int, int, int]:
+    """(H, W, C) of an image shape; (H, W), as checkpoints saved before colour, is grayscale."""
+    shape = tuple(int(side) for side in shape)
+    return shape if len(shape) == 3 else (*shape, 1)
 
 
 def restore_model(
@@ -91,7 +143,7 @@ def restore_model(
     its EMA as parameters (`ema.averaged`; `--ema`). On a `mesh` the
     parameters are read straight into the saved run's layout over it, whatever the device and
     process count of the run that saved them. `imports`: import the installed modules of the
-    saved config.imports (`config.import_recorded`); False (--init_from) builds the model from
+    saved config.imports (`plugins.import_recorded`); False (--init_from) builds the model from
     what is imported already. Every problem is a one-line UserError, raised before anything
     compiles, naming the workdir as `flag`.
     """
@@ -178,7 +230,7 @@ def _restore_best(checkpoints: Checkpoints, compute_dtype, mesh, flag, imports) 
         try:
             return _restore_model(checkpoints, step, compute_dtype, mesh, flag, imports)
         except UserError as exc:  # damaged: its config item, or its arrays
-            refused = Unreadable | restore.ShapeMismatch | config_lib.NotInstalled
+            refused = Unreadable | restore.ShapeMismatch | plugins.NotInstalled
             if step == ranked[-1] or isinstance(exc, refused):
                 raise
             logging.warning("%s; using the next best checkpoint", exc)
@@ -215,24 +267,24 @@ def _restore_model(
     chosen, saved = checkpoints.saved("config", step)
     if saved is None:
         raise UserError(f"{flag} {path}: no checkpoint has an intact saved config")
-    config = config_lib.with_defaults(saved)
+    config = template().with_defaults(saved)
     where = f"checkpoint {chosen} in {checkpoints.directory}"
-    pending = config_lib.pending_imports(config.imports, where)
+    pending = plugins.pending_imports(config.imports, where)
     if imports:
-        config_lib.import_recorded(pending, where, path)
+        plugins.import_recorded(pending, where, path)
     info = checkpoints.saved("dataset", chosen)[1] or FASHION_MNIST_INFO
-    if compute_dtype is not None and compute_dtype not in model_lib.COMPUTE_DTYPES:
+    dtypes = template().compute_dtypes
+    if compute_dtype is not None and compute_dtype not in dtypes:
         raise UserError(
-            f"--compute_dtype={compute_dtype!r} is not supported; "
-            f"use one of {', '.join(model_lib.COMPUTE_DTYPES)}"
+            f"--compute_dtype={compute_dtype!r} is not supported; use one of {', '.join(dtypes)}"
         )
     config.compute_dtype = compute_dtype or config.compute_dtype
-    shape = datasets.as_hwc(info["image_shape"])
+    shape = as_hwc(info["image_shape"])
     classes = len(info["class_names"])
     try:
-        if config.compute_dtype not in model_lib.COMPUTE_DTYPES:
+        if config.compute_dtype not in dtypes:
             raise UserError(f"compute_dtype={config.compute_dtype!r} is not supported")
-        model = model_lib.create_model(config, shape, classes)
+        model = template().create_model(config, shape, classes)
         ema_lib.attach(model, config.ema.decay)  # a place for the average it saved
     except UserError as exc:  # the saved config's, not a flag's
         said = str(exc).replace("--config.", "config.")
@@ -305,7 +357,7 @@ def run_eval(
     model, step, config, info = restore_model(
         workdir, step, compute_dtype, mesh, member=member, ema=ema
     )
-    dataset = datasets.load(config, data_dir)
+    dataset = template().load_dataset(config, data_dir)
     if list(dataset.image_shape) != list(info["image_shape"]):
         raise UserError(
             f"the test images are {dataset.image_shape} but the model was trained on "
@@ -319,11 +371,11 @@ def run_eval(
         )
     ways = parallel.data_size(mesh)
     batch_size = -(-config.batch_size // ways) * ways
-    result = evaluate.evaluate(
+    result = template().evaluate(
         model, dataset.test_images, dataset.test_labels, config, mesh, batch_size
     )
     names = info["class_names"]
-    counts = evaluate.confusion_matrix(dataset.test_labels, result["predictions"], len(names))
+    counts = confusion_matrix(dataset.test_labels, result["predictions"], len(names))
     metrics = {k: v for k, v in result.items() if k not in ("predictions", "batch_sums")}
     report = {
         "step": step,
@@ -353,6 +405,125 @@ def run_eval(
     return report
 
 
+def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> np.ndarray:
+    """counts[true, predicted] over every evaluated example."""
+    counts = np.zeros((num_classes, num_classes), np.int64)
+    np.add.at(counts, (np.asarray(labels), np.asarray(predictions)), 1)
+    return counts
+
+
+@nnx.jit
+def _probabilities(model: nnx.Module, x: jax.Array) -> jax.Array:
+    return jax.nn.softmax(model(x), axis=-1)
+
+
+def model_input(images: Any, image_shape: tuple[int, int, int], name: str = "images") -> np.ndarray:
+    """The one input rule of `predict` and of --mode=predict's .npy files and pictures:
+    `images` as float32 (N, H, W, C) in [0, 1], or a one-line UserError that starts with `name`.
+
+    Shapes: (H, W, C) is one image, (N, H, W, C) is N >= 1 images, and so is the flat
+    (N, H * W * C); for grayscale (C = 1) also (H, W) and (N, H, W).
+    Pixels: uint8 is 0..255 and is scaled by 1/255 (`PIXEL_SCALE`, as training does); any
+    other integer dtype must hold only 0..255 and is scaled the same; floats (16, 32 or 64
+    bits) must be finite and already in [0, 1], and are never rescaled (divide 0..255 floats
+    by 255 first). bool, complex, string, object, structured and date/time arrays are refused.
+    """
+    h, w, c = (int(side) for side in image_shape)
+    one = [(h, w, c), *([(h, w)] if c == 1 else [])]
+    expected = "expected " + " or ".join(
+        ([f"({h}, {w})", f"(N, {h}, {w})"] if c == 1 else [])
+        + [f"({h}, {w}, {c})", f"(N, {h}, {w}, {c})", f"(N, {h * w * c})"]
+    )
+    try:
+        array = np.asarray(images)
+    except (ValueError, TypeError) as exc:
+        reason = errors.reason(exc)
+        raise UserError(f"{name}: cannot be made into one array ({reason}); {expected}") from None
+    if array.dtype.kind == "V" and jnp.issubdtype(array.dtype, jnp.floating):
+        array = array.astype(np.float32)  # bfloat16 and other ml_dtypes floats: exact in f32
+    kind = array.dtype.kind
+    if kind not in "uif":  # timedelta64 counts as an integer for np.issubdtype: go by kind
+        raise UserError(
+            f"{name}: pixels of dtype {array.dtype} cannot be used; pass uint8 (0..255), "
+            "other integers in 0..255 or floats in [0, 1]"
+        )
+    if array.shape in one:
+        array = array[None]
+    if array.ndim < 2 or array.shape[1:] not in (*one, (h * w * c,)):
+        raise UserError(f"{name}: array shape {array.shape}; {expected}")
+    if len(array) == 0:
+        raise UserError(f"{name}: no images in it (shape {array.shape}); {expected} with N >= 1")
+    _check_range(array, name)
+    x = array.astype(np.float32)
+    if kind != "f":
+        x = x * PIXEL_SCALE  # bit for bit what training feeds the model
+    return x.reshape(len(x), h, w, c)
+
+
+def _check_range(array: np.ndarray, name: str) -> None:
+    """Floats must be finite and in [0, 1]; integers other than uint8 in 0..255."""
+    if array.dtype.kind == "f":
+        finite = np.isfinite(array)
+        if not finite.all():
+            bad = int(array.size - np.count_nonzero(finite))
+            raise UserError(
+                f"{name}: {bad} non-finite pixel value{'s' * (bad != 1)} (NaN or infinity); "
+                "every pixel must be a number in [0, 1]"
+            )
+        low, high = array.min(), array.max()
+        if low < 0 or high > 1:
+            raise UserError(
+                f"{name}: float pixels must lie in [0, 1] but these range over "
+                f"[{low!s}, {high!s}]; divide 0..255 values by 255 first (or pass them as uint8)"
+            )
+    elif array.dtype != np.uint8:
+        low, high = array.min(), array.max()
+        if low < 0 or high > 255:
+            raise UserError(
+                f"{name}: integer pixels must lie in 0..255 but these range over "
+                f"{low}..{high}; scale them to 0..255 (uint8) or to floats in [0, 1] first"
+            )
+
+
+def image_shape_of(model: nnx.Module, image_shape: tuple[int, ...] | None) -> tuple[int, ...]:
+    """(H, W, C) of the images a model takes: the argument, or the model's own `image_shape`
+    (the built-in models keep the one they were built for)."""
+    shape = image_shape if image_shape is not None else getattr(model, "image_shape", None)
+    if shape is None:
+        raise UserError(
+            f"predict: cannot tell the image shape {type(model).__name__} takes; pass "
+            "image_shape=(H, W, C)"
+        )
+    return as_hwc(shape)
+
+
+def predict(
+    model: nnx.Module,
+    images: Any,
+    mesh: jax.sharding.Mesh | None = None,
+    *,
+    image_shape: tuple[int, ...] | None = None,
+) -> np.ndarray:
+    """Class probabilities (N, classes) for images shaped as `model_input` says: (N, H, W, C)
+    or one (H, W, C), and for grayscale also (N, H, W) and (H, W).
+
+    The same rule as --mode=predict (`model_input`): uint8 pixels (0..255) and other integers
+    in 0..255 are scaled by 1/255; floats must be finite and already in [0, 1] (they are never
+    rescaled: divide 0..255 floats by 255 first). Anything else is a one-line UserError: a
+    wrong shape, no images, NaN or infinite pixels, values out of range, a non-numeric dtype.
+    (H, W, C) is the model's `image_shape` (the built-in models keep it); pass `image_shape`
+    for other models. On a mesh the images are padded to a multiple of its size and split
+    along `data`.
+    """
+    x = model_input(images, image_shape_of(model, image_shape))
+    if mesh is None:
+        return np.asarray(_probabilities(model, jnp.asarray(x)))
+    pad = -len(x) % parallel.data_size(mesh)
+    x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
+    sharded = parallel.shard_host_array(x, parallel.batch_sharding(mesh))
+    return parallel.to_host(_probabilities(model, sharded))[: len(x) - pad]
+
+
 def read_images(
     path: pathlib.Path, image_shape: tuple[int, int, int] = (28, 28, 1)
 ) -> tuple[list[tuple[str, np.ndarray]], list[str]]:
@@ -364,13 +535,13 @@ def read_images(
     if path.exists() and not path.is_file():  # reading a FIFO or a device could wait for ever
         raise UserError(f"{name}: not a regular file (a directory, a FIFO or a device)")
     if path.suffix.lower() == ".npy":
-        images = evaluate.model_input(_load_npy(path, name), shape, name)
+        images = model_input(_load_npy(path, name), shape, name)
         names = [name] if len(images) == 1 else [f"{name}[{i}]" for i in range(len(images))]
         return list(zip(names, images, strict=True)), []
     notes: list[str] = []
     pixels = _read_picture(path, name, notes, shape[2])
     height, width = pixels.shape[:2]
-    x = evaluate.model_input(pixels, (height, width, shape[2]), name)[0]
+    x = model_input(pixels, (height, width, shape[2]), name)[0]
     if (height, width) != shape[:2]:
         notes.append(f"{name}: resized from {width}x{height} to {shape[1]}x{shape[0]}")
         channels = [
@@ -491,7 +662,7 @@ def run_predict(
         )
     predictions = []
     if named:
-        probabilities = evaluate.predict(
+        probabilities = predict(
             model, np.stack([image for _, image in named]), mesh, image_shape=info["image_shape"]
         )
         for (name, _), probs in zip(named, probabilities, strict=True):

@@ -10,6 +10,8 @@ probabilities (batch, classes), for CPU and CUDA. It holds the parameters as con
 gives `predict`'s probabilities with no Flax, Orbax or project code (JAX reads the file with
 the `flatbuffers` package). `FILE.json` beside it names the classes, the input and output
 contract and the checkpoint it came from.
+
+API: `export_model`, `export_probabilities`.
 """
 
 from __future__ import annotations
@@ -23,10 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fmnist_flax import inference, parallel
-from fmnist_flax import workdir as workdir_lib
-from fmnist_flax.errors import UserError
-from fmnist_flax.input_pipeline import PIXEL_SCALE
+from fmnist_flax.runtime import inference, parallel
+from fmnist_flax.runtime import workdir as workdir_lib
+from fmnist_flax.runtime.errors import UserError
 
 PLATFORMS = ("cpu", "cuda")  # lowered for both on any machine: no GPU is needed to export
 METADATA_SUFFIX = ".json"  # the metadata is FILE + this, so it never replaces FILE itself
@@ -43,7 +44,7 @@ def probabilities_fn(model: nnx.Module) -> Callable[[jax.Array], jax.Array]:
     arrays, structure = jax.tree.flatten(state)
 
     def probabilities(images: jax.Array) -> jax.Array:
-        x = images.astype(jnp.float32) * PIXEL_SCALE
+        x = images.astype(jnp.float32) * inference.PIXEL_SCALE
         rebuilt = nnx.merge(graphdef, jax.tree.unflatten(structure, arrays))
         return jax.nn.softmax(rebuilt(x), axis=-1)
 

@@ -134,7 +134,7 @@ if __name__ == "__main__":
     import json
     import sys
 
-    from fmnist_flax.workdir import peak_rss_mb
+    from fmnist_flax.runtime.workdir import peak_rss_mb
 
     args = sys.argv[1:]
     result = run_codelab(steps=int(args[0]) if args else 400, data_dir=args[1] if args[1:] else "")

@@ -8,6 +8,9 @@ should be is an OSError at once, in the training thread (no writer thread to die
 it), and every event written before a kill is in the file. Each start writes a purge marker,
 so TensorBoard drops the events a killed run logged past the checkpoint this one resumes
 from: one event per tag and step.
+
+API: `Summaries(workdir, config, start_step, schedule)` with `write(row)` and `close()`;
+`write_members`.
 """
 
 from __future__ import annotations
@@ -22,14 +25,14 @@ import time
 from typing import Any
 
 import ml_collections
+import optax
 from tensorboardX import summary
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.record_writer import masked_crc32c
 
-from fmnist_flax import optimizer
-from fmnist_flax import workdir as workdir_lib
-from fmnist_flax.errors import warning_line
+from fmnist_flax.runtime import workdir as workdir_lib
+from fmnist_flax.runtime.errors import warning_line
 
 TENSORBOARD_DIR = "tensorboard"
 TEST_PREFIX = "test_"  # metrics.jsonl names the evaluation's metrics test_loss, test_accuracy
@@ -55,9 +58,16 @@ class Summaries:
     the directory's place) is said once, in one line, and the run goes on without TensorBoard;
     metrics.jsonl holds every row anyway."""
 
-    def __init__(self, workdir: pathlib.Path, config: ml_collections.ConfigDict, start_step: int):
+    def __init__(
+        self,
+        workdir: pathlib.Path,
+        config: ml_collections.ConfigDict,
+        start_step: int,
+        schedule: optax.ScalarOrSchedule,
+    ):
+        """`schedule`: the learning rate (a number or a function of the step) logged each row."""
         self.directory = workdir / TENSORBOARD_DIR
-        self.schedule = optimizer.learning_rate(config)
+        self.schedule = schedule
         self._fd: int | None = None
         name = f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}"
         try:

@@ -5,6 +5,9 @@ The members' arrays (and their optimizers') are stacked on a leading axis and tr
 at a time. Each metric has one value per member: metrics.jsonl gets their mean as `name` and
 member k's as `name/k`. Everything here is what differs from one model: the rest of the
 template sees a model (`Ensemble` gives the ensemble's logits) and a step function.
+
+API: `Ensemble`, `stack`, `member_optimizers`, `train_members`, `select_member`,
+`member_column`, `members_table_rows`.
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 from flax import nnx
 
-from fmnist_flax import optimizer as optimizer_lib
-from fmnist_flax.errors import UserError, is_digits
+from fmnist_flax.runtime.errors import UserError, is_digits
 
 MEMBER_SEPARATOR = "/"  # the column of member k's metric `name` (metrics.jsonl, evaluations)
 # On a CPU an ensemble's step runs this many members per device side by side; the members'
@@ -74,13 +77,12 @@ class Ensemble(nnx.Module):
         return unstack(self.members, k)
 
 
-def member_optimizers(model: Ensemble, config: ml_collections.ConfigDict) -> nnx.Optimizer:
-    """Each member's own optimizer (its learning rate and weight decay), stacked."""
+def member_optimizers(
+    model: Ensemble, create: Callable[[int], optax.GradientTransformation]
+) -> nnx.Optimizer:
+    """Each member's own optimizer, `create(k)` (its learning rate and weight decay), stacked."""
     return stack(
-        [
-            nnx.Optimizer(model.member(k), optimizer_lib.create(config, k), wrt=nnx.Param)
-            for k in range(model.size)
-        ]
+        [nnx.Optimizer(model.member(k), create(k), wrt=nnx.Param) for k in range(model.size)]
     )
 
 
@@ -246,6 +248,17 @@ def best_member(row: dict[str, Any], metric: str = "test_accuracy") -> int | Non
     return max(range(len(values)), key=values.__getitem__) if values else None
 
 
+def member_hyperparams(config: ml_collections.ConfigDict, member: int) -> dict[str, float]:
+    """Ensemble member `member`'s learning rate and weight decay: its own where
+    `config.ensemble` lists them, config.optimizer's otherwise."""
+    ens = config.ensemble
+    opt = config.optimizer
+    return {
+        field: float(ens[field][member] if ens[field] else opt[field])
+        for field in ("learning_rate", "weight_decay")
+    }
+
+
 def members_table_rows(
     config: ml_collections.ConfigDict, full: dict[str, Any], last: dict[str, Any], count: str
 ) -> list[dict[str, Any]]:
@@ -261,7 +274,7 @@ def members_table_rows(
         {
             "member": k,
             "seed": config.seed + k,
-            **optimizer_lib.member_hyperparams(config, k),
+            **member_hyperparams(config, k),
             **{
                 f"final_train_{n}": last[member_column(n, k)]
                 for n in trained

@@ -27,23 +27,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from fmnist_flax import (
-    checkpoint,
-    datasets,
-    ensemble,
-    grain_pipeline,
-    input_pipeline,
-    parallel,
-    profiling,
-    records,
-    reference,
-    train,
-)
 from fmnist_flax import config as config_lib
+from fmnist_flax import datasets, input_pipeline, train
 from fmnist_flax import model as model_lib
-from fmnist_flax import workdir as workdir_lib
-from fmnist_flax.errors import UserError
-from fmnist_flax.tables import Table
+from fmnist_flax.codelab import profiling, reference
+from fmnist_flax.runtime import checkpoint, ensemble, grain_pipeline, parallel, records
+from fmnist_flax.runtime import workdir as workdir_lib
+from fmnist_flax.runtime.errors import UserError
+from fmnist_flax.runtime.tables import Table
 
 COMPARISON_SEED = 10  # fresh models, never a trained one
 
@@ -611,7 +602,7 @@ def whole_run(steps: int, tmp: pathlib.Path, data_dir: str = "") -> dict[str, An
         "plain JAX (codelab)": [
             sys.executable,
             "-m",
-            "fmnist_flax.reference",
+            "fmnist_flax.codelab.reference",
             str(steps),
             data_dir,
         ],

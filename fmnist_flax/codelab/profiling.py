@@ -21,7 +21,7 @@ import ml_collections
 from flax import nnx
 
 from fmnist_flax import input_pipeline, train
-from fmnist_flax.tables import Table
+from fmnist_flax.runtime.tables import Table
 
 OP_KINDS = ("matmul", "elementwise over kernels", "everything else")
 PROFILE_STEPS = 50

@@ -3,7 +3,7 @@
 The gradient check, Python dispatch vs the jitted step, float32 vs bfloat16 timing and the
 tokens/sec projection. Nothing on the training path imports this module: the CLI adds
 `Codelab()` to the run when it exists, so a project that starts from this template can delete
-it (with `reference.py`, `benchmark.py` and their tests) and keep a working trainer.
+`fmnist_flax/codelab/` (with its tests) and keep a working trainer.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from fmnist_flax import compilation_cache, input_pipeline, parallel, report, tables, train
 from fmnist_flax import config as config_lib
+from fmnist_flax import input_pipeline, train
 from fmnist_flax.experiment import Extension, Run
-from fmnist_flax.tables import Table
+from fmnist_flax.runtime import compilation_cache, parallel, report, tables
+from fmnist_flax.runtime.tables import Table
 
 EAGER_STEPS = 20  # the codelab's sizes
 JIT_STEPS = 100

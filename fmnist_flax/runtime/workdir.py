@@ -1,4 +1,8 @@
-"""Where a run's outputs go: the work directory, its JSON files and what they record."""
+"""Where a run's outputs go: the work directory, its JSON files and what they record.
+
+API: `prepare_workdir`, `MetricsLog`, `Lock`, `write_json`, `read_json`, `write_atomically`,
+`check_output_path`, `disk_problem`, `versions`.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import flax
 import jax
 import optax
 
-from fmnist_flax.errors import UserError, is_digits
+from fmnist_flax.runtime.errors import UserError, is_digits
 
 RUNS_DIR = pathlib.Path("runs")
 SUMMARY_FILE = "summary.json"
