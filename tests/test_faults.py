@@ -799,3 +799,18 @@ def test_a_diverging_run_stops_with_one_line_keeping_the_last_good_checkpoint(fl
     if kept:
         model = load_model(workdir)
         assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(nnx.state(model)))
+
+
+def test_metrics_jsonl_removed_under_a_live_run_is_written_again_whole(tmp_path):
+    """A person (or a clean-up script) deletes metrics.jsonl while the run trains: one warning,
+    and the finished file holds every logged row once."""
+    workdir = tmp_path / "w"
+    process = start(workdir, "--steps=1000", "--log_every=5", "--report=none")
+    metrics = workdir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 3)
+    metrics.unlink()
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == sorted({1, *range(5, 1001, 5), *range(117, 1001, 117)})  # evaluations too
+    assert f"warning: {metrics} was removed while this run trained" in stderr

@@ -214,3 +214,28 @@ def test_json_the_run_writes_has_null_where_a_value_is_not_finite(tmp_path):
     assert workdir.read_jsonl(tmp_path / "metrics.jsonl") == [
         {"step": 5, "loss": 0.5, "macro_f1": None}
     ]
+
+
+@pytest.mark.parametrize("what", ["the file", "the workdir"])
+def test_a_metrics_file_removed_under_a_run_is_written_again_whole(tmp_path, capsys, what):
+    """metrics.jsonl (or its directory) deleted while rows are appended: the next row writes
+    the file again with every row so far, after one warning line; nothing is lost."""
+    import shutil
+
+    path = tmp_path / "w" / "metrics.jsonl"
+    path.parent.mkdir()
+    log = workdir.MetricsLog(path)
+    log.write({"step": 1, "loss": 2.0})
+    if what == "the file":
+        path.unlink()
+    else:
+        shutil.rmtree(path.parent)
+    log.write({"step": 2, "loss": 1.0})
+    log.write({"step": 3, "loss": 0.5})
+    log.close()
+    assert [row["step"] for row in workdir.read_jsonl(path)] == [1, 2, 3]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert warnings == [
+        f"warning: {path} was removed while this run trained; it is written again with every "
+        "row so far"
+    ]

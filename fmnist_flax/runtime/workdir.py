@@ -23,7 +23,7 @@ import flax
 import jax
 import optax
 
-from fmnist_flax.runtime.errors import UserError, is_digits
+from fmnist_flax.runtime.errors import UserError, is_digits, warning_line
 
 RUNS_DIR = pathlib.Path("runs")
 SUMMARY_FILE = "summary.json"
@@ -276,30 +276,46 @@ class MetricsLog:
 
     A resumed run keeps the rows up to the step it resumes from and drops later ones (logged
     by a run that died before its next checkpoint) and a torn last line, so each step appears
-    once; that rewrite is atomic, so a crash during it loses nothing.
+    once; that rewrite is atomic, so a crash during it loses nothing. The file (or the workdir)
+    removed while the run writes it is written again whole, with a warning: the rows are kept
+    in memory too.
     """
 
     def __init__(self, path: pathlib.Path, keep_until: int = 0):
         self.path = path
         if path.is_dir() and not path.is_symlink():
             raise UserError(f"{path} is a directory; move it out of the way and run again")
-        kept = []
+        self.rows = []
         if keep_until and path.exists():
-            kept = [row for row in read_jsonl(path) if row["step"] <= keep_until]
+            self.rows = [row for row in read_jsonl(path) if row["step"] <= keep_until]
         try:
-            write_atomically(path, "".join(finite_json(row) + "\n" for row in kept))
-            self._file: TextIO = path.open("a")
+            self._rewrite()
         except OSError as exc:
             raise UserError(f"cannot write {path} ({disk_problem(path, exc)})") from None
 
+    def _rewrite(self) -> None:
+        """Write every row so far atomically and append from there."""
+        write_atomically(self.path, "".join(finite_json(row) + "\n" for row in self.rows))
+        self._file: TextIO = self.path.open("a")
+
     def write(self, row: dict[str, Any]) -> None:
         try:
+            if os.fstat(self._file.fileno()).st_nlink == 0:  # unlinked, or replaced by a rename
+                self._file.close()
+                warning_line(
+                    f"{self.path} was removed while this run trained; it is written again with "
+                    "every row so far"
+                )
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._rewrite()
+            self.rows.append(row)
             self._file.write(finite_json(row) + "\n")
             self._file.flush()
         except OSError as exc:
             raise UserError(
-                f"cannot write {self.path} ({disk_problem(self.path, exc)}); free space and run "
-                f"again with --workdir={self.path.parent}: it resumes from its last checkpoint"
+                f"cannot write {self.path} ({disk_problem(self.path, exc)}); run the same command "
+                f"again once that is mended: it resumes from the last checkpoint in "
+                f"{self.path.parent}, or starts again if none was saved"
             ) from None
 
     def close(self) -> None:
