@@ -71,3 +71,21 @@ def test_a_resumed_run_drops_the_events_past_its_checkpoint(tmp_path):
     resumed = train.train_and_evaluate(config, tmp_path / "w")
     assert resumed["resumed_from_step"] == 20
     assert_matches_metrics_log(tmp_path / "w", config)
+
+
+def test_an_event_file_removed_under_a_run_is_written_again_whole(tmp_path, capsys):
+    """tensorboard/ deleted while rows are written: one warning, and the next row writes the
+    event file again with every event so far, as TensorBoard's reader sees."""
+    config = short_config(30)
+    board = summaries.Summaries(tmp_path, config, 0, optimizer.learning_rate(config))
+    board.write({"step": 5, "loss": 2.0})
+    shutil.rmtree(tmp_path / summaries.TENSORBOARD_DIR)
+    board.write({"step": 10, "loss": 1.0})
+    board.write({"step": 15, "loss": 0.5})
+    board.close()
+    assert scalars(events(tmp_path), "train/loss") == {5: 2.0, 10: 1.0, 15: 0.5}
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert warnings == [
+        f"warning: {board.path} was removed while this run trained; it is written again with "
+        "every event so far"
+    ]

@@ -69,11 +69,11 @@ class Summaries:
         self.directory = workdir / TENSORBOARD_DIR
         self.schedule = schedule
         self._fd: int | None = None
+        self._records: list[bytes] = []  # every event written: a removed file is written again
         name = f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}"
+        self.path = self.directory / name
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW
-            self._fd = os.open(self.directory / name, flags, 0o666)
+            self._open()
         except OSError as exc:
             self._fail(exc)
         first = start_step + 1  # what this run logs first; TensorBoard drops older events from it
@@ -97,11 +97,27 @@ class Summaries:
             f"(metrics.jsonl has every row)"
         )
 
+    def _open(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW
+        self._fd = os.open(self.path, flags, 0o666)
+
     def _write(self, event: Event) -> None:
         if self._fd is None:
             return
+        data = record(event.SerializeToString())
         try:
-            os.write(self._fd, record(event.SerializeToString()))
+            if os.fstat(self._fd).st_nlink == 0:  # removed (with tensorboard/ or the workdir)
+                os.close(self._fd)
+                self._fd = None
+                warning_line(
+                    f"{self.path} was removed while this run trained; it is written again with "
+                    "every event so far"
+                )
+                self._open()
+                os.write(self._fd, b"".join(self._records))
+            os.write(self._fd, data)
+            self._records.append(data)
         except OSError as exc:
             self._fail(exc)
 
