@@ -26,6 +26,7 @@ from flax import nnx
 from fmnist_flax.runtime import errors, parallel
 from fmnist_flax.runtime.ensemble import Ensemble, stack
 from fmnist_flax.runtime.errors import UserError
+from fmnist_flax.runtime.registry import Registry
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -197,7 +198,8 @@ class CNN(nnx.Module):
         return self.head(x).astype(jnp.float32)
 
 
-MODELS = {"mlp": MLP, "cnn": CNN}  # config.model.name -> class; add new models here
+# config.model.name -> class; add new models here, or from a module of config.imports
+MODELS = Registry("model", {"mlp": MLP, "cnn": CNN})
 BUILT_IN_ARGS = ("image_shape", "num_classes", "compute_dtype", "rngs")  # not config fields
 
 

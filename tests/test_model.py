@@ -166,3 +166,26 @@ def test_the_mlp_and_cnn_layers_alternate_split_outputs_and_split_inputs():
     assert cnn.convs[1].kernel.get_metadata("out_sharding") == (None, None, "mlp", "embed")
     assert cnn.norms[0].scale.get_metadata("out_sharding") == ("mlp",)
     assert cnn.head.kernel.get_metadata("out_sharding") == ("mlp", "classes")
+
+
+def test_a_plug_in_cannot_replace_a_built_in_model(tmp_path, monkeypatch):
+    """A module of config.imports that sets MODELS["mlp"] to its own class is refused in one
+    line naming both; registering the same class again, or a new name, is fine."""
+    from fmnist_flax import model as model_lib
+    from fmnist_flax.runtime import plugins
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "shadowing_plug_in.py").write_text(
+        "from fmnist_flax import model\n\n\nclass MLP(model.MLP):\n    pass\n\n\n"
+        "model.MODELS['mlp'] = MLP\n"
+    )
+    with pytest.raises(UserError) as exc:
+        plugins.import_modules(("shadowing_plug_in",))
+    assert str(exc.value) == (
+        "--config.imports: importing 'shadowing_plug_in': model 'mlp' is taken by "
+        "fmnist_flax.model.MLP, so shadowing_plug_in.MLP cannot be registered under it; give it "
+        "another name"
+    )
+    assert model_lib.MODELS["mlp"] is model_lib.MLP
+    model_lib.MODELS["mlp"] = model_lib.MLP  # the same entry again
+    monkeypatch.setitem(model_lib.MODELS, "my_mlp", model_lib.MLP)

@@ -31,6 +31,8 @@ def import_modules(names: Any) -> None:
         try:
             importlib.import_module(name)
         except (Exception, SystemExit) as exc:  # an ImportError, whatever the module raised
+            if isinstance(exc, UserError):  # its own one line (a registry's name taken)
+                raise UserError(f"--config.imports: importing {name!r}: {exc}") from None
             if isinstance(exc, SystemExit):  # it would end the run with no line
                 raise UserError(
                     f"--config.imports: importing {name!r} called sys.exit({exc.code!r}); a "
