@@ -699,3 +699,39 @@ def test_eval_predict_and_export_of_a_non_finite_model_are_one_line(
     line = assert_one_line_error(result, "the parameters of step 2 are not all finite")
     assert line.startswith(f"error: --workdir {diverged_workdir}: "), line
     assert not list(tmp_path.glob("eval.json")) + list(tmp_path.glob("model.jaxexport"))
+
+
+@pytest.mark.slow
+def test_the_readmes_predict_command_runs_on_the_shipped_examples(workdir, real_dataset):
+    """examples/ holds what the README's predict command names, made from the real test set;
+    the command runs as written from the repository root (its workdir aside)."""
+    shoe = np.asarray(Image.open(REPO / "examples" / "shoe.png"))
+    np.testing.assert_array_equal(shoe, real_dataset.test_images[9, ..., 0])
+    assert CLASS_NAMES[real_dataset.test_labels[9]] == "Sneaker"
+    batch = np.load(REPO / "examples" / "batch.npy")
+    np.testing.assert_array_equal(batch, real_dataset.test_images[:8, ..., 0])
+    readme = (REPO / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if "--mode=predict" in line)
+    args = command.split()[2:]  # after `.venv/bin/python main.py`
+    args = [f"--workdir={workdir}" if a.startswith("--workdir=") else a for a in args]
+    result = run_main(*args)
+    assert result.returncode == 0 and not result.stderr.replace("No GPU found", "").count(
+        "error"
+    ), result.stderr
+    lines = result.stdout.splitlines()
+    assert len([line for line in lines if line.startswith("examples/")]) == 9, result.stdout
+
+
+@pytest.mark.slow
+def test_a_mostly_bright_picture_gets_a_warning_with_its_result(workdir, real_dataset, tmp_path):
+    """A dark garment on white (the negative of what the model learnt) is still classified,
+    with one warning line that says to invert it; the test set's own pictures get none."""
+    Image.fromarray(255 - real_dataset.test_images[9, ..., 0]).save(tmp_path / "negative.png")
+    Image.fromarray(real_dataset.test_images[9, ..., 0]).save(tmp_path / "positive.png")
+    paths = f"{tmp_path / 'negative.png'},{tmp_path / 'positive.png'}"
+    result = run_main("--mode=predict", f"--workdir={workdir}", f"--images={paths}")
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "negative.png is mostly bright" in warnings[0], result.stderr
+    assert "invert the picture" in warnings[0]
+    assert len([line for line in result.stdout.splitlines() if ".png: " in line]) == 2

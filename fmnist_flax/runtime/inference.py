@@ -623,6 +623,11 @@ def _sixteen_bit(pixels: np.ndarray, mode: str, name: str, notes: list[str]) -> 
     return pixels.astype(np.float32) / np.float32(65535)
 
 
+# A mean pixel brighter than any Fashion-MNIST picture's: most likely the negative of what the
+# model learnt (a dark object photographed on white).
+BRIGHT = 0.75
+
+
 def run_predict(
     workdir: str | os.PathLike,
     paths: Sequence[str],
@@ -678,6 +683,13 @@ def run_predict(
             )
             shown = f"{tables.printable(name)}: {tables.printable(names[best])}"
             parallel.say(f"{shown} ({100 * probs[best]:.1f}%)")
+        for name, image in named:
+            if image.mean() > BRIGHT and parallel.is_primary():
+                errors.warning_line(
+                    f"{tables.printable(name)} is mostly bright (mean {image.mean():.2f}); the "
+                    "model learnt light objects on a dark background, so its class above is "
+                    "likely wrong: invert the picture (255 - pixels) and crop it to the object"
+                )
     if output and parallel.is_primary():
         workdir_lib.write_json(
             pathlib.Path(output).expanduser(), {"predictions": predictions, "errors": failures}
