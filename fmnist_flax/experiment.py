@@ -461,9 +461,10 @@ def show_setup(run: Run) -> None:
     layout = parallel.layout(run.device_data.mesh, run.config.batch_size, run.config.param_sharding)
     versions = {name.capitalize(): v for name, v in workdir_lib.versions().items()}
     run.show("Set-up", tables.setup_table(versions, layout))
-    if parallel.is_primary() and jax.default_backend() != "gpu":
+    if parallel.is_primary() and jax.default_backend() == "cpu":  # a GPU or a TPU is fine
         logging.warning(
-            "No GPU found: running on %s. Install '.[cuda12]' on a GPU host.", jax.devices()[0]
+            "No GPU found: running on %s. Install '.[cuda12]' on a GPU host ('.[tpu]' on a TPU).",
+            jax.devices()[0],
         )
     run.show("Data", tables.splits_table(d))
     run.figure(
