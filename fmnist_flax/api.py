@@ -16,6 +16,13 @@ inference.use(
         compute_dtypes=tuple(model.COMPUTE_DTYPES),
         load_dataset=datasets.load,
         evaluate=evaluate.evaluate,
+        # Checkpoints saved before they recorded their dataset all trained on Fashion-MNIST.
+        unrecorded_dataset={
+            "name": "fashion_mnist",
+            "title": datasets.IDX_DATASETS["fashion_mnist"].title,
+            "class_names": list(datasets.IDX_DATASETS["fashion_mnist"].class_names),
+            "image_shape": [28, 28],
+        },
     )
 )
 

@@ -510,7 +510,7 @@ def test_keep_best_keeps_the_best_evaluated_step_beside_the_newest(tmp_path):
     and is one line where no kept step was evaluated."""
     config = load_config("default")
     model, optimizer = train.create_train_state(config, (28, 28, 1), 10, parallel.make_mesh())
-    metadata = {"config": config.to_dict(), "dataset": inference.FASHION_MNIST_INFO}
+    metadata = {"config": config.to_dict(), "dataset": inference.template().unrecorded_dataset}
 
     def save(steps_and_accuracies):
         manager = checkpoint.Checkpoints(tmp_path, max_to_keep=2, keep_best=True, metadata=metadata)
@@ -541,7 +541,7 @@ def test_a_checkpoint_directory_removed_under_a_run_is_made_again_at_the_next_sa
     rotated as before; --step=best and the newest step restore from them."""
     config = load_config("default")
     model, optimizer = train.create_train_state(config, (28, 28, 1), 10, parallel.make_mesh())
-    metadata = {"config": config.to_dict(), "dataset": inference.FASHION_MNIST_INFO}
+    metadata = {"config": config.to_dict(), "dataset": inference.template().unrecorded_dataset}
     manager = checkpoint.Checkpoints(tmp_path, max_to_keep=2, keep_best=True, metadata=metadata)
     accuracies = {1: 0.9, 2: None, 3: 0.5, 4: None, 5: 0.4}
 

@@ -285,13 +285,7 @@ def test_eval_inside_a_workdir_never_runs_a_module_its_checkpoint_names(workdir,
 def test_predict_without_images_or_workdir_is_one_line(tmp_path):
     with pytest.raises(UserError, match="needs --images"):
         inference.run_predict(tmp_path, [])
-    result = subprocess.run(
-        [sys.executable, str(REPO / "main.py"), "--mode=eval"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_main("--mode=eval")
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [
         "error: --mode=eval needs --workdir=DIR of a training run"
@@ -735,3 +729,21 @@ def test_a_mostly_bright_picture_gets_a_warning_with_its_result(workdir, real_da
     assert len(warnings) == 1 and "negative.png is mostly bright" in warnings[0], result.stderr
     assert "invert the picture" in warnings[0]
     assert len([line for line in result.stdout.splitlines() if ".png: " in line]) == 2
+
+
+def test_a_checkpoint_that_records_no_dataset_is_read_as_fashion_mnist(tmp_path, real_dataset):
+    """Checkpoints saved before they recorded their dataset all trained on Fashion-MNIST: the
+    template hands the runtime that dataset's classes and shape for them."""
+    from conftest import load_config
+
+    from fmnist_flax.runtime import checkpoint, parallel
+
+    config = load_config("default")
+    saved = checkpoint.Checkpoints(tmp_path, max_to_keep=1, metadata={"config": config.to_dict()})
+    model, optimizer = train.create_train_state(config, (28, 28, 1), 10, parallel.mesh_for(config))
+    saved.save(1, model, optimizer, train.progress_of(1, 117, config))
+    saved.wait()
+    saved.close()
+    assert inference.class_names(tmp_path) == tuple(real_dataset.class_names) == CLASS_NAMES
+    probabilities = predict(load_model(tmp_path), real_dataset.test_images[:2])
+    assert probabilities.shape == (2, 10)

@@ -9,9 +9,6 @@ import pathlib
 
 from conftest import REPO
 
-from fmnist_flax import datasets
-from fmnist_flax.runtime import inference
-
 PACKAGE = REPO / "fmnist_flax"
 RUNTIME, CODELAB = "fmnist_flax.runtime", "fmnist_flax.codelab"
 
@@ -94,9 +91,3 @@ def test_no_module_of_the_package_imports_itself_through_a_cycle():
 
     cycles = [module for module in GRAPH if module in reach(module, set())]
     assert not cycles, cycles
-
-
-def test_the_runtime_assumes_fashion_mnist_s_own_classes_for_old_checkpoints():
-    """Checkpoints saved before the `dataset` item were all Fashion-MNIST runs."""
-    legacy = inference.FASHION_MNIST_INFO["class_names"]
-    assert legacy == list(datasets.IDX_DATASETS["fashion_mnist"].class_names)

@@ -26,10 +26,10 @@ RECORDS = "--config.dataset.name=records"
 GRAIN = "--config.input_pipeline=grain"
 
 
-def small_set(tmp_path: pathlib.Path, shards: int = 2, name: str = "small") -> pathlib.Path:
-    """40 train and 12 test random 28x28 images written as records in `tmp_path/name`."""
+def small_dataset() -> datasets.Dataset:
+    """40 train and 12 test random 28x28 images of 10 classes."""
     (train_x, train_y), (test_x, test_y) = small_arrays(40, 1), small_arrays(12, 2)
-    dataset = datasets.make_dataset(
+    return datasets.make_dataset(
         "small",
         "Small",
         [str(k) for k in range(10)],
@@ -38,7 +38,11 @@ def small_set(tmp_path: pathlib.Path, shards: int = 2, name: str = "small") -> p
         sources=("a", "b"),
         origin="arrays",
     )
-    records.write_dataset(dataset, tmp_path / name, shards)
+
+
+def small_set(tmp_path: pathlib.Path, shards: int = 2, name: str = "small") -> pathlib.Path:
+    """`small_dataset` written as records in `tmp_path/name`."""
+    records.write_dataset(small_dataset(), tmp_path / name, shards)
     return tmp_path / name
 
 
@@ -245,17 +249,10 @@ def test_more_shards_than_examples_are_refused_and_nothing_written(tmp_path):
 
 def test_a_set_with_no_test_examples_is_refused_when_written_or_loaded(tmp_path):
     """Such a set trained, then ended at its first evaluation in `KeyError: 'accuracy'`."""
-    (train_x, train_y), (test_x, test_y) = small_arrays(40, 1), small_arrays(12, 2)
-    dataset = datasets.make_dataset(
-        "small",
-        "Small",
-        [str(k) for k in range(10)],
-        (train_x, train_y),
-        (test_x, test_y),
-        sources=("a", "b"),
-        origin="arrays",
+    dataset = small_dataset()
+    empty = dataclasses.replace(
+        dataset, test_images=dataset.test_images[:0], test_labels=dataset.test_labels[:0]
     )
-    empty = dataclasses.replace(dataset, test_images=test_x[:0], test_labels=test_y[:0])
     with pytest.raises(UserError, match=r"^the test split of Small holds no examples; each split"):
         records.write_dataset(empty, tmp_path / "refused")
     assert list(tmp_path.iterdir()) == []

@@ -70,26 +70,6 @@ LIST_PAUSE_S = 0.05  # between listings of a rotating run's steps that found non
 # host (NumPy) and device preprocessing must agree to the bit.
 PIXEL_SCALE = np.float32(1 / 255)
 
-# What restore_model assumes for a checkpoint written before the `dataset` item existed: those
-# runs all trained on Fashion-MNIST.
-FASHION_MNIST_INFO = {
-    "name": "fashion_mnist",
-    "title": "Fashion-MNIST",
-    "class_names": [
-        "T-shirt/top",
-        "Trouser",
-        "Pullover",
-        "Dress",
-        "Coat",
-        "Sandal",
-        "Shirt",
-        "Sneaker",
-        "Bag",
-        "Ankle boot",
-    ],
-    "image_shape": [28, 28],
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Template:
@@ -101,6 +81,9 @@ class Template:
     compute_dtypes: tuple[str, ...]  # what --compute_dtype may name
     load_dataset: Callable[[ml_collections.ConfigDict, str | None], Any]  # its test set's Dataset
     evaluate: Callable[..., dict[str, Any]]  # (model, images, labels, config, mesh, batch_size)
+    # The dataset (name, title, class_names, image_shape) of a checkpoint that records none:
+    # one saved before checkpoints recorded their dataset.
+    unrecorded_dataset: dict[str, Any]
 
 
 _template: Template | None = None
@@ -272,7 +255,7 @@ def _restore_model(
     pending = plugins.pending_imports(config.imports, where)
     if imports:
         plugins.import_recorded(pending, where, path)
-    info = checkpoints.saved("dataset", chosen)[1] or FASHION_MNIST_INFO
+    info = checkpoints.saved("dataset", chosen)[1] or template().unrecorded_dataset
     dtypes = template().compute_dtypes
     if compute_dtype is not None and compute_dtype not in dtypes:
         raise UserError(
@@ -335,7 +318,7 @@ def class_names(workdir: str | os.PathLike, step: int | None = None) -> tuple[st
     if not steps:
         raise UserError(f"--workdir {workdir} has no checkpoints; train there first")
     info = saved_item(directory, steps[-1] if step is None else step, "dataset")
-    return tuple((info or FASHION_MNIST_INFO)["class_names"])
+    return tuple((info or template().unrecorded_dataset)["class_names"])
 
 
 def run_eval(
