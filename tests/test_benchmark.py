@@ -197,3 +197,28 @@ def test_every_benchmark_flag_the_docs_use_is_one_main_py_takes(
         if arg.startswith(BENCHMARK_FLAGS)
     }
     assert not unknown, f"{page.name} uses benchmark flags main.py does not take: {sorted(unknown)}"
+
+
+@pytest.mark.slow
+def test_the_loop_against_the_fused_path_script_prints_its_ratio():
+    """scripts/loop_vs_fused.py as docs/performance.md runs it, shortened: one JSON object
+    whose ratio is its two rates' (both trained the real data here)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "scripts/loop_vs_fused.py", "--steps=30", "--repeats=1"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    measured = json.loads(result.stdout)
+    assert measured["steps"] == 30 and measured["device"] == "cpu:0"
+    assert measured["loop_examples_per_sec"] > 0 and measured["fused_examples_per_sec"] > 0
+    ratio = measured["loop_examples_per_sec"] / measured["fused_examples_per_sec"]
+    assert measured["ratio"] == pytest.approx(ratio)
