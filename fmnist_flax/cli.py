@@ -5,6 +5,7 @@ Every user mistake, `--config` ones included, exits non-zero with one line.
 
 from __future__ import annotations
 
+import difflib
 import errno
 import importlib
 import importlib.util
@@ -12,6 +13,7 @@ import os
 import runpy
 import signal
 import sys
+import textwrap
 from collections.abc import Sequence
 
 import jax
@@ -284,11 +286,116 @@ def bad_value(config: ml_collections.ConfigDict, name: str, value: str) -> str:
     return f"--{name}={value}: not a valid {kind.__name__} for this field ({shown} now)"
 
 
+# The flags each mode reads, besides EVERY_MODE's; any other given is refused in one line.
+# A mode marked in CONFIG_MODES also takes --config.FIELD overrides; the others read the run's
+# saved config and take only --config.imports (the modules a checkpoint needs).
+EVERY_MODE = (
+    "mode",
+    "config",
+    "debug",
+    "compilation_cache",
+    "coordinator_address",
+    "num_processes",
+    "process_id",
+    "distributed",
+    "distributed_timeout",
+)
+INFERENCE = ("workdir", "step", "compute_dtype", "output", "member", "ema")
+MODE_FLAGS = {
+    "train": ("workdir", *SHORTHANDS, "accept_config_change"),
+    "eval": (*INFERENCE, "data_dir"),
+    "predict": (*INFERENCE, "images"),
+    "export": INFERENCE,
+    "prepare": ("output", "shards", "data_dir"),
+    "benchmark": (*SHORTHANDS, "output", *(f for f in FLAGS if f.startswith("bench_"))),
+}
+CONFIG_MODES = ("train", "prepare", "benchmark")
+EXAMPLES = (
+    "python main.py --steps=400 --compute_dtype=bfloat16",
+    "python main.py --config=configs/mlp_best.py --workdir=runs/best",
+    "python main.py --mode=predict --workdir=runs/best --images=examples/shoe.png",
+)
+
+
+def check_mode_flags(argv: Sequence[str], mode: str) -> None:
+    """Refuse, in one line, a flag given on the command line that `mode` does not read (with
+    "did you mean" where one of its own is close): it would be accepted and do nothing."""
+    own = {*EVERY_MODE, *MODE_FLAGS[mode]}
+    given = [name for name in FLAGS.get_key_flags_for_module(__name__) if FLAGS[name.name].present]
+    for flag in given:
+        if flag.name not in own:
+            close = difflib.get_close_matches(flag.name, sorted(own), n=1, cutoff=0.75)
+            users = [m for m, names in MODE_FLAGS.items() if flag.name in names]
+            hint = f"did you mean --{close[0]}?" if close else "remove it."
+            raise UserError(
+                f"--{flag.name} is not used by --mode={mode} (it is for --mode="
+                f"{'/'.join(users)}); {hint} Nothing was run"
+            )
+    if mode not in CONFIG_MODES:
+        fields = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
+        if [f for f in fields if f != "--config.imports"]:
+            raise UserError(
+                f"{fields[0] if fields[0] != '--config.imports' else fields[1]} is not used by "
+                f"--mode={mode}: it reads the run's saved config (only --config.imports, the "
+                "modules it needs, may be given); remove it. Nothing was run"
+            )
+
+
+def help_text() -> str:
+    """--help: a usage line, examples, then each mode's flags with their defaults (the
+    training shorthands' from the default config)."""
+    defaults = config_lib.get_config()
+    lines = [
+        "usage: python main.py [--mode=MODE] [--FLAG=VALUE ...] [--config.FIELD=VALUE ...]",
+        "",
+        "Examples:",
+        *(f"  {example}" for example in EXAMPLES),
+    ]
+    sections = {
+        "train (the default mode; resumes from --workdir's checkpoints)": MODE_FLAGS["train"],
+        "eval, predict, export (a trained --workdir)": (*INFERENCE, "images", "data_dir"),
+        "prepare (the dataset as record files)": ("output", "shards"),
+        **(
+            {"benchmark (time every training path)": MODE_FLAGS["benchmark"][len(SHORTHANDS) :]}
+            if BENCHMARK
+            else {}
+        ),
+        "every mode": EVERY_MODE,
+    }
+    for title, names in sections.items():
+        lines += ["", f"{title}:"]
+        for name in (name for name in names if name in FLAGS):  # --config: once run() runs
+            flag = FLAGS[name]
+            default = flag.default
+            if name in SHORTHANDS:
+                default = defaults[SHORTHANDS[name].split(".")[0]]
+                for part in SHORTHANDS[name].split(".")[1:]:
+                    default = default[part]
+            if isinstance(default, list):
+                default = ",".join(default)
+            shown = "" if default in (None, "") else f" (default: {default})"
+            text = " ".join(f"{flag.help}{shown}".split())
+            lines += textwrap.wrap(
+                text, 100, initial_indent=f"  --{name:<22}", subsequent_indent=" " * 26
+            )
+    lines += [
+        "",
+        "Any config field: --config.FIELD=VALUE (e.g. --config.model.hidden='(512, 128)').",
+    ]
+    return "\n".join(lines)
+
+
 def parse_flags(argv: Sequence[str]) -> list[str]:
     """absl's parser, with --help listing this project's flags and every mistake in one line."""
-    if any(a in ("-h", "--help", "-help", "--helpshort") for a in argv[1:]):
-        print(flags.FLAGS.module_help(__name__))
-        print("\nAny config field: --config.FIELD=VALUE (e.g. --config.model.hidden='(512, 128)').")
+    asked = {"-h", "--help", "-help", "--helpshort", "--helpfull"} & set(argv[1:])
+    if asked:
+        text = help_text()
+        if "--helpfull" in asked:  # absl's own flags too (absl's --helpfull exits 1)
+            text += f"\n\nEvery flag, absl's included:\n{FLAGS.get_help()}"
+        try:
+            print(text, flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
     try:
         remaining = flags.FLAGS(argv)
@@ -305,6 +412,10 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
         fail(f"{str(exc).splitlines()[0]} (see --help)", 2)
     except Exception as exc:  # the config file failed to load
         fail(explain_config_error(argv, exc), 2)
+    try:
+        check_mode_flags(argv, _MODE.value)
+    except UserError as exc:
+        fail(str(exc), 2)
     return remaining
 
 

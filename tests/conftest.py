@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # imported where used: xdist's controller, which runs no test
     from fmnist_flax import datasets
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-HELP_FLAG = re.compile(r"^\s+--(?:\[no\])?([\w.]+):", re.M)  # a flag `main.py --help` lists
+HELP_FLAG = re.compile(r"^  --([\w.]+)", re.M)  # a flag `main.py --help` lists
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -401,3 +401,67 @@ def test_a_signal_while_starting_is_one_line_with_its_status(signum, after, tmp_
     if " at step " not in lines[0]:  # stopped before training (the usual case): no checkpoint
         checkpoints = tmp_path / "w" / "checkpoints"
         assert not checkpoints.exists() or not any(checkpoints.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["--step=50"],
+            "--step is not used by --mode=train (it is for --mode=eval/predict/export); did you "
+            "mean --steps? Nothing was run",
+        ),
+        (
+            ["--output=x.json"],
+            "--output is not used by --mode=train (it is for --mode=eval/predict/export/prepare"
+            "/benchmark); remove it. Nothing was run",
+        ),
+        (["--images=a.png"], "--images is not used by --mode=train (it is for --mode=predict)"),
+        (
+            ["--mode=eval", "--workdir=w", "--batch_size=8"],
+            "--batch_size is not used by --mode=eval",
+        ),
+        (["--mode=predict", "--workdir=w", "--config.steps=3"], "--config.steps is not used by"),
+        (["--mode=export", "--workdir=w", "--shards=3"], "--shards is not used by --mode=export"),
+    ],
+)
+def test_a_flag_the_mode_does_not_use_is_one_line_and_nothing_runs(args, expected):
+    with pytest.raises(errors.UserError) as exc:
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["main.py", *[a for a in args if not a.startswith("--config.")]])
+        try:
+            cli.check_mode_flags(["main.py", *args], flags.FLAGS.mode)
+        finally:
+            flags.FLAGS.unparse_flags()
+    assert expected in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_flags_a_mode_uses_pass_the_check():
+    for mode, args in {
+        "train": ["--steps=5", "--batch_size=8", "--workdir=w", "--report=none"],
+        "eval": ["--workdir=w", "--step=best", "--output=e.json", "--data_dir=d"],
+        "predict": ["--workdir=w", "--images=a.png", "--member=best", "--ema"],
+        "prepare": ["--output=o", "--shards=2", "--data_dir=d"],
+    }.items():
+        argv = ["main.py", f"--mode={mode}", *args]
+        flags.FLAGS.unparse_flags()
+        try:
+            flags.FLAGS(argv)
+            cli.check_mode_flags([*argv, "--config.imports=()"], mode)
+        finally:
+            flags.FLAGS.unparse_flags()
+
+
+def test_help_starts_with_usage_and_examples_and_shows_the_training_defaults():
+    text = cli.help_text()
+    lines = text.splitlines()
+    assert lines[0].startswith("usage: python main.py")
+    assert lines[2] == "Examples:" and all(
+        line.startswith("  python main.py") for line in lines[3:6]
+    )
+    train = text.index("train (the default mode")
+    assert train < text.index("--steps ") < text.index("eval, predict, export")
+    for flag, default in (("steps", 400), ("batch_size", 512), ("learning_rate", 0.003)):
+        line = next(line for line in lines if line.startswith(f"  --{flag} "))
+        assert f"(default: {default})" in line, line
+    assert max(len(line) for line in lines) <= 100

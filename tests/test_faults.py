@@ -339,8 +339,8 @@ def test_a_damaged_json_item_is_one_line_for_a_reader(copy, item, value):
 def test_an_unreadable_step_is_named_and_left_where_it_is(copy):
     step = copy / "checkpoints" / "20"
     with permissions(step, 0o000):
-        for mode in ("--mode=train", "--mode=eval"):
-            result = run_bound_by_permissions(mode, f"--workdir={copy}", "--steps=30", *QUICK)
+        for flags in (("--mode=train", "--steps=30", *QUICK), ("--mode=eval",)):
+            result = run_bound_by_permissions(*flags, f"--workdir={copy}")
             the_error(result, "cannot be read (permission denied); fix its permissions")
     assert (step / checkpoint.STEP_MARKER).exists() and not (copy / checkpoint.DAMAGED_DIR).exists()
 
