@@ -650,9 +650,7 @@ def _read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
                 f"{path} holds one .npy array, not an .npz archive; save both arrays with "
                 "np.savez(path, images=..., labels=...)"
             )
-        with zipfile.ZipFile(path) as archive:
-            for member in archive.infolist():
-                _check_declared_size(archive, member, path)
+        npz_headers(path)  # every member's size checked before np.load allocates it
         with np.load(path, allow_pickle=False) as archive:
             arrays = {key: archive[key] for key in archive.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, AttributeError) as exc:
@@ -667,13 +665,23 @@ def _read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _check_declared_size(
+def npz_headers(path: pathlib.Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Each array of an .npz archive, by name: its shape and dtype as its .npy header declares
+    them, read without loading the array. A header declaring more bytes than the file can hold
+    is refused before np.load allocates them: one declaring (1e11, 28, 28) asked for 71.3 TiB.
+    A file that is no archive raises OSError, ValueError, EOFError or zipfile.BadZipFile."""
+    with zipfile.ZipFile(path) as archive:
+        return {
+            member.filename[:-4]: _declared(archive, member, path)
+            for member in archive.infolist()
+            if member.filename.endswith(".npy")
+        }
+
+
+def _declared(
     archive: zipfile.ZipFile, member: zipfile.ZipInfo, path: pathlib.Path
-) -> None:
-    """An .npz member's header must declare no more bytes than the file can hold, checked
-    before np.load allocates them: a header declaring (1e11, 28, 28) asked for 71.3 TiB."""
-    if not member.filename.endswith(".npy"):
-        return
+) -> tuple[tuple[int, ...], np.dtype]:
+    """An .npz member's declared (shape, dtype), no more bytes than the member can hold."""
     with archive.open(member) as f:
         version = np.lib.format.read_magic(f)
         if version == (1, 0):
@@ -694,6 +702,7 @@ def _check_declared_size(
             f"{path}: {member.filename[:-4]} declares shape {shape} of {dtype} ({declared:,} "
             f"bytes) but the file holds {max(held, 0):,}; the file is damaged or cut short"
         )
+    return shape, dtype
 
 
 @register("arrays", needs=f"{' and '.join(ARRAY_FILES)} (images, labels)")

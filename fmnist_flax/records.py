@@ -33,6 +33,7 @@ import secrets
 import shutil
 import signal
 import threading
+import zipfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -423,8 +424,8 @@ class RecordSource:
     for an index array (any shape) reads every record in bulk, one `np.take` per READ_ROWS
     records of a shard and mapped window, and gives (pixels (*keys.shape, H*W*C) uint8,
     labels (*keys.shape) int32). Each record read is checked (its check, and its label against
-    `labels`, labels.npz's). A Grain data source; safe to call from several threads (the
-    shards are mapped once, on first use, or by `check`)."""
+    labels.npz's, which `read_splits` sets). A Grain data source; safe to call from several
+    threads (the shards are mapped once, on first use, or by `check`)."""
 
     def __init__(
         self,
@@ -432,7 +433,6 @@ class RecordSource:
         counts: Sequence[int],
         image_shape: Sequence[int],
         set_id: str,
-        labels: np.ndarray,
         split: str,
     ):
         self.paths = [pathlib.Path(p) for p in paths]
@@ -443,7 +443,7 @@ class RecordSource:
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.set_id, self.split = set_id, split
         self.salt = int(set_id, 16)
-        self.labels = np.asarray(labels, np.int32)
+        self.labels = np.empty(0, np.int32)  # labels.npz's, once checked (`read_splits`)
         self._maps: list[tuple[mmap.mmap, np.ndarray, np.ndarray]] | None = None
         self._lock = threading.Lock()
         self._mapped = _Mapped(RESIDENT_BYTES)
@@ -785,49 +785,59 @@ def read_splits(
     directory: pathlib.Path,
 ) -> tuple[dict[str, Any], dict[str, RecordImages], dict[str, np.ndarray]]:
     """The record set in `directory`: its info, each split's images (`RecordImages`) and
-    labels; every file checked against info.json (labels.npz by its SHA-256, each shard by its
-    header: set, place, count and image shape), each record as it is read."""
+    labels; every file checked against info.json (each shard by its header: set, place, count
+    and image shape; labels.npz by its arrays' headers, then its SHA-256), each record as it
+    is read. The shards are checked first: the counts the labels are held to are theirs."""
     info = read_info(directory)
     shape = tuple(info["image_shape"])
-    try:
-        with np.load(directory / LABELS_FILE) as saved:
-            labels = {split: np.asarray(saved[split]) for split in SPLITS}
-    except (OSError, ValueError, KeyError) as exc:
-        raise UserError(
-            f"{directory / LABELS_FILE} cannot be read ({errors.reason(exc)}); "
-            "write the records again with --mode=prepare"
-        ) from None
+    sources = {}
     for split in SPLITS:
         entry = info["splits"][split]
-        name = f"{directory / LABELS_FILE}[{split}]"
-        if labels[split].shape != (entry["examples"],) or labels[split].dtype.kind not in "iu":
-            raise UserError(
-                f"{name}: not {entry['examples']:,} integer labels as {INFO_FILE} "
-                "says; write the records again with --mode=prepare"
-            )
+        sources[split] = RecordSource(
+            [directory / s for s in entry["shards"]], entry["counts"], shape, info["set"], split
+        )
+        sources[split].check()
+    labels = _read_labels(directory, info)
+    for split in SPLITS:
+        sources[split].labels = labels[split]
+    images = {split: RecordImages(sources[split], shape) for split in SPLITS}
+    return info, images, labels
+
+
+def _read_labels(directory: pathlib.Path, info: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Each split's labels from labels.npz, as int32: their headers checked against info.json's
+    counts before anything is loaded (a 2 MB file can unpack to gigabytes), then their values
+    against the class count and the file against its SHA-256."""
+    from fmnist_flax import datasets
+
+    path = directory / LABELS_FILE
+    again = "write the records again with --mode=prepare"
+    try:
+        declared = datasets.npz_headers(path)
+        for split in SPLITS:
+            examples = info["splits"][split]["examples"]
+            shape, dtype = declared.get(split, (None, None))
+            if shape != (examples,) or dtype is None or dtype.kind not in "iu":
+                held = f"declares {dtype} {shape}" if shape is not None else "has no such array"
+                raise UserError(
+                    f"{path}[{split}]: not {examples:,} integer labels as {INFO_FILE} says (it "
+                    f"{held}); {again}"
+                )
+        with np.load(path, allow_pickle=False) as saved:
+            labels = {split: np.asarray(saved[split]) for split in SPLITS}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
+        raise UserError(f"{path} cannot be read ({errors.reason(exc)}); {again}") from None
+    for split in SPLITS:
         raw = labels[split]  # checked as they are: a cast would make 2**32 + 1 class 1
         outside = np.flatnonzero((raw < 0) | (raw >= len(info["class_names"])))
         if len(outside):
             raise UserError(
-                f"{name}: label {raw[outside[0]]} at index {outside[0]} is outside "
-                f"0..{len(info['class_names']) - 1}; write the records again with --mode=prepare"
+                f"{path}[{split}]: label {raw[outside[0]]} at index {outside[0]} is outside "
+                f"0..{len(info['class_names']) - 1}; {again}"
             )
-    if _sha256(directory / LABELS_FILE) != info["files"][LABELS_FILE]["sha256"]:
+    if _sha256(path) != info["files"][LABELS_FILE]["sha256"]:
         raise UserError(
-            f"{directory / LABELS_FILE} does not match its SHA-256 in {INFO_FILE} (labels "
-            "edited or the file replaced); write the records again with --mode=prepare"
+            f"{path} does not match its SHA-256 in {INFO_FILE} (labels edited or the file "
+            f"replaced); {again}"
         )
-    images = {}
-    for split in SPLITS:
-        entry = info["splits"][split]
-        source = RecordSource(
-            [directory / s for s in entry["shards"]],
-            entry["counts"],
-            shape,
-            info["set"],
-            labels[split],
-            split,
-        )
-        source.check()
-        images[split] = RecordImages(source, shape)
-    return info, images, {split: labels[split].astype(np.int32) for split in SPLITS}
+    return {split: labels[split].astype(np.int32) for split in SPLITS}
