@@ -31,6 +31,7 @@ from fmnist_flax import (
     checkpoint,
     datasets,
     ensemble,
+    errors,
     grain_pipeline,
     input_pipeline,
     parallel,
@@ -626,7 +627,7 @@ def whole_run(steps: int, tmp: pathlib.Path, data_dir: str = "") -> dict[str, An
             raise UserError(f"{name} failed: {last}")
         if name.startswith("main.py"):
             path = tmp / ("cold" if "cold" in name else "warm") / "summary.json"
-            summary = json.loads(path.read_text())
+            summary = json.loads(errors.read_file(path))
         else:
             summary = json.loads(done.stdout.strip().splitlines()[-1])
         runs[name] = {

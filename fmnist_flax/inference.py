@@ -161,7 +161,9 @@ def _restore_best(checkpoints: Checkpoints, compute_dtype, mesh, flag) -> tuple:
         try:
             return _restore_model(checkpoints, step, compute_dtype, mesh, flag)
         except UserError as exc:  # damaged: its config item, or its arrays
-            if step == ranked[-1] or isinstance(exc, Unreadable | restore.ShapeMismatch):
+            if step == ranked[-1] or isinstance(
+                exc, Unreadable | restore.ShapeMismatch | errors.FileRefused
+            ):
                 raise
             logging.warning("%s; using the next best checkpoint", exc)
     raise AssertionError("unreachable")

@@ -329,13 +329,15 @@ def _images(images: Any, start: int, stop: int) -> np.ndarray:
 def read_info(directory: pathlib.Path) -> dict[str, Any]:
     """`directory`'s info.json, every file it names present at its recorded size."""
     path = directory / INFO_FILE
-    if not path.is_file():
+    try:
+        raw = errors.read_file(path)
+    except OSError:
         raise UserError(
             f"{path} is missing: --data_dir for dataset.name=records must be a directory that "
             "--mode=prepare --output=DIR wrote"
-        )
+        ) from None
     try:
-        info = json.loads(path.read_text())
+        info = json.loads(raw)
         if isinstance(info, dict) and info.get("format") in OLD_FORMATS:
             raise UserError(
                 f"{path}: record files of an older format ({info['format']!r}, read a record "
@@ -356,11 +358,16 @@ def read_info(directory: pathlib.Path) -> dict[str, Any]:
         raise UserError(f"{path}: not a {FORMAT!r} info file; write it again with --mode=prepare")
     for name, size in files.items():
         file = directory / name
-        if not file.is_file():
-            raise UserError(f"{file} is missing; write the records again with --mode=prepare")
-        if file.stat().st_size != size:
+        try:
+            errors.check_regular(file)  # a FIFO would be read (hashed, mapped) for ever
+            held = file.stat().st_size
+        except OSError:
             raise UserError(
-                f"{file} has {file.stat().st_size:,} bytes but {INFO_FILE} says {size:,} "
+                f"{file} is missing; write the records again with --mode=prepare"
+            ) from None
+        if held != size:
+            raise UserError(
+                f"{file} has {held:,} bytes but {INFO_FILE} says {size:,} "
                 "(truncated or replaced); write the records again with --mode=prepare"
             )
     return info
@@ -479,7 +486,8 @@ class RecordSource:
     def _map(self, k: int, path: pathlib.Path) -> mmap.mmap:
         """Shard k mapped read-only, its header checked."""
         try:
-            fd = os.open(path, os.O_RDONLY)
+            errors.check_regular(path)  # replaced since `read_info` looked: opening a FIFO waits
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as exc:
             raise _unopenable(path, len(self.paths), exc) from None
         try:

@@ -18,11 +18,13 @@ import flax
 import jax
 import optax
 
+from fmnist_flax import errors
 from fmnist_flax.errors import UserError
 
 RUNS_DIR = pathlib.Path("runs")
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
+METRICS_LIMIT = 256 << 20  # the most of metrics.jsonl read back (a row is about 100 bytes)
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
 LOCK_FILE = ".lock"
 UMASK = os.umask(0o022)  # the process's umask, read once (reading it means setting it)
@@ -216,9 +218,10 @@ def write_json(path: pathlib.Path, value: dict[str, Any]) -> None:
 
 def read_json(path: pathlib.Path) -> dict[str, Any] | None:
     """A JSON object written by `write_json`, or None when there is none or it cannot be read
-    (a crash or someone else left something else there)."""
+    (a crash or someone else left something else there); a FIFO, a device or an oversized
+    file is one line (`errors.read_file`)."""
     try:
-        value = json.loads(path.read_bytes())
+        value = json.loads(errors.read_file(path))
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
@@ -233,9 +236,10 @@ def _is_row(row: Any) -> bool:
 
 def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
     """The rows of a JSON-lines file; a torn last line (a crash mid-write) or any line that is
-    not a metrics row (bad bytes, other types: not written by this project) is left out."""
+    not a metrics row (bad bytes, other types: not written by this project) is left out; a
+    FIFO, a device or an oversized file is one line (`errors.read_file`)."""
     try:
-        lines = path.read_bytes().decode("utf-8", "replace").splitlines()
+        lines = errors.read_file(path, METRICS_LIMIT).decode("utf-8", "replace").splitlines()
     except OSError:
         return []
     rows = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gzip
@@ -10,6 +11,7 @@ import json
 import os
 import pathlib
 import runpy
+import signal
 import struct
 import subprocess
 import sys
@@ -117,6 +119,23 @@ def run_main_measured(
             **kwargs,
         )
         return result, int(peak.read() or 0), time.monotonic() - began
+
+
+@contextlib.contextmanager
+def within(seconds: float):
+    """The block must end within `seconds`: a read that would wait for ever (a FIFO nobody
+    writes) fails the test with TimeoutError instead of hanging it."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"still waiting after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def env_without_device_count() -> dict[str, str]:

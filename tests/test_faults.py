@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from conftest import EVERY_DUE_SAVE, REPO, run_main
+from conftest import EVERY_DUE_SAVE, REPO, run_main, run_main_measured
 
 from fmnist_flax import checkpoint
 
@@ -317,6 +317,43 @@ def test_a_damaged_json_item_is_one_line_for_a_reader(copy, item, value):
         the_error(result, f"checkpoint 20 in {copy / 'checkpoints'} is damaged: its config item")
     else:  # eval reads the parameters only: a damaged progress item does not stop it
         assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "mode"),
+    [
+        ("metrics.jsonl", "fifo", "train"),
+        ("metrics.jsonl", "/dev/zero", "train"),
+        ("summary.json", "fifo", "train"),
+        ("summary.json", "/dev/full", "train"),
+        ("checkpoints/20/progress/metadata", "fifo", "train"),
+        ("checkpoints/20/config/metadata", "/dev/zero", "train"),
+        ("checkpoints/20/_CHECKPOINT_METADATA", "fifo", "train"),
+        ("checkpoints/20/model/_METADATA", "/dev/zero", "eval"),
+    ],
+)
+def test_a_fifo_or_a_device_among_a_runs_files_is_one_line_and_nothing_is_lost(
+    copy, name, kind, mode
+):
+    """Each waited for ever on the FIFO, or read /dev/zero until 6.3 GB and MemoryError; the
+    resume, or the eval, now stops with one line naming the file, and nothing saved moves."""
+    path = copy / name
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink(kind, path)
+    before = snapshot(copy)
+    del before[".lock"]  # who last held the workdir: the refused run
+    flags = ("--steps=30", *QUICK) if mode == "train" else ()
+    result, peak, seconds = run_main_measured(
+        f"--mode={mode}", f"--workdir={copy}", *flags, timeout=120
+    )
+    what = "a FIFO" if kind == "fifo" else f"a character device (a symbolic link to {kind})"
+    the_error(result, f"error: {path} is {what}, not a regular file; move it away")
+    assert peak < 2**30 and seconds < 30, (peak, seconds)
+    assert snapshot(copy).items() >= before.items() and saved_steps(copy) == [10, 20]
+    assert path.is_fifo() if kind == "fifo" else os.readlink(path) == kind
 
 
 def test_an_unreadable_step_is_named_and_left_where_it_is(copy):

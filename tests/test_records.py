@@ -20,7 +20,14 @@ import zlib
 
 import numpy as np
 import pytest
-from conftest import REPO, assert_one_line_error, run_main, run_main_measured, small_arrays
+from conftest import (
+    REPO,
+    assert_one_line_error,
+    run_main,
+    run_main_measured,
+    small_arrays,
+    within,
+)
 
 from fmnist_flax import datasets, evaluate, grain_pipeline, parallel, records, train
 from fmnist_flax.errors import UserError
@@ -236,6 +243,30 @@ def test_edited_labels_are_checked_as_they_are_before_any_cast(tmp_path, label, 
     with pytest.raises(UserError, match=message) as raised:
         datasets.load_records(directory)
     assert "\n" not in str(raised.value) and "labels.npz[train]" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("info.json", "fifo"),
+        ("info.json", "/dev/zero"),
+        ("train-00001-of-00002.records", "fifo"),
+        ("labels.npz", "/dev/zero"),
+    ],
+)
+def test_a_record_file_that_is_a_fifo_or_a_device_is_one_line_naming_it(tmp_path, name, kind):
+    """Each waited for ever (a FIFO) or was read without end (/dev/zero), or was "missing"."""
+    directory = small_set(tmp_path)
+    (directory / name).unlink()
+    if kind == "fifo":
+        os.mkfifo(directory / name)
+    else:
+        os.symlink(kind, directory / name)
+    with within(10), pytest.raises(UserError) as raised:
+        datasets.load_records(directory)
+    what = "a FIFO" if kind == "fifo" else f"a character device (a symbolic link to {kind})"
+    assert str(raised.value).startswith(f"{directory / name} is {what}, not a regular file")
+    assert "\n" not in str(raised.value)
 
 
 def _write_zip(path: pathlib.Path, members: list[tuple[str, int, int, int, bytes]]) -> None:
