@@ -720,6 +720,32 @@ def test_sizes_the_machine_cannot_hold_are_one_line_before_anything_grows(flag, 
     assert seconds < 30, seconds
 
 
+@pytest.mark.parametrize("hidden", [16_000, 40_000])
+def test_a_batch_whose_training_step_cannot_fit_is_one_line_before_it_runs(hidden, tmp_path):
+    """Batch 60,000 through 16,000 (40,000) units passed the check of the models, then XLA
+    asked for 11.5 GB (28.8 GB) when the step ran. Under `ulimit -d` the step's memory is now
+    refused from its compiled program, before anything of that size is allocated."""
+
+    def cap_data() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (DATA_LIMIT, DATA_LIMIT))
+
+    flags = ("--steps=1", *QUICK, "--batch_size=60000", f"--config.model.hidden=({hidden},)")
+    began = time.monotonic()
+    process = start(tmp_path / "w", *flags, preexec_fn=cap_data)
+    stderr = process.stderr.read()
+    _, status, usage = os.wait4(process.pid, 0)  # this child's own peak RSS
+    seconds = time.monotonic() - began
+    process.returncode = os.waitstatus_to_exitcode(status)  # reaped: Popen must not wait
+    process.stderr.close()
+    result = subprocess.CompletedProcess(process.args, process.returncode, "", stderr)
+    line = the_error(result, "--batch_size=60000: a training step needs about ")
+    assert "by XLA's memory analysis" in line and "ulimit -d" in line, line
+    assert "use at most about --batch_size=" in line, line
+    assert usage.ru_maxrss * 1024 < 2 * 2**30, usage.ru_maxrss
+    assert seconds < 30, seconds
+    assert saved_steps(tmp_path / "w") == []
+
+
 # --- One true line for each (issue 37) ------------------------------------------------------------
 
 
