@@ -234,11 +234,15 @@ def _check_space(directory: pathlib.Path, step: int, arrays: dict[str, Any]) -> 
         )
 
 
-def _resume_hint(directory: pathlib.Path) -> str:
+def _resume_hint(directory: pathlib.Path, exc: BaseException | None = None) -> str:
+    """What to do about a save that failed (for want of space, or `exc`), and where to resume."""
     kept = complete_steps(directory)  # on disk: Orbax's own list may be mid-update
     last = f"checkpoint {kept[-1]}" if kept else "the start (no checkpoint was completed)"
     # The workdir by name: a run given none made a fresh one, which the same command would not.
-    return f"free some space and run again with --workdir={directory.parent} to resume from {last}"
+    return (
+        f"{workdir_lib.remedy(exc)} and run again with --workdir={directory.parent} to resume "
+        f"from {last}"
+    )
 
 
 def _save_failed(directory: pathlib.Path, step: int, exc: BaseException) -> UserError:
@@ -250,7 +254,8 @@ def _save_failed(directory: pathlib.Path, step: int, exc: BaseException) -> User
     else:
         reason = errors.reason(exc)
     return UserError(
-        f"could not write checkpoint {step} in {directory} ({reason}); " + _resume_hint(directory)
+        f"could not write checkpoint {step} in {directory} ({reason}); "
+        + _resume_hint(directory, storage)
     )
 
 

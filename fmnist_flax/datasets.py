@@ -51,6 +51,7 @@ STEMS = (
 ARRAY_FILES = ("train.npz", "test.npz")  # the `arrays` dataset's two splits
 ARRAY_KEYS = ("images", "labels")  # what each must hold; `pixel_range` is optional
 NPY_MAGIC = b"\x93NUMPY"  # how an .npy file starts (an .npz is a zip of them)
+DATA_ADVICE = "put the data file itself there (a symlink to one will do)"
 DEFLATE_MAX_RATIO = 1100  # deflate never packs more than ~1032 bytes into one
 # The most classes a dataset may have: the confusion matrix (in summary.json and the report)
 # holds one count per pair, 10**8 at this limit. 2,000,000 names trained, wrote 2.7 GB and
@@ -245,10 +246,19 @@ def check_labels(labels: np.ndarray, name: str, num_classes: int) -> None:
         )
 
 
+def _present(path: pathlib.Path) -> bool:
+    """Whether a data file is there to read (absent or a directory: not there). A FIFO, a
+    device or a socket, which reading would wait on or never finish, is one line naming it."""
+    if not path.exists() or path.is_dir():
+        return False
+    errors.check_regular(path, DATA_ADVICE)
+    return True
+
+
 def read_class_names(data_dir: pathlib.Path, labels: np.ndarray) -> tuple[str, ...]:
     """A directory's classes: classes.txt (one name per line), or 0..max label."""
     path = data_dir / CLASSES_FILE
-    if not path.is_file():
+    if not _present(path):
         count = int(labels.max(initial=0)) + 1
         missing = count - len(np.unique(labels))
         if missing:  # a stray label would silently add classes nothing is labelled with
@@ -518,7 +528,7 @@ def _write_payload_file(directory: pathlib.Path, key: str, payload: bytes, paylo
 
 
 def _candidates(directory: pathlib.Path, spec: IdxFile) -> list[pathlib.Path]:
-    return [p for p in (directory / spec.gz_name, directory / spec.stem) if p.is_file()]
+    return [p for p in (directory / spec.gz_name, directory / spec.stem) if _present(p)]
 
 
 def _download(spec: IdxFile, dataset: DatasetSpec) -> bytes:
@@ -637,7 +647,7 @@ for _spec in IDX_DATASETS.values():
 
 def _read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
     """The arrays of one .npz split, read whole; any problem is one line naming the file."""
-    if not path.is_file():
+    if not _present(path):
         raise UserError(
             f"{path} not found; the arrays dataset needs {' and '.join(ARRAY_FILES)} in "
             f"--data_dir, each with {' and '.join(ARRAY_KEYS)}"

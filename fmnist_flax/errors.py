@@ -17,6 +17,7 @@ QUOTE_CHARS = 60  # how much of a value (a field's, a JSON item's) an error line
 ELLIPSIS = " ..."  # where a shortened text leaves something out
 FILE_LIMIT = 16 << 20  # the most `read_file` reads of one of the program's own files by default
 READ_BYTES = 1 << 20  # what `read_file` reads at once
+OWN_FILE_ADVICE = "move it away (or put back the file this program wrote there) and run again"
 # A repr that names an object rather than saying anything: TensorStore's errors end in
 # `See full TensorStore details: <bound method ...spec of TensorStore({...})>`.
 _OBJECT_REPR = re.compile(r"<(bound method|function|built-in|[\w.]+ object at 0x)")
@@ -66,14 +67,14 @@ def read_file(path: str | os.PathLike, limit: int = FILE_LIMIT) -> bytes:
     return b"".join(chunks)
 
 
-def check_regular(path: str | os.PathLike) -> None:
-    """Refuse, in one line naming it, a FIFO, a device or a socket (or a symlink to one) where
-    the program reads a file of its own: reading one waits for ever or never ends. A missing
-    file or a directory raises the OSError that reading it does."""
-    _refuse(path, os.stat(path).st_mode)
+def check_regular(path: str | os.PathLike, advice: str = OWN_FILE_ADVICE) -> None:
+    """Refuse, in one line naming it and ending in `advice`, a FIFO, a device or a socket (or
+    a symlink to one) where the program reads a file: reading one waits for ever or never
+    ends. A missing file or a directory raises the OSError that reading it does."""
+    _refuse(path, os.stat(path).st_mode, advice)
 
 
-def _refuse(path: str | os.PathLike, mode: int) -> None:
+def _refuse(path: str | os.PathLike, mode: int, advice: str = OWN_FILE_ADVICE) -> None:
     """`check_regular` of a file of this mode."""
     kind = next((kind for test, kind in _KINDS if test(mode)), "a special file")
     if kind is None:
@@ -81,10 +82,7 @@ def _refuse(path: str | os.PathLike, mode: int) -> None:
     if kind == "a directory":
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     link = f" (a symbolic link to {os.readlink(path)})" if os.path.islink(path) else ""
-    raise FileRefused(
-        f"{path} is {kind}{link}, not a regular file; move it away (or put back the file this "
-        "program wrote there) and run again"
-    )
+    raise FileRefused(f"{path} is {kind}{link}, not a regular file; {advice}")
 
 
 _KINDS = (

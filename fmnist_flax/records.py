@@ -179,7 +179,12 @@ def write_dataset(dataset: Any, output: str | os.PathLike, shards: int = 4) -> d
             f"a shard holds at least one: at most --shards={examples:,}"
         )
     out = pathlib.Path(output).expanduser().absolute()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise UserError(
+            f"--output {output} is a file, not a directory (prepare writes a directory of record "
+            "files); name a new directory"
+        )
+    if out.is_dir() and any(out.iterdir()):
         raise UserError(f"--output {output} already exists and is not empty; name a new directory")
     if not out.parent.is_dir():
         raise UserError(f"--output {output}: its directory {out.parent} does not exist")

@@ -174,6 +174,21 @@ def disk_problem(path: pathlib.Path, exc: BaseException | None = None) -> str:
     return f"{reason}; {where}" if reason else where
 
 
+def remedy(exc: BaseException | None = None) -> str:
+    """What to do about a failed write, by its cause (`storage_error`): free space, raise the
+    file size limit, or make the place writable."""
+    code = getattr(storage_error(exc), "errno", None) if exc else None
+    if code == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        now = "" if limit == resource.RLIM_INFINITY else f", {limit:,} bytes now"
+        return f"raise the file size limit (ulimit -f{now})"
+    if code in (errno.EACCES, errno.EPERM):
+        return "make it writable (or run as its owner)"
+    if code == errno.EROFS:
+        return "make its filesystem writable"
+    return "free some space"
+
+
 def storage_error(exc: BaseException) -> OSError | None:
     """The OSError behind a failed write (no space, no inodes, no permission, read-only), found
     in the exception, its causes, or the message of a library that wraps it in another type."""
@@ -280,8 +295,8 @@ class MetricsLog:
             self._file.flush()
         except OSError as exc:
             raise UserError(
-                f"cannot write {self.path} ({disk_problem(self.path, exc)}); free space and run "
-                f"again with --workdir={self.path.parent}: it resumes from its last checkpoint"
+                f"cannot write {self.path} ({disk_problem(self.path, exc)}); {remedy(exc)} and "
+                f"run again with --workdir={self.path.parent}: it resumes from its last checkpoint"
             ) from None
 
     def close(self) -> None:

@@ -234,6 +234,19 @@ def test_a_full_disk_stops_before_the_save_and_resumes_once_space_is_back(copy, 
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="mounting a tmpfs needs root")
+def test_a_file_size_limit_is_named_as_such_not_as_a_full_disk(tmp_path):
+    """A save failing with EFBIG under `ulimit -f` said "free some space"."""
+
+    def cap_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200 * 1024, resource.RLIM_INFINITY))
+
+    workdir = tmp_path / "w"
+    result = run_main(f"--workdir={workdir}", "--steps=10", *QUICK, preexec_fn=cap_files)
+    line = the_error(result, f"could not write checkpoint 10 in {workdir / 'checkpoints'} (File")
+    assert "raise the file size limit (ulimit -f, 204,800 bytes now) and run again" in line
+    assert "free some space" not in line
+
+
 def test_no_inodes_left_is_one_line_naming_the_inodes(tmp_path):
     with small_disk(tmp_path / "disk", "size=64m,nr_inodes=40") as disk:
         result = run_main(f"--workdir={disk / 'w'}", "--steps=20", *QUICK)

@@ -495,6 +495,10 @@ def test_prepare_writes_a_new_directory_or_nothing(tmp_path):
     with pytest.raises(UserError, match="already exists and is not empty"):
         small_set(tmp_path, name="taken")
     assert sorted(p.name for p in (tmp_path / "taken").iterdir()) == before
+    (tmp_path / "notes").write_text("mine")  # a file: it was "not empty"
+    with pytest.raises(UserError, match=r"notes is a file, not a directory \(prepare writes a"):
+        small_set(tmp_path, name="notes")
+    assert (tmp_path / "notes").read_text() == "mine"
     (tmp_path / "empty").mkdir()
     assert datasets.load_records(small_set(tmp_path, name="empty")).num_classes == 10
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import json
 import os
 import threading
@@ -179,6 +180,23 @@ def test_a_file_larger_than_the_program_writes_is_refused_unread(tmp_path):
     summary.write_text("{}" * 6)
     with pytest.raises(UserError, match=r"summary\.json holds more than the 10 bytes"):
         errors.read_file(summary, limit=10)
+
+
+def test_each_cause_of_a_failed_write_gets_its_own_remedy():
+    """A permission error and EFBIG were both told to "free space"."""
+    cases = {
+        errno.ENOSPC: "free some space",
+        errno.EDQUOT: "free some space",
+        errno.EFBIG: "raise the file size limit (ulimit -f",
+        errno.EACCES: "make it writable (or run as its owner)",
+        errno.EPERM: "make it writable (or run as its owner)",
+        errno.EROFS: "make its filesystem writable",
+    }
+    for code, remedy in cases.items():
+        wrapped = RuntimeError("the library's words")
+        wrapped.__cause__ = OSError(code, os.strerror(code))
+        assert workdir.remedy(wrapped).startswith(remedy), (code, workdir.remedy(wrapped))
+    assert workdir.remedy(None) == "free some space"  # a save refused before it began
 
 
 def a_training_run(path):
