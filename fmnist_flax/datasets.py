@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import gzip
 import hashlib
-import math
 import os
 import pathlib
 import struct
@@ -52,7 +51,6 @@ ARRAY_FILES = ("train.npz", "test.npz")  # the `arrays` dataset's two splits
 ARRAY_KEYS = ("images", "labels")  # what each must hold; `pixel_range` is optional
 NPY_MAGIC = b"\x93NUMPY"  # how an .npy file starts (an .npz is a zip of them)
 DATA_ADVICE = "put the data file itself there (a symlink to one will do)"
-DEFLATE_MAX_RATIO = 1100  # deflate never packs more than ~1032 bytes into one
 # The most classes a dataset may have: the confusion matrix (in summary.json and the report)
 # holds one count per pair, 10**8 at this limit. 2,000,000 names trained, wrote 2.7 GB and
 # failed at the confusion matrix.
@@ -647,6 +645,8 @@ for _spec in IDX_DATASETS.values():
 
 def _read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
     """The arrays of one .npz split, read whole; any problem is one line naming the file."""
+    from fmnist_flax import records
+
     if not _present(path):
         raise UserError(
             f"{path} not found; the arrays dataset needs {' and '.join(ARRAY_FILES)} in "
@@ -660,7 +660,7 @@ def _read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
                 f"{path} holds one .npy array, not an .npz archive; save both arrays with "
                 "np.savez(path, images=..., labels=...)"
             )
-        npz_headers(path)  # every member's size checked before np.load allocates it
+        records.npz_headers(path)  # every member's size checked before np.load allocates it
         with np.load(path, allow_pickle=False) as archive:
             arrays = {key: archive[key] for key in archive.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, AttributeError) as exc:
@@ -673,46 +673,6 @@ def _read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
             "save it with np.savez(path, images=..., labels=...)"
         )
     return arrays
-
-
-def npz_headers(path: pathlib.Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Each array of an .npz archive, by name: its shape and dtype as its .npy header declares
-    them, read without loading the array. A header declaring more bytes than the file can hold
-    is refused before np.load allocates them: one declaring (1e11, 28, 28) asked for 71.3 TiB.
-    A file that is no archive raises OSError, ValueError, EOFError or zipfile.BadZipFile."""
-    with zipfile.ZipFile(path) as archive:
-        return {
-            member.filename[:-4]: _declared(archive, member, path)
-            for member in archive.infolist()
-            if member.filename.endswith(".npy")
-        }
-
-
-def _declared(
-    archive: zipfile.ZipFile, member: zipfile.ZipInfo, path: pathlib.Path
-) -> tuple[tuple[int, ...], np.dtype]:
-    """An .npz member's declared (shape, dtype), no more bytes than the member can hold."""
-    with archive.open(member) as f:
-        version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
-        elif version == (2, 0):
-            shape, _, dtype = np.lib.format.read_array_header_2_0(f)
-        else:
-            raise ValueError(f"{member.filename}: .npy format {version}; save it with np.savez")
-        header = f.tell()
-    if dtype.hasobject:  # pickled: its size says nothing, and it is never loaded
-        raise ValueError(f"{member.filename[:-4]} holds Python objects, which are never loaded")
-    declared = math.prod(shape) * dtype.itemsize
-    held = member.file_size - header  # the member's size once unpacked, as the zip records it
-    if member.compress_type != zipfile.ZIP_STORED:  # deflate packs at most ~1032:1
-        held = min(held, member.compress_size * DEFLATE_MAX_RATIO)
-    if declared > held:
-        raise UserError(
-            f"{path}: {member.filename[:-4]} declares shape {shape} of {dtype} ({declared:,} "
-            f"bytes) but the file holds {max(held, 0):,}; the file is damaged or cut short"
-        )
-    return shape, dtype
 
 
 @register("arrays", needs=f"{' and '.join(ARRAY_FILES)} (images, labels)")

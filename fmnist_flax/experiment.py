@@ -116,9 +116,12 @@ def prepare(
     workdir: str | pathlib.Path | None,
     cleanup: contextlib.ExitStack,
     devices: list[jax.Device] | None = None,
+    *,
+    step: Callable[..., Any],
 ) -> tuple[pathlib.Path, datasets.Dataset, input_pipeline.DeviceData]:
     """Check everything a user can get wrong, claim the workdir (released on `cleanup`), load
-    the data and place it on a mesh over `devices` (default: all)."""
+    the data and place it on a mesh over `devices` (default: all). `step`: the training step
+    (`train.train_step`), whose memory is checked with the models' (`check_memory`)."""
     config_lib.validate(config)
     check_threads(config)
     datasets.get(config)  # an unknown dataset or a missing --data_dir, before any I/O
@@ -139,7 +142,7 @@ def prepare(
     device_data = input_pipeline.to_device(
         dataset, config.batch_size, mesh, not on_host, config.optimizer.accumulate
     )
-    check_memory(config, dataset, mesh)
+    check_memory(config, dataset, mesh, step)
     return workdir, dataset, device_data
 
 
@@ -329,18 +332,17 @@ def evaluation_bytes_per_member(
 
 def step_bytes(
     config: ml_collections.ConfigDict,
+    train_step: Callable[..., Any],
     image_shape: tuple[int, int, int],
     num_classes: int,
     batch: int,
     usable: int,
 ) -> int:
-    """What one training step of one model holds besides its state, for `batch` examples (a
+    """What one `train_step` of one model holds besides its state, for `batch` examples (a
     micro-batch each of `optimizer.accumulate`): its float32 batch, activations and
     temporaries. Every value the step's program computes, summed, when that is within `usable`
     (a generous bound: far fewer are alive at once); else XLA's memory analysis of the step
     compiled, not run, for abstract arrays (no analysis: the batch alone)."""
-    from fmnist_flax import train  # which imports this module
-
     graphdef, state = nnx.split(abstract_state(config, image_shape, num_classes))
     frozen = ml_collections.FrozenConfigDict(config)
     accumulate = config.optimizer.accumulate
@@ -352,7 +354,7 @@ def step_bytes(
 
     def step(state, x, y):
         model, optimizer = nnx.merge(graphdef, state)
-        metrics = train.train_step(model, optimizer, x, y, frozen)
+        metrics = train_step(model, optimizer, x, y, frozen)
         return metrics, nnx.state((model, optimizer))
 
     held = tree_bytes(inputs)
@@ -394,7 +396,10 @@ def grain_blocks(
 
 
 def check_memory(
-    config: ml_collections.ConfigDict, dataset: datasets.Dataset, mesh: jax.sharding.Mesh
+    config: ml_collections.ConfigDict,
+    dataset: datasets.Dataset,
+    mesh: jax.sharding.Mesh,
+    step: Callable[..., Any],
 ) -> None:
     """Refuse, in one line, a run whose models, training step or Grain blocks cannot fit in what
     is left once the data is loaded and placed: the models and the step's activations in the
@@ -405,7 +410,7 @@ def check_memory(
     host = host_memory()
     memory = host if on_host else device_memory(devices)
     held = check_models(config, dataset.image_shape, dataset.num_classes, memory, on_host)
-    held += check_step(config, dataset, mesh, memory, held)
+    held += check_step(config, dataset, mesh, memory, held, step)
     if config.input_pipeline == "grain" and host is not None:
         check_grain(config, dataset.image_shape, host, held if on_host else 0)
 
@@ -460,8 +465,9 @@ def check_step(
     mesh: jax.sharding.Mesh,
     memory: Memory | None,
     held: int,
+    step: Callable[..., Any],
 ) -> int:
-    """The bytes the training step holds at once on each device (`step_bytes` for a device's
+    """The bytes the training `step` holds at once on each device (`step_bytes` for a device's
     share of the batch, times the members a pass trains there together; on a CPU the whole
     batch and pass in the host's memory); refused in one line naming --batch_size where they
     do not fit in `memory.usable` besides the `held` bytes of the models."""
@@ -475,7 +481,7 @@ def check_step(
     usable = memory.usable(held)
     try:
         each = step_bytes(
-            config, dataset.image_shape, dataset.num_classes, batch, usable // together
+            config, step, dataset.image_shape, dataset.num_classes, batch, usable // together
         )
     except (TypeError, ValueError):  # a model that cannot be built: create_model says why
         return 0

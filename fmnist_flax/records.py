@@ -25,6 +25,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 import mmap
 import os
 import pathlib
@@ -56,6 +57,7 @@ HEADER_BYTES = 4096  # the magic, then the header's JSON, zero-padded: records s
 LABEL_BYTES = 4
 WORD = np.dtype("<u8")  # a record's check folds its 8-byte words
 SPLITS = ("train", "test")
+DEFLATE_MAX_RATIO = 1100  # deflate never packs more than ~1032 bytes into one
 READ_CHUNK = 8192  # records read or written at once when a whole split is asked for
 # Records gathered, placed and folded at once. Each NumPy call hands the GIL back and forth: on
 # 4 threads of a 13-core host, pieces of 2,048 read 0.85x one thread's rate, pieces of 8,192 1.43x.
@@ -329,6 +331,46 @@ def _images(images: Any, start: int, stop: int) -> np.ndarray:
     if isinstance(images, np.ndarray):
         return images[start:stop].reshape(stop - start, -1)
     return np.stack([np.asarray(images[i]) for i in range(start, stop)]).reshape(stop - start, -1)
+
+
+def npz_headers(path: pathlib.Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Each array of an .npz archive, by name: its shape and dtype as its .npy header declares
+    them, read without loading the array. A header declaring more bytes than the file can hold
+    is refused before np.load allocates them: one declaring (1e11, 28, 28) asked for 71.3 TiB.
+    A file that is no archive raises OSError, ValueError, EOFError or zipfile.BadZipFile."""
+    with zipfile.ZipFile(path) as archive:
+        return {
+            member.filename[:-4]: _declared(archive, member, path)
+            for member in archive.infolist()
+            if member.filename.endswith(".npy")
+        }
+
+
+def _declared(
+    archive: zipfile.ZipFile, member: zipfile.ZipInfo, path: pathlib.Path
+) -> tuple[tuple[int, ...], np.dtype]:
+    """An .npz member's declared (shape, dtype), no more bytes than the member can hold."""
+    with archive.open(member) as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"{member.filename}: .npy format {version}; save it with np.savez")
+        header = f.tell()
+    if dtype.hasobject:  # pickled: its size says nothing, and it is never loaded
+        raise ValueError(f"{member.filename[:-4]} holds Python objects, which are never loaded")
+    declared = math.prod(shape) * dtype.itemsize
+    held = member.file_size - header  # the member's size once unpacked, as the zip records it
+    if member.compress_type != zipfile.ZIP_STORED:  # deflate packs at most ~1032:1
+        held = min(held, member.compress_size * DEFLATE_MAX_RATIO)
+    if declared > held:
+        raise UserError(
+            f"{path}: {member.filename[:-4]} declares shape {shape} of {dtype} ({declared:,} "
+            f"bytes) but the file holds {max(held, 0):,}; the file is damaged or cut short"
+        )
+    return shape, dtype
 
 
 def read_info(directory: pathlib.Path) -> dict[str, Any]:
@@ -821,12 +863,10 @@ def _read_labels(directory: pathlib.Path, info: dict[str, Any]) -> dict[str, np.
     """Each split's labels from labels.npz, as int32: their headers checked against info.json's
     counts before anything is loaded (a 2 MB file can unpack to gigabytes), then their values
     against the class count and the file against its SHA-256."""
-    from fmnist_flax import datasets
-
     path = directory / LABELS_FILE
     again = "write the records again with --mode=prepare"
     try:
-        declared = datasets.npz_headers(path)
+        declared = npz_headers(path)
         for split in SPLITS:
             examples = info["splits"][split]["examples"]
             shape, dtype = declared.get(split, (None, None))

@@ -258,7 +258,7 @@ def test_a_fresh_run_that_fails_before_writing_leaves_no_directory(
     quick_config.data_dir = str(tmp_path / "missing")
     for named in (None, tmp_path / "named"):
         with pytest.raises(UserError, match="is not a directory"), contextlib.ExitStack() as stack:
-            experiment.prepare(quick_config, named, stack)
+            experiment.prepare(quick_config, named, stack, step=train.train_step)
     assert list((tmp_path / "runs").iterdir()) == []
     assert [p.name for p in (tmp_path / "named").iterdir()] == [".lock"]
 
@@ -305,12 +305,12 @@ def test_a_training_step_whose_activations_cannot_fit_is_one_line_naming_the_bat
     gib = 2**30
     memory = experiment.Memory(4 * gib, "a test's figure")
     mesh = parallel.mesh_for(quick_config)
-    small = experiment.check_step(quick_config, _Fashion, mesh, memory, 0)
+    small = experiment.check_step(quick_config, _Fashion, mesh, memory, 0, train.train_step)
     assert 128 * 784 * 4 < small < 64 * 2**20  # the batch and more, not gigabytes
     quick_config.batch_size = 60_000
     quick_config.model.hidden = (16_000,)
     with pytest.raises(UserError) as exc:
-        experiment.check_step(quick_config, _Fashion, mesh, memory, 300 * 2**20)
+        experiment.check_step(quick_config, _Fashion, mesh, memory, 300 * 2**20, train.train_step)
     line = str(exc.value)
     assert re.match(r"--batch_size=60000: a training step needs about 1\d\.\d\d GiB ", line), line
     assert "besides 300.0 MiB for the model, on the host, which has 4.00 GiB available (a " in line
@@ -322,7 +322,9 @@ def test_a_training_step_whose_activations_cannot_fit_is_one_line_naming_the_bat
 def test_every_config_passes_the_step_check(name):
     config = load_config(name)
     mesh = parallel.mesh_for(config)
-    held = experiment.check_step(config, _Fashion, mesh, experiment.host_memory(), 0)
+    held = experiment.check_step(
+        config, _Fashion, mesh, experiment.host_memory(), 0, train.train_step
+    )
     assert held >= config.batch_size * 784 * 4
 
 
