@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import gzip
 import hashlib
-import math
 import os
 import pathlib
 import struct
@@ -52,7 +51,7 @@ STEMS = (
 ARRAY_FILES = ("train.npz", "test.npz")  # the `arrays` dataset's two splits
 ARRAY_KEYS = ("images", "labels")  # what each must hold; `pixel_range` is optional
 NPY_MAGIC = b"\x93NUMPY"  # how an .npy file starts (an .npz is a zip of them)
-DEFLATE_MAX_RATIO = 1100  # deflate never packs more than ~1032 bytes into one
+DATA_ADVICE = "put the data file itself there (a symlink to one will do)"
 # The most classes a dataset may have: the confusion matrix (in summary.json and the report)
 # holds one count per pair, 10**8 at this limit. Millions of names trained, wrote gigabytes
 # and failed at the confusion matrix.
@@ -240,10 +239,19 @@ def check_labels(labels: np.ndarray, name: str, num_classes: int) -> None:
         )
 
 
+def _present(path: pathlib.Path) -> bool:
+    """Whether a data file is there to read (absent or a directory: not there). A FIFO, a
+    device or a socket, which reading would wait on or never finish, is one line naming it."""
+    if not path.exists() or path.is_dir():
+        return False
+    errors.check_regular(path, DATA_ADVICE)
+    return True
+
+
 def read_class_names(data_dir: pathlib.Path, labels: np.ndarray) -> tuple[str, ...]:
     """A directory's classes: classes.txt (one name per line), or 0..max label."""
     path = data_dir / CLASSES_FILE
-    if not path.is_file():
+    if not _present(path):
         count = int(labels.max(initial=0)) + 1
         missing = count - len(np.unique(labels))
         if missing:  # a stray label would silently add classes nothing is labelled with
@@ -513,7 +521,7 @@ def _write_payload_file(directory: pathlib.Path, key: str, payload: bytes, paylo
 
 
 def _candidates(directory: pathlib.Path, spec: IdxFile) -> list[pathlib.Path]:
-    return [p for p in (directory / spec.gz_name, directory / spec.stem) if p.is_file()]
+    return [p for p in (directory / spec.gz_name, directory / spec.stem) if _present(p)]
 
 
 def _download(spec: IdxFile, dataset: DatasetSpec) -> bytes:
@@ -632,7 +640,9 @@ for _spec in IDX_DATASETS.values():
 
 def _read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
     """The arrays of one .npz split, read whole; any problem is one line naming the file."""
-    if not path.is_file():
+    from fmnist_flax.runtime import records
+
+    if not _present(path):
         raise UserError(
             f"{path} not found; the arrays dataset needs {' and '.join(ARRAY_FILES)} in "
             f"--data_dir, each with {' and '.join(ARRAY_KEYS)}"
@@ -645,9 +655,7 @@ def _read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
                 f"{path} holds one .npy array, not an .npz archive; save both arrays with "
                 "np.savez(path, images=..., labels=...)"
             )
-        with zipfile.ZipFile(path) as archive:
-            for member in archive.infolist():
-                _check_declared_size(archive, member, path)
+        records.npz_headers(path)  # every member's size checked before np.load allocates it
         with np.load(path, allow_pickle=False) as archive:
             arrays = {key: archive[key] for key in archive.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, AttributeError) as exc:
@@ -660,35 +668,6 @@ def _read_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
             "save it with np.savez(path, images=..., labels=...)"
         )
     return arrays
-
-
-def _check_declared_size(
-    archive: zipfile.ZipFile, member: zipfile.ZipInfo, path: pathlib.Path
-) -> None:
-    """An .npz member's header must declare no more bytes than the file can hold, checked
-    before np.load allocates them: a header declaring (1e11, 28, 28) asked for 71.3 TiB."""
-    if not member.filename.endswith(".npy"):
-        return
-    with archive.open(member) as f:
-        version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
-        elif version == (2, 0):
-            shape, _, dtype = np.lib.format.read_array_header_2_0(f)
-        else:
-            raise ValueError(f"{member.filename}: .npy format {version}; save it with np.savez")
-        header = f.tell()
-    if dtype.hasobject:  # pickled: its size says nothing, and it is never loaded
-        raise ValueError(f"{member.filename[:-4]} holds Python objects, which are never loaded")
-    declared = math.prod(shape) * dtype.itemsize
-    held = member.file_size - header  # the member's size once unpacked, as the zip records it
-    if member.compress_type != zipfile.ZIP_STORED:  # deflate packs at most ~1032:1
-        held = min(held, member.compress_size * DEFLATE_MAX_RATIO)
-    if declared > held:
-        raise UserError(
-            f"{path}: {member.filename[:-4]} declares shape {shape} of {dtype} ({declared:,} "
-            f"bytes) but the file holds {max(held, 0):,}; the file is damaged or cut short"
-        )
 
 
 @register("arrays", needs=f"{' and '.join(ARRAY_FILES)} (images, labels)")

@@ -17,8 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from absl import logging
 from flax import nnx
 
@@ -28,6 +30,7 @@ from fmnist_flax import model as model_lib
 from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax.runtime import checkpoint as checkpoint_lib
 from fmnist_flax.runtime import (
+    ema,
     ensemble,
     grain_pipeline,
     inference,
@@ -113,9 +116,12 @@ def prepare(
     workdir: str | pathlib.Path | None,
     cleanup: contextlib.ExitStack,
     devices: list[jax.Device] | None = None,
+    *,
+    step: Callable[..., Any],
 ) -> tuple[pathlib.Path, datasets.Dataset, input_pipeline.DeviceData]:
     """Check everything a user can get wrong, claim the workdir (released on `cleanup`), load
-    the data and place it on a mesh over `devices` (default: all)."""
+    the data and place it on a mesh over `devices` (default: all). `step`: the training step
+    (`train.train_step`), whose memory is checked with the models' (`check_memory`)."""
     config_lib.validate(config)
     check_threads(config)
     datasets.get(config)  # an unknown dataset or a missing --data_dir, before any I/O
@@ -136,7 +142,7 @@ def prepare(
     device_data = input_pipeline.to_device(
         dataset, config.batch_size, mesh, not on_host, config.optimizer.accumulate
     )
-    check_memory(config, dataset, mesh)
+    check_memory(config, dataset, mesh, step)
     return workdir, dataset, device_data
 
 
@@ -268,6 +274,20 @@ def tree_bytes(tree: Any) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
+def abstract_state(
+    config: ml_collections.ConfigDict, image_shape: tuple[int, int, int], num_classes: int
+) -> tuple[nnx.Module, nnx.Optimizer]:
+    """One model of the config (with its EMA's twins) and its optimizer as shapes and dtypes
+    only (nothing allocated): what the update hooks a step runs will find."""
+    model = model_lib.abstract_model(config, image_shape, num_classes)
+    if config.ema.decay:
+        model = nnx.eval_shape(lambda m: (ema.attach(m, config.ema.decay), m)[1], model)
+    optimizer = nnx.eval_shape(
+        lambda m: nnx.Optimizer(m, optimizer_lib.create(config), wrt=nnx.Param), model
+    )
+    return model, optimizer
+
+
 def member_bytes(
     config: ml_collections.ConfigDict,
     image_shape: tuple[int, int, int],
@@ -279,10 +299,7 @@ def member_bytes(
     copy of state and optimizer a checkpoint writes while training goes on (in the same memory
     on a CPU); for an ensemble also a member's share of an evaluation call, which runs every
     member at once."""
-    model = model_lib.abstract_model(config, image_shape, num_classes)
-    optimizer = nnx.eval_shape(
-        lambda m: nnx.Optimizer(m, optimizer_lib.create(config), wrt=nnx.Param), model
-    )
+    model, optimizer = abstract_state(config, image_shape, num_classes)
     state = tree_bytes(nnx.state(model)) + tree_bytes(nnx.state(optimizer, nnx.OptState))
     held = state * (1 + saved_copy) + tree_bytes(nnx.state(model, nnx.Param))
     if config.ensemble.size > 1:
@@ -316,6 +333,54 @@ def evaluation_bytes_per_member(
     return analysis.temp_size_in_bytes // size if analysis else 0
 
 
+def step_bytes(
+    config: ml_collections.ConfigDict,
+    train_step: Callable[..., Any],
+    image_shape: tuple[int, int, int],
+    num_classes: int,
+    batch: int,
+    usable: int,
+) -> int:
+    """What one `train_step` of one model holds besides its state, for `batch` examples (a
+    micro-batch each of `optimizer.accumulate`): its float32 batch, activations and
+    temporaries. Every value the step's program computes, summed, when that is within `usable`
+    (a generous bound: far fewer are alive at once); else XLA's memory analysis of the step
+    compiled, not run, for abstract arrays (no analysis: the batch alone)."""
+    graphdef, state = nnx.split(abstract_state(config, image_shape, num_classes))
+    frozen = ml_collections.FrozenConfigDict(config)
+    accumulate = config.optimizer.accumulate
+    lead = (accumulate, batch) if accumulate > 1 else (batch,)
+    inputs = (
+        jax.ShapeDtypeStruct((*lead, *image_shape), jnp.float32),
+        jax.ShapeDtypeStruct(lead, jnp.int32),
+    )
+
+    def step(state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        metrics = train_step(model, optimizer, x, y, frozen)
+        return metrics, nnx.state((model, optimizer))
+
+    held = tree_bytes(inputs)
+    bound = held + _values_bytes(jax.make_jaxpr(step)(state, *inputs).jaxpr)
+    if bound <= usable:
+        return bound
+    analysis = jax.jit(step, donate_argnums=0).lower(state, *inputs).compile().memory_analysis()
+    return held + (analysis.temp_size_in_bytes if analysis else 0)
+
+
+def _values_bytes(jaxpr: Any) -> int:
+    """The bytes of every value `jaxpr` computes, its inner programs' (loop bodies, branches)
+    counted once each."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        for value in eqn.outvars:
+            aval = value.aval
+            if hasattr(aval, "shape") and isinstance(aval.dtype, np.dtype):  # not a key or token
+                total += math.prod(aval.shape) * aval.dtype.itemsize
+        total += sum(_values_bytes(inner) for inner in jax_core.jaxprs_in_params(eqn.params))
+    return total
+
+
 def grain_blocks(
     config: ml_collections.ConfigDict, image_shape: tuple[int, int, int]
 ) -> tuple[int, int, int]:
@@ -334,16 +399,21 @@ def grain_blocks(
 
 
 def check_memory(
-    config: ml_collections.ConfigDict, dataset: datasets.Dataset, mesh: jax.sharding.Mesh
+    config: ml_collections.ConfigDict,
+    dataset: datasets.Dataset,
+    mesh: jax.sharding.Mesh,
+    step: Callable[..., Any],
 ) -> None:
-    """Refuse, in one line, a run whose models or Grain blocks cannot fit in what is left once
-    the data is loaded and placed: the models in the devices' memory (a CPU's is the host's),
-    the blocks in the host's, each within `Memory.usable`."""
+    """Refuse, in one line, a run whose models, training step or Grain blocks cannot fit in what
+    is left once the data is loaded and placed: the models and the step's activations in the
+    devices' memory (a CPU's is the host's), the blocks in the host's, each within
+    `Memory.usable`."""
     devices = list(mesh.devices.flat)
     on_host = devices[0].platform == "cpu"
     host = host_memory()
     memory = host if on_host else device_memory(devices)
     held = check_models(config, dataset.image_shape, dataset.num_classes, memory, on_host)
+    held += check_step(config, dataset, mesh, memory, held, step)
     if config.input_pipeline == "grain" and host is not None:
         check_grain(config, dataset.image_shape, host, held if on_host else 0)
 
@@ -370,10 +440,7 @@ def check_models(
     parts = "parameters, gradients, optimizer state" + (
         ", the copy a checkpoint writes" if on_host else ""
     )
-    where = (
-        f"{'the host' if on_host else 'each device'}, which has {memory}, of which a run may "
-        f"plan {size_text(memory.usable())}"
-    )
+    where = _where(memory, on_host)
     if members == 1:
         raise UserError(
             f"--config.model: the model needs about {size_text(held)} ({parts}) on {where}; "
@@ -384,6 +451,53 @@ def check_models(
         f"--config.ensemble.size={members}: {members:,} members need about {size_text(held)} "
         f"({size_text(each)} each: {parts}, a share of an evaluation call) on {where}; "
         + (f"use at most about {fit:,} members" if fit > 1 else "choose a smaller model")
+    )
+
+
+def _where(memory: Memory, on_host: bool) -> str:
+    """Where a run's memory is planned, for a refusal: 'the host, which has ...'."""
+    return (
+        f"{'the host' if on_host else 'each device'}, which has {memory}, of which a run may "
+        f"plan {size_text(memory.usable())}"
+    )
+
+
+def check_step(
+    config: ml_collections.ConfigDict,
+    dataset: datasets.Dataset,
+    mesh: jax.sharding.Mesh,
+    memory: Memory | None,
+    held: int,
+    step: Callable[..., Any],
+) -> int:
+    """The bytes the training `step` holds at once on each device (`step_bytes` for a device's
+    share of the batch, times the members a pass trains there together; on a CPU the whole
+    batch and pass in the host's memory); refused in one line naming --batch_size where they
+    do not fit in `memory.usable` besides the `held` bytes of the models."""
+    if memory is None:
+        return 0
+    platform = mesh.devices.flat[0].platform
+    on_host = platform == "cpu"
+    batch = config.batch_size if on_host else max(1, config.batch_size // parallel.data_size(mesh))
+    together = ensemble.members_per_pass(config, platform)
+    together = together if on_host else max(1, together // config.ensemble.shards)
+    usable = memory.usable(held)
+    try:
+        each = step_bytes(
+            config, step, dataset.image_shape, dataset.num_classes, batch, usable // together
+        )
+    except (TypeError, ValueError):  # a model that cannot be built: create_model says why
+        return 0
+    needed = each * together
+    if needed <= usable:
+        return needed
+    fit = config.batch_size * max(usable, 0) // needed  # activations grow with the batch
+    raise UserError(
+        f"--batch_size={config.batch_size}: a training step needs about {size_text(needed)} "
+        f"(its batch, activations and temporaries, by XLA's memory analysis) besides "
+        f"{size_text(held)} for the model{'s' if config.ensemble.size > 1 else ''}, on "
+        f"{_where(memory, on_host)}; "
+        + (f"use at most about --batch_size={fit:,}" if fit > 0 else "choose a smaller model")
     )
 
 

@@ -758,7 +758,9 @@ def train_and_evaluate(
     wall_start = time.perf_counter()
     with contextlib.ExitStack() as cleanup:
         signals = cleanup.enter_context(StopSignals())
-        workdir, dataset, device_data = experiment.prepare(config, workdir, cleanup, devices)
+        workdir, dataset, device_data = experiment.prepare(
+            config, workdir, cleanup, devices, step=train_step
+        )
         # The report's figures are drawn on a thread, which imports matplotlib now.
         painter = experiment.start_painter(config, cleanup)
         mesh = device_data.mesh

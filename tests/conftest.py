@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gzip
@@ -11,9 +12,12 @@ import os
 import pathlib
 import re
 import runpy
+import signal
 import struct
 import subprocess
 import sys
+import tempfile
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -96,6 +100,60 @@ def run_main(*args, cwd=REPO, timeout=300, **kwargs) -> subprocess.CompletedProc
         timeout=timeout,
         **kwargs,
     )
+
+
+# Runs its arguments as a child and writes the child's own peak RSS (wait4) to the file
+# argv[1]: a process started from pytest would count the pytest process's memory as its own
+# (Linux carries the peak over fork and exec); this small one's is negligible.
+_MEASURE = """
+import os, subprocess, sys
+child = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(child.pid, 0)
+open(sys.argv[1], "w").write(str(usage.ru_maxrss * 1024))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def run_main_measured(
+    *args, timeout: float = 300, **kwargs
+) -> tuple[subprocess.CompletedProcess, int, float]:
+    """`run_main(ARGS)`, with the process's peak RSS in bytes and its wall seconds."""
+    with tempfile.NamedTemporaryFile("r") as peak:
+        began = time.monotonic()
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _MEASURE,
+                peak.name,
+                sys.executable,
+                str(REPO / "main.py"),
+                *args,
+            ],
+            cwd=kwargs.pop("cwd", REPO),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            **kwargs,
+        )
+        return result, int(peak.read() or 0), time.monotonic() - began
+
+
+@contextlib.contextmanager
+def within(seconds: float):
+    """The block must end within `seconds`: a read that would wait for ever (a FIFO nobody
+    writes) fails the test with TimeoutError instead of hanging it."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"still waiting after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def env_without_device_count() -> dict[str, str]:

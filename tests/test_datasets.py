@@ -6,12 +6,13 @@ import dataclasses
 import gzip
 import http.server
 import io
+import os
 import threading
 import zipfile
 
 import numpy as np
 import pytest
-from conftest import idx_bytes, offline, small_arrays, write_idx
+from conftest import idx_bytes, offline, small_arrays, within, write_idx
 
 from fmnist_flax import config as config_lib
 from fmnist_flax import datasets
@@ -61,6 +62,33 @@ def test_small_dataset_loads_from_data_dir(small_dataset_dir, tmp_path_factory):
     assert dataset.test_labels.shape == (20,)
     assert dataset.sources[0] == str(directory / spec.files[0].gz_name)
     assert dataset.checked and dataset.num_classes == 10
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero"])
+@pytest.mark.parametrize("name", ["idx", "train.npz", "classes.txt"])
+def test_a_data_file_that_is_a_fifo_or_a_device_is_named_for_what_it_is(
+    small_dataset_dir, tmp_path_factory, name, kind
+):
+    """An IDX file, an .npz split or classes.txt as a FIFO was "not found" (classes.txt was
+    passed over in silence); reading one would wait for ever."""
+    directory, spec = small_dataset_dir
+    arrays = write_arrays(tmp_path_factory.mktemp("arrays"))
+    path = directory / spec.files[1].gz_name if name == "idx" else arrays / name
+    path.unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink(kind, path)
+    with within(10), pytest.raises(UserError) as raised:
+        if name == "idx":
+            datasets.load_dataset(offline(spec, tmp_path_factory.mktemp("empty")), directory)
+        else:
+            load_arrays(arrays)
+    what = "a FIFO" if kind == "fifo" else f"a character device (a symbolic link to {kind})"
+    assert str(raised.value) == (
+        f"{path} is {what}, not a regular file; put the data file itself there (a symlink to "
+        "one will do)"
+    )
 
 
 def test_wrong_magic_is_refused_naming_the_file():

@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import edit_saved_configs, load_config
+from conftest import REPO, edit_saved_configs, load_config
 from flax import nnx
 
 from fmnist_flax import experiment, load_model, train
 from fmnist_flax import model as model_lib
 from fmnist_flax.model import create_model
-from fmnist_flax.runtime import checkpoint, grain_pipeline
+from fmnist_flax.runtime import checkpoint, grain_pipeline, parallel
 from fmnist_flax.runtime.errors import UserError
 
 
@@ -284,7 +284,7 @@ def test_a_fresh_run_that_fails_before_writing_leaves_no_directory(
     quick_config.data_dir = str(tmp_path / "missing")
     for named in (None, tmp_path / "named"):
         with pytest.raises(UserError, match="is not a directory"), contextlib.ExitStack() as stack:
-            experiment.prepare(quick_config, named, stack)
+            experiment.prepare(quick_config, named, stack, step=train.train_step)
     assert list((tmp_path / "runs").iterdir()) == []
     assert [p.name for p in (tmp_path / "named").iterdir()] == [".lock"]
 
@@ -317,6 +317,41 @@ def test_the_abstract_size_of_a_model_is_what_the_real_one_holds(quick_config):
     member = experiment.member_bytes(quick_config, (28, 28, 1), 10, saved_copy=False)
     # 10,240 test images a call: each member's activations, at least 256 + 128 floats each
     assert member - one > 10_240 * 384 * 4
+
+
+class _Fashion:  # the shape of the data check_step sizes a step for
+    image_shape = (28, 28, 1)
+    num_classes = 10
+
+
+def test_a_training_step_whose_activations_cannot_fit_is_one_line_naming_the_batch(quick_config):
+    """Batch 60,000 through 16,000 units: the models' check passed it, then XLA asked for
+    11.5 GB when the step first ran. Its compiled (never run) step's memory is now checked
+    besides the models', before anything of that size is allocated."""
+    gib = 2**30
+    memory = experiment.Memory(4 * gib, "a test's figure")
+    mesh = parallel.mesh_for(quick_config)
+    small = experiment.check_step(quick_config, _Fashion, mesh, memory, 0, train.train_step)
+    assert 128 * 784 * 4 < small < 64 * 2**20  # the batch and more, not gigabytes
+    quick_config.batch_size = 60_000
+    quick_config.model.hidden = (16_000,)
+    with pytest.raises(UserError) as exc:
+        experiment.check_step(quick_config, _Fashion, mesh, memory, 300 * 2**20, train.train_step)
+    line = str(exc.value)
+    assert re.match(r"--batch_size=60000: a training step needs about 1\d\.\d\d GiB ", line), line
+    assert "besides 300.0 MiB for the model, on the host, which has 4.00 GiB available (a " in line
+    fit = int(re.search(r"use at most about --batch_size=([\d,]+)$", line)[1].replace(",", ""))
+    assert 10_000 < fit < 20_000 and "\n" not in line
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "configs").glob("*.py")))
+def test_every_config_passes_the_step_check(name):
+    config = load_config(name)
+    mesh = parallel.mesh_for(config)
+    held = experiment.check_step(
+        config, _Fashion, mesh, experiment.host_memory(), 0, train.train_step
+    )
+    assert held >= config.batch_size * 784 * 4
 
 
 def test_sizes_that_cannot_fit_are_one_line_naming_the_field(quick_config):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from conftest import EVERY_DUE_SAVE, REPO, run_main
+from conftest import EVERY_DUE_SAVE, REPO, run_main, run_main_measured
 
 from fmnist_flax.runtime import checkpoint
 
@@ -234,6 +234,19 @@ def test_a_full_disk_stops_before_the_save_and_resumes_once_space_is_back(copy, 
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="mounting a tmpfs needs root")
+def test_a_file_size_limit_is_named_as_such_not_as_a_full_disk(tmp_path):
+    """A save failing with EFBIG under `ulimit -f` said "free some space"."""
+
+    def cap_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200 * 1024, resource.RLIM_INFINITY))
+
+    workdir = tmp_path / "w"
+    result = run_main(f"--workdir={workdir}", "--steps=10", *QUICK, preexec_fn=cap_files)
+    line = the_error(result, f"could not write checkpoint 10 in {workdir / 'checkpoints'} (File")
+    assert "raise the file size limit (ulimit -f, 204,800 bytes now) and run again" in line
+    assert "free some space" not in line
+
+
 def test_no_inodes_left_is_one_line_naming_the_inodes(tmp_path):
     with small_disk(tmp_path / "disk", "size=64m,nr_inodes=40") as disk:
         result = run_main(f"--workdir={disk / 'w'}", "--steps=20", *QUICK)
@@ -334,6 +347,43 @@ def test_a_damaged_json_item_is_one_line_for_a_reader(copy, item, value):
         the_error(result, f"checkpoint 20 in {copy / 'checkpoints'} is damaged: its config item")
     else:  # eval reads the parameters only: a damaged progress item does not stop it
         assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "mode"),
+    [
+        ("metrics.jsonl", "fifo", "train"),
+        ("metrics.jsonl", "/dev/zero", "train"),
+        ("summary.json", "fifo", "train"),
+        ("summary.json", "/dev/full", "train"),
+        ("checkpoints/20/progress/metadata", "fifo", "train"),
+        ("checkpoints/20/config/metadata", "/dev/zero", "train"),
+        ("checkpoints/20/_CHECKPOINT_METADATA", "fifo", "train"),
+        ("checkpoints/20/model/_METADATA", "/dev/zero", "eval"),
+    ],
+)
+def test_a_fifo_or_a_device_among_a_runs_files_is_one_line_and_nothing_is_lost(
+    copy, name, kind, mode
+):
+    """Each waited for ever on the FIFO, or read /dev/zero until 6.3 GB and MemoryError; the
+    resume, or the eval, now stops with one line naming the file, and nothing saved moves."""
+    path = copy / name
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink(kind, path)
+    before = snapshot(copy)
+    del before[".lock"]  # who last held the workdir: the refused run
+    flags = ("--steps=30", *QUICK) if mode == "train" else ()
+    result, peak, seconds = run_main_measured(
+        f"--mode={mode}", f"--workdir={copy}", *flags, timeout=120
+    )
+    what = "a FIFO" if kind == "fifo" else f"a character device (a symbolic link to {kind})"
+    the_error(result, f"error: {path} is {what}, not a regular file; move it away")
+    assert peak < 2**30 and seconds < 30, (peak, seconds)
+    assert snapshot(copy).items() >= before.items() and saved_steps(copy) == [10, 20]
+    assert path.is_fifo() if kind == "fifo" else os.readlink(path) == kind
 
 
 def test_an_unreadable_step_is_named_and_left_where_it_is(copy):
@@ -698,6 +748,32 @@ def test_sizes_the_machine_cannot_hold_are_one_line_before_anything_grows(flag, 
     assert "ulimit -d" in line or "cores" in line, line  # the memory figure it was held to
     assert usage.ru_maxrss * 1024 < 2 * 2**30, usage.ru_maxrss
     assert seconds < 30, seconds
+
+
+@pytest.mark.parametrize("hidden", [16_000, 40_000])
+def test_a_batch_whose_training_step_cannot_fit_is_one_line_before_it_runs(hidden, tmp_path):
+    """Batch 60,000 through 16,000 (40,000) units passed the check of the models, then XLA
+    asked for 11.5 GB (28.8 GB) when the step ran. Under `ulimit -d` the step's memory is now
+    refused from its compiled program, before anything of that size is allocated."""
+
+    def cap_data() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (DATA_LIMIT, DATA_LIMIT))
+
+    flags = ("--steps=1", *QUICK, "--batch_size=60000", f"--config.model.hidden=({hidden},)")
+    began = time.monotonic()
+    process = start(tmp_path / "w", *flags, preexec_fn=cap_data)
+    stderr = process.stderr.read()
+    _, status, usage = os.wait4(process.pid, 0)  # this child's own peak RSS
+    seconds = time.monotonic() - began
+    process.returncode = os.waitstatus_to_exitcode(status)  # reaped: Popen must not wait
+    process.stderr.close()
+    result = subprocess.CompletedProcess(process.args, process.returncode, "", stderr)
+    line = the_error(result, "--batch_size=60000: a training step needs about ")
+    assert "by XLA's memory analysis" in line and "ulimit -d" in line, line
+    assert "use at most about --batch_size=" in line, line
+    assert usage.ru_maxrss * 1024 < 2 * 2**30, usage.ru_maxrss
+    assert seconds < 30, seconds
+    assert saved_steps(tmp_path / "w") == []
 
 
 # --- One true line for each (issue 37) ------------------------------------------------------------

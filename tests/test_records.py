@@ -4,19 +4,30 @@ evaluation from them through Grain."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import pathlib
 import resource
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zipfile
+import zlib
 
 import numpy as np
 import pytest
-from conftest import REPO, assert_one_line_error, run_main, small_arrays
+from conftest import (
+    REPO,
+    assert_one_line_error,
+    run_main,
+    run_main_measured,
+    small_arrays,
+    within,
+)
 
 from fmnist_flax import datasets, evaluate, train
 from fmnist_flax.runtime import grain_pipeline, parallel, records
@@ -239,6 +250,109 @@ def test_edited_labels_are_checked_as_they_are_before_any_cast(tmp_path, label, 
     assert "\n" not in str(raised.value) and "labels.npz[train]" in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("info.json", "fifo"),
+        ("info.json", "/dev/zero"),
+        ("train-00001-of-00002.records", "fifo"),
+        ("labels.npz", "/dev/zero"),
+    ],
+)
+def test_a_record_file_that_is_a_fifo_or_a_device_is_one_line_naming_it(tmp_path, name, kind):
+    """Each waited for ever (a FIFO) or was read without end (/dev/zero), or was "missing"."""
+    directory = small_set(tmp_path)
+    (directory / name).unlink()
+    if kind == "fifo":
+        os.mkfifo(directory / name)
+    else:
+        os.symlink(kind, directory / name)
+    with within(10), pytest.raises(UserError) as raised:
+        datasets.load_records(directory)
+    what = "a FIFO" if kind == "fifo" else f"a character device (a symbolic link to {kind})"
+    assert str(raised.value).startswith(f"{directory / name} is {what}, not a regular file")
+    assert "\n" not in str(raised.value)
+
+
+def _write_zip(path: pathlib.Path, members: list[tuple[str, int, int, int, bytes]]) -> None:
+    """A zip of (name, method, CRC-32, unpacked size, packed bytes) members, written by hand:
+    zipfile cannot take bytes packed elsewhere."""
+    local, central = b"", b""
+    for name, method, crc, size, packed in members:
+        raw = name.encode()
+        # The fields both headers share: version 2.0, no flags, no date, no extra field.
+        shared = struct.pack(
+            "<HHHHHIIIHH", 20, 0, method, 0, 0, crc, len(packed), size, len(raw), 0
+        )
+        central += struct.pack("<IH", 0x02014B50, 20) + shared
+        central += struct.pack("<HHHII", 0, 0, 0, 0, len(local)) + raw
+        local += struct.pack("<I", 0x04034B50) + shared + raw + packed
+    count = len(members)
+    end = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, len(central), len(local), 0)
+    path.write_bytes(local + central + end)
+
+
+def _labels_unpacking_to_gigabytes(blocks: int) -> tuple[int, int, bytes]:
+    """A `train.npy` member declaring `blocks` * 4 Mi int32 zeros, deflated: (CRC-32, unpacked
+    size, packed bytes). Each 16 MiB of zeros packs to one identical 16 kB block (a full flush
+    resets the compressor), so gigabytes take a second to write."""
+    header = io.BytesIO()
+    shape = (blocks * (4 << 20),)
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<i4", "fortran_order": False, "shape": shape}
+    )
+    zeros = bytes(16 << 20)
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+    first = packer.compress(header.getvalue()) + packer.flush(zlib.Z_FULL_FLUSH)
+    block = packer.compress(zeros) + packer.flush(zlib.Z_FULL_FLUSH)
+    crc = zlib.crc32(header.getvalue())
+    for _ in range(blocks):
+        crc = zlib.crc32(zeros, crc)
+    packed = first + block * blocks + packer.flush(zlib.Z_FINISH)
+    return crc, len(header.getvalue()) + len(zeros) * blocks, packed
+
+
+@pytest.mark.slow
+def test_labels_that_unpack_to_gigabytes_are_refused_from_their_header(tmp_path):
+    """A 2 MB labels.npz whose train labels unpack to 2 GB (info.json's size made to match):
+    read whole before its shape was checked, it took 2.1 GB. Its header is checked against
+    info.json's count first: one line, and the process stays small."""
+    directory = small_set(tmp_path)
+    test = io.BytesIO()
+    np.save(test, np.load(directory / "labels.npz")["test"])
+    bomb = _labels_unpacking_to_gigabytes(120)
+    _write_zip(
+        directory / "labels.npz",
+        [
+            ("train.npy", zipfile.ZIP_DEFLATED, *bomb),
+            (
+                "test.npy",
+                zipfile.ZIP_STORED,
+                zlib.crc32(test.getvalue()),
+                len(test.getvalue()),
+                test.getvalue(),
+            ),
+        ],
+    )
+    size = (directory / "labels.npz").stat().st_size
+    assert size < 3e6 and bomb[1] > 2e9
+    info = json.loads((directory / "info.json").read_text())
+    info["files"]["labels.npz"]["bytes"] = size
+    (directory / "info.json").write_text(json.dumps(info))
+    result, peak, _ = run_main_measured(
+        RECORDS,
+        f"--data_dir={directory}",
+        f"--workdir={tmp_path / 'w'}",
+        "--steps=1",
+        "--report=none",
+    )
+    line = assert_one_line_error(
+        result, "labels.npz[train]: not 40 integer labels as info.json says (it declares int32 ("
+    )
+    assert "--mode=prepare" in line
+    assert peak < 1 << 30, peak
+
+
 def test_more_shards_than_examples_are_refused_and_nothing_written(tmp_path):
     """--shards=100000 on 6,000 examples wrote 200,002 files (gigabytes), most of them empty."""
     with pytest.raises(UserError, match=r"--shards=13 is more than the 12 examples of the test "):
@@ -407,6 +521,10 @@ def test_prepare_writes_a_new_directory_or_nothing(tmp_path):
     with pytest.raises(UserError, match="already exists and is not empty"):
         small_set(tmp_path, name="taken")
     assert sorted(p.name for p in (tmp_path / "taken").iterdir()) == before
+    (tmp_path / "notes").write_text("mine")  # a file: it was "not empty"
+    with pytest.raises(UserError, match=r"notes is a file, not a directory \(prepare writes a"):
+        small_set(tmp_path, name="notes")
+    assert (tmp_path / "notes").read_text() == "mine"
     (tmp_path / "empty").mkdir()
     assert datasets.load_records(small_set(tmp_path, name="empty")).num_classes == 10
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left

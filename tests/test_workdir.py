@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import json
+import os
 import threading
 
 import pytest
+from conftest import within
 
-from fmnist_flax.runtime import export, inference, workdir
+from fmnist_flax.runtime import errors, export, inference, workdir
 from fmnist_flax.runtime.errors import UserError
 
 
@@ -134,6 +137,66 @@ def test_an_unreadable_summary_reads_as_none(tmp_path, content):
     else:
         path.write_bytes(content)
     assert workdir.read_json(path) is None
+
+
+def put(path, kind: str) -> str:
+    """A FIFO nobody writes, or a symlink to a device, at `path`; what the refusal calls it."""
+    if kind == "fifo":
+        os.mkfifo(path)
+        return "is a FIFO, not a regular file"
+    os.symlink(kind, path)
+    return f"is a character device (a symbolic link to {kind}), not a regular file"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "/dev/full"])
+def test_a_fifo_or_a_device_where_the_run_reads_its_files_is_one_line_naming_it(tmp_path, kind):
+    """Each waited for ever (a FIFO) or read without end until MemoryError (/dev/zero)."""
+    metrics, summary = tmp_path / workdir.METRICS_FILE, tmp_path / workdir.SUMMARY_FILE
+    said = [put(metrics, kind), put(summary, kind)]
+    calls = [
+        (metrics, lambda: workdir.read_jsonl(metrics)),
+        (metrics, lambda: workdir.MetricsLog(metrics, keep_until=20)),
+        (summary, lambda: workdir.read_json(summary)),
+    ]
+    for path, call in calls:
+        with within(10), pytest.raises(UserError) as raised:
+            call()
+        assert str(raised.value).startswith(f"{path} {said[0]}; move it away"), raised.value
+        assert "\n" not in str(raised.value)
+    assert metrics.is_fifo() if kind == "fifo" else os.readlink(metrics) == kind  # left as it is
+
+
+def test_a_file_larger_than_the_program_writes_is_refused_unread(tmp_path):
+    """A sparse metrics.jsonl one byte over the limit: refused from its size, none of it read;
+    a JSON file over its limit likewise."""
+    path = tmp_path / workdir.METRICS_FILE
+    with path.open("wb") as file:
+        file.truncate(workdir.METRICS_LIMIT + 1)
+    with pytest.raises(UserError, match="holds more than the 268,435,456 bytes this program"):
+        workdir.read_jsonl(path)
+    path.write_text('{"step": 1, "loss": 2.0}\n')
+    assert workdir.read_jsonl(path) == [{"step": 1, "loss": 2.0}]
+    summary = tmp_path / workdir.SUMMARY_FILE
+    summary.write_text("{}" * 6)
+    with pytest.raises(UserError, match=r"summary\.json holds more than the 10 bytes"):
+        errors.read_file(summary, limit=10)
+
+
+def test_each_cause_of_a_failed_write_gets_its_own_remedy():
+    """A permission error and EFBIG were both told to "free space"."""
+    cases = {
+        errno.ENOSPC: "free some space",
+        errno.EDQUOT: "free some space",
+        errno.EFBIG: "raise the file size limit (ulimit -f",
+        errno.EACCES: "make it writable (or run as its owner)",
+        errno.EPERM: "make it writable (or run as its owner)",
+        errno.EROFS: "make its filesystem writable",
+    }
+    for code, remedy in cases.items():
+        wrapped = RuntimeError("the library's words")
+        wrapped.__cause__ = OSError(code, os.strerror(code))
+        assert workdir.remedy(wrapped).startswith(remedy), (code, workdir.remedy(wrapped))
+    assert workdir.remedy(None) == "free some space"  # a save refused before it began
 
 
 def a_training_run(path):

@@ -31,7 +31,7 @@ from fmnist_flax import config as config_lib
 from fmnist_flax import datasets, input_pipeline, train
 from fmnist_flax import model as model_lib
 from fmnist_flax.codelab import profiling, reference
-from fmnist_flax.runtime import checkpoint, ensemble, grain_pipeline, parallel, records
+from fmnist_flax.runtime import checkpoint, ensemble, errors, grain_pipeline, parallel, records
 from fmnist_flax.runtime import workdir as workdir_lib
 from fmnist_flax.runtime.errors import UserError
 from fmnist_flax.runtime.tables import Table
@@ -617,7 +617,7 @@ def whole_run(steps: int, tmp: pathlib.Path, data_dir: str = "") -> dict[str, An
             raise UserError(f"{name} failed: {last}")
         if name.startswith("main.py"):
             path = tmp / ("cold" if "cold" in name else "warm") / "summary.json"
-            summary = json.loads(path.read_text())
+            summary = json.loads(errors.read_file(path))
         else:
             summary = json.loads(done.stdout.strip().splitlines()[-1])
         runs[name] = {

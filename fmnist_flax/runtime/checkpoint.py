@@ -44,6 +44,9 @@ DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never delet
 STEP_MARKER = "_CHECKPOINT_METADATA"  # what Orbax writes in every step it finalises
 STEP_FILES = (STEP_MARKER, "commit_success.txt")  # a step's own files besides its items
 TREE_METADATA = "_METADATA"  # what Orbax writes in an array item: its tree, shapes and dtypes
+# The JSON files of a step Orbax reads whole: its marker, a JSON item's value, an array item's
+# tree and sharding.
+JSON_FILES = (STEP_MARKER, "metadata", TREE_METADATA, "_sharding")
 SPACE_MARGIN = 1.5  # bytes a save needs per byte of state, metadata included, with room to spare
 INODES_PER_SAVE = 100  # files and directories a save creates, with room for larger models
 BEST_METRIC = "test_accuracy"  # what keep_best and --step=best rank steps by (higher is better)
@@ -180,6 +183,8 @@ def _scores(directory: pathlib.Path, steps: Sequence[int]) -> dict[int, float]:
     for step in steps:
         try:
             progress = saved_item(directory, step, "progress") or {}
+        except errors.FileRefused:
+            raise
         except UserError:  # damaged: restore() sets it aside; it ranks nowhere
             continue
         if isinstance(progress.get(BEST_METRIC), float):
@@ -232,11 +237,15 @@ def _check_space(directory: pathlib.Path, step: int, arrays: dict[str, Any]) -> 
         )
 
 
-def _resume_hint(directory: pathlib.Path) -> str:
+def _resume_hint(directory: pathlib.Path, exc: BaseException | None = None) -> str:
+    """What to do about a save that failed (for want of space, or `exc`), and where to resume."""
     kept = complete_steps(directory)  # on disk: Orbax's own list may be mid-update
     last = f"checkpoint {kept[-1]}" if kept else "the start (no checkpoint was completed)"
     # The workdir by name: a run given none made a fresh one, which the same command would not.
-    return f"free some space and run again with --workdir={directory.parent} to resume from {last}"
+    return (
+        f"{workdir_lib.remedy(exc)} and run again with --workdir={directory.parent} to resume "
+        f"from {last}"
+    )
 
 
 def _save_failed(directory: pathlib.Path, step: int, exc: BaseException) -> UserError:
@@ -248,7 +257,8 @@ def _save_failed(directory: pathlib.Path, step: int, exc: BaseException) -> User
     else:
         reason = errors.reason(exc)
     return UserError(
-        f"could not write checkpoint {step} in {directory} ({reason}); " + _resume_hint(directory)
+        f"could not write checkpoint {step} in {directory} ({reason}); "
+        + _resume_hint(directory, storage)
     )
 
 
@@ -324,6 +334,7 @@ class Checkpoints:
             read_only=read_only,
             floor=self._floor,
         )
+        check_markers(self.directory)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=options,
@@ -344,6 +355,7 @@ class Checkpoints:
         """Re-list the steps; a live trainer may remove one while it is being listed."""
         for attempt in range(READ_ATTEMPTS):
             try:
+                check_markers(self.directory)
                 return self._manager.reload()
             except FileNotFoundError:
                 if attempt == READ_ATTEMPTS - 1:
@@ -445,7 +457,7 @@ class Checkpoints:
         for candidate in self.steps()[::-1]:
             try:
                 value = self._item(candidate, item)
-            except Unreadable:
+            except (Unreadable, errors.FileRefused):
                 raise
             except UserError as exc:
                 if self.rotated_after_watching(candidate):
@@ -616,6 +628,29 @@ def check_readable(step_dir: pathlib.Path) -> None:
             )
 
 
+def check_markers(directory: pathlib.Path) -> None:
+    """Each step's marker a regular file of bounded size (`errors.read_file`) before Orbax lists
+    the steps, reading every marker whole: it waits for ever on a FIFO. Anything else Orbax
+    reports itself."""
+    with contextlib.suppress(OSError):
+        steps = [path for path in directory.iterdir() if path.name.isdigit()]
+        for path in steps:
+            with contextlib.suppress(OSError):  # none, or rotated away meanwhile
+                errors.read_file(path / STEP_MARKER)
+
+
+def check_files(step_dir: pathlib.Path) -> None:
+    """Every file of a step regular, its JSON files of bounded size (`errors.read_file`), before
+    Orbax reads them: it waits for ever on a FIFO and reads a device without end. A file
+    removed meanwhile raises FileNotFoundError, as Orbax's read would."""
+    for root, _, names in os.walk(step_dir):
+        for name in names:
+            path = pathlib.Path(root, name)
+            errors.check_regular(path)
+            if name in JSON_FILES:
+                errors.read_file(path)
+
+
 def _shown(value: Any) -> str:
     """A JSON value as a reason quotes it, cut between words."""
     return errors.clip(json.dumps(value), errors.QUOTE_CHARS)
@@ -643,7 +678,7 @@ def tree_metadata_problem(item_dir: pathlib.Path) -> str | None:
         return f"its {item_dir.name} item is missing"
     path = item_dir / TREE_METADATA
     try:
-        json.loads(path.read_bytes())
+        json.loads(errors.read_file(path))
     except FileNotFoundError:
         return f"its {item_dir.name} item has no {TREE_METADATA} file"
     except ValueError as exc:
@@ -660,7 +695,7 @@ def saved_item(directory: pathlib.Path, step: int, item: str) -> dict[str, Any] 
     check_readable(directory / str(step))
     path = directory / str(step) / item / "metadata"
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(errors.read_file(path))
     except FileNotFoundError:
         if not (directory / str(step)).is_dir():
             raise StepVanished(step) from None

@@ -1,4 +1,5 @@
 """The one exception type for mistakes a user can fix; the CLI prints it as one line.
+`read_file` reads the program's own files, refusing in such a line what it cannot read.
 
 FMNIST_FLAX_DEBUG=1 (or main.py's --debug) adds the full traceback above every error line;
 FMNIST_FLAX_DEBUG=0 or false leaves it out.
@@ -7,9 +8,11 @@ API: `UserError`, `Stopped`, `stop_raises`, `error_line`, `warning_line`, `reaso
 `print_traceback`, `is_digits`.
 """
 
+import errno
 import os
 import re
 import signal
+import stat
 import sys
 import traceback
 
@@ -18,6 +21,9 @@ FALSE_WORDS = ("", "0", "false", "f", "no", "n", "off")  # what turns the variab
 REASON_CHARS = 240  # a library's reason longer than this is shortened at a boundary
 QUOTE_CHARS = 60  # how much of a value (a field's, a JSON item's) an error line quotes
 ELLIPSIS = " ..."  # where a shortened text leaves something out
+FILE_LIMIT = 16 << 20  # the most `read_file` reads of one of the program's own files by default
+READ_BYTES = 1 << 20  # what `read_file` reads at once
+OWN_FILE_ADVICE = "move it away (or put back the file this program wrote there) and run again"
 # A repr that names an object rather than saying anything: TensorStore's errors end in
 # `See full TensorStore details: <bound method ...spec of TensorStore({...})>`.
 _OBJECT_REPR = re.compile(r"<(bound method|function|built-in|[\w.]+ object at 0x)")
@@ -48,6 +54,11 @@ def stop_raises() -> None:
     signal.signal(signal.SIGTERM, _raise_stopped)
 
 
+class FileRefused(UserError):
+    """`read_file`'s refusal of a FIFO, a device or a socket, or of a file larger than the
+    program writes: something put there, not damage a crash leaves, so never skipped as such."""
+
+
 def is_whole(value: object, least: int = 0) -> bool:
     """Whether a value read from a user (a flag, a JSON file) is a whole number, not a bool,
     of at least `least`."""
@@ -58,6 +69,60 @@ def is_digits(text: str) -> bool:
     """Whether `text` is a whole number in ASCII digits, as `int` reads it: `str.isdigit`
     also accepts '²' and the like, which `int` refuses."""
     return text.isascii() and text.isdigit()
+
+
+def read_file(path: str | os.PathLike, limit: int = FILE_LIMIT) -> bytes:
+    """The bytes of one of the program's own files (its JSON, metrics, headers): a regular file,
+    or a symlink to one (`check_regular`), of at most `limit` bytes; a larger one is refused in
+    one line naming it, before it fills memory."""
+    check_regular(path)  # before opening it: opening a FIFO waits, opening a device can act
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    chunks, size = [], 0
+    try:
+        held = os.fstat(fd)
+        _refuse(path, held.st_mode)  # replaced in between
+        size = held.st_size  # too large: refused unread; else read to its end (it may grow)
+        read = 0
+        while size <= limit and (chunk := os.read(fd, READ_BYTES)):
+            chunks.append(chunk)
+            read += len(chunk)
+            size = max(size, read)
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise FileRefused(
+            f"{path} holds more than the {limit:,} bytes this program reads of it, far more than "
+            "it writes there; move it away (or put back the file it wrote) and run again"
+        )
+    return b"".join(chunks)
+
+
+def check_regular(path: str | os.PathLike, advice: str = OWN_FILE_ADVICE) -> None:
+    """Refuse, in one line naming it and ending in `advice`, a FIFO, a device or a socket (or
+    a symlink to one) where the program reads a file: reading one waits for ever or never
+    ends. A missing file or a directory raises the OSError that reading it does."""
+    _refuse(path, os.stat(path).st_mode, advice)
+
+
+def _refuse(path: str | os.PathLike, mode: int, advice: str = OWN_FILE_ADVICE) -> None:
+    """`check_regular` of a file of this mode."""
+    kind = next((kind for test, kind in _KINDS if test(mode)), "a special file")
+    if kind is None:
+        return
+    if kind == "a directory":
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    link = f" (a symbolic link to {os.readlink(path)})" if os.path.islink(path) else ""
+    raise FileRefused(f"{path} is {kind}{link}, not a regular file; {advice}")
+
+
+_KINDS = (
+    (stat.S_ISREG, None),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def error_line(message: str) -> None:

@@ -213,7 +213,7 @@ def _restore_best(checkpoints: Checkpoints, compute_dtype, mesh, flag, imports) 
         try:
             return _restore_model(checkpoints, step, compute_dtype, mesh, flag, imports)
         except UserError as exc:  # damaged: its config item, or its arrays
-            refused = Unreadable | restore.ShapeMismatch | plugins.NotInstalled
+            refused = Unreadable | restore.ShapeMismatch | plugins.NotInstalled | errors.FileRefused
             if step == ranked[-1] or isinstance(exc, refused):
                 raise
             logging.warning("%s; using the next best checkpoint", exc)

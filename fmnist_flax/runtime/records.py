@@ -27,6 +27,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 import mmap
 import os
 import pathlib
@@ -35,6 +36,7 @@ import secrets
 import shutil
 import signal
 import threading
+import zipfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -57,6 +59,7 @@ HEADER_BYTES = 4096  # the magic, then the header's JSON, zero-padded: records s
 LABEL_BYTES = 4
 WORD = np.dtype("<u8")  # a record's check folds its 8-byte words
 SPLITS = ("train", "test")
+DEFLATE_MAX_RATIO = 1100  # deflate never packs more than ~1032 bytes into one
 READ_CHUNK = 8192  # records read or written at once when a whole split is asked for
 # Records gathered, placed and folded at once. Each NumPy call hands the GIL back and forth, so
 # on a many-core host smaller pieces make more threads read less than one.
@@ -185,7 +188,12 @@ def write_dataset(dataset: Any, output: str | os.PathLike, shards: int = 4) -> d
             f"a shard holds at least one: at most --shards={examples:,}"
         )
     out = pathlib.Path(output).expanduser().absolute()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise UserError(
+            f"--output {output} is a file, not a directory (prepare writes a directory of record "
+            "files); name a new directory"
+        )
+    if out.is_dir() and any(out.iterdir()):
         raise UserError(f"--output {output} already exists and is not empty; name a new directory")
     if not out.parent.is_dir():
         raise UserError(f"--output {output}: its directory {out.parent} does not exist")
@@ -332,16 +340,58 @@ def _images(images: Any, start: int, stop: int) -> np.ndarray:
     return np.stack([np.asarray(images[i]) for i in range(start, stop)]).reshape(stop - start, -1)
 
 
+def npz_headers(path: pathlib.Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Each array of an .npz archive, by name: its shape and dtype as its .npy header declares
+    them, read without loading the array. A header declaring more bytes than the file can hold
+    is refused before np.load allocates them: one declaring (1e11, 28, 28) asked for 71.3 TiB.
+    A file that is no archive raises OSError, ValueError, EOFError or zipfile.BadZipFile."""
+    with zipfile.ZipFile(path) as archive:
+        return {
+            member.filename[:-4]: _declared(archive, member, path)
+            for member in archive.infolist()
+            if member.filename.endswith(".npy")
+        }
+
+
+def _declared(
+    archive: zipfile.ZipFile, member: zipfile.ZipInfo, path: pathlib.Path
+) -> tuple[tuple[int, ...], np.dtype]:
+    """An .npz member's declared (shape, dtype), no more bytes than the member can hold."""
+    with archive.open(member) as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"{member.filename}: .npy format {version}; save it with np.savez")
+        header = f.tell()
+    if dtype.hasobject:  # pickled: its size says nothing, and it is never loaded
+        raise ValueError(f"{member.filename[:-4]} holds Python objects, which are never loaded")
+    declared = math.prod(shape) * dtype.itemsize
+    held = member.file_size - header  # the member's size once unpacked, as the zip records it
+    if member.compress_type != zipfile.ZIP_STORED:  # deflate packs at most ~1032:1
+        held = min(held, member.compress_size * DEFLATE_MAX_RATIO)
+    if declared > held:
+        raise UserError(
+            f"{path}: {member.filename[:-4]} declares shape {shape} of {dtype} ({declared:,} "
+            f"bytes) but the file holds {max(held, 0):,}; the file is damaged or cut short"
+        )
+    return shape, dtype
+
+
 def read_info(directory: pathlib.Path) -> dict[str, Any]:
     """`directory`'s info.json, every file it names present at its recorded size."""
     path = directory / INFO_FILE
-    if not path.is_file():
+    try:
+        raw = errors.read_file(path)
+    except OSError:
         raise UserError(
             f"{path} is missing: --data_dir for dataset.name=records must be a directory that "
             "--mode=prepare --output=DIR wrote"
-        )
+        ) from None
     try:
-        info = json.loads(path.read_text())
+        info = json.loads(raw)
         if isinstance(info, dict) and info.get("format") in OLD_FORMATS:
             raise UserError(
                 f"{path}: record files of an older format ({info['format']!r}, read a record "
@@ -362,11 +412,16 @@ def read_info(directory: pathlib.Path) -> dict[str, Any]:
         raise UserError(f"{path}: not a {FORMAT!r} info file; write it again with --mode=prepare")
     for name, size in files.items():
         file = directory / name
-        if not file.is_file():
-            raise UserError(f"{file} is missing; write the records again with --mode=prepare")
-        if file.stat().st_size != size:
+        try:
+            errors.check_regular(file)  # a FIFO would be read (hashed, mapped) for ever
+            held = file.stat().st_size
+        except OSError:
             raise UserError(
-                f"{file} has {file.stat().st_size:,} bytes but {INFO_FILE} says {size:,} "
+                f"{file} is missing; write the records again with --mode=prepare"
+            ) from None
+        if held != size:
+            raise UserError(
+                f"{file} has {held:,} bytes but {INFO_FILE} says {size:,} "
                 "(truncated or replaced); write the records again with --mode=prepare"
             )
     return info
@@ -430,8 +485,8 @@ class RecordSource:
     for an index array (any shape) reads every record in bulk, one `np.take` per READ_ROWS
     records of a shard and mapped window, and gives (pixels (*keys.shape, H*W*C) uint8,
     labels (*keys.shape) int32). Each record read is checked (its check, and its label against
-    `labels`, labels.npz's). A Grain data source; safe to call from several threads (the
-    shards are mapped once, on first use, or by `check`)."""
+    labels.npz's, which `read_splits` sets). A Grain data source; safe to call from several
+    threads (the shards are mapped once, on first use, or by `check`)."""
 
     def __init__(
         self,
@@ -439,7 +494,6 @@ class RecordSource:
         counts: Sequence[int],
         image_shape: Sequence[int],
         set_id: str,
-        labels: np.ndarray,
         split: str,
     ):
         self.paths = [pathlib.Path(p) for p in paths]
@@ -450,7 +504,7 @@ class RecordSource:
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.set_id, self.split = set_id, split
         self.salt = int(set_id, 16)
-        self.labels = np.asarray(labels, np.int32)
+        self.labels = np.empty(0, np.int32)  # labels.npz's, once checked (`read_splits`)
         self._maps: list[tuple[mmap.mmap, np.ndarray, np.ndarray]] | None = None
         self._lock = threading.Lock()
         self._mapped = _Mapped(RESIDENT_BYTES)
@@ -486,7 +540,8 @@ class RecordSource:
     def _map(self, k: int, path: pathlib.Path) -> mmap.mmap:
         """Shard k mapped read-only, its header checked."""
         try:
-            fd = os.open(path, os.O_RDONLY)
+            errors.check_regular(path)  # replaced since `read_info` looked: opening a FIFO waits
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as exc:
             raise _unopenable(path, len(self.paths), exc) from None
         try:
@@ -792,49 +847,57 @@ def read_splits(
     directory: pathlib.Path,
 ) -> tuple[dict[str, Any], dict[str, RecordImages], dict[str, np.ndarray]]:
     """The record set in `directory`: its info, each split's images (`RecordImages`) and
-    labels; every file checked against info.json (labels.npz by its SHA-256, each shard by its
-    header: set, place, count and image shape), each record as it is read."""
+    labels; every file checked against info.json (each shard by its header: set, place, count
+    and image shape; labels.npz by its arrays' headers, then its SHA-256), each record as it
+    is read. The shards are checked first: the counts the labels are held to are theirs."""
     info = read_info(directory)
     shape = tuple(info["image_shape"])
-    try:
-        with np.load(directory / LABELS_FILE) as saved:
-            labels = {split: np.asarray(saved[split]) for split in SPLITS}
-    except (OSError, ValueError, KeyError) as exc:
-        raise UserError(
-            f"{directory / LABELS_FILE} cannot be read ({errors.reason(exc)}); "
-            "write the records again with --mode=prepare"
-        ) from None
+    sources = {}
     for split in SPLITS:
         entry = info["splits"][split]
-        name = f"{directory / LABELS_FILE}[{split}]"
-        if labels[split].shape != (entry["examples"],) or labels[split].dtype.kind not in "iu":
-            raise UserError(
-                f"{name}: not {entry['examples']:,} integer labels as {INFO_FILE} "
-                "says; write the records again with --mode=prepare"
-            )
+        sources[split] = RecordSource(
+            [directory / s for s in entry["shards"]], entry["counts"], shape, info["set"], split
+        )
+        sources[split].check()
+    labels = _read_labels(directory, info)
+    for split in SPLITS:
+        sources[split].labels = labels[split]
+    images = {split: RecordImages(sources[split], shape) for split in SPLITS}
+    return info, images, labels
+
+
+def _read_labels(directory: pathlib.Path, info: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Each split's labels from labels.npz, as int32: their headers checked against info.json's
+    counts before anything is loaded (a 2 MB file can unpack to gigabytes), then their values
+    against the class count and the file against its SHA-256."""
+    path = directory / LABELS_FILE
+    again = "write the records again with --mode=prepare"
+    try:
+        declared = npz_headers(path)
+        for split in SPLITS:
+            examples = info["splits"][split]["examples"]
+            shape, dtype = declared.get(split, (None, None))
+            if shape != (examples,) or dtype is None or dtype.kind not in "iu":
+                held = f"declares {dtype} {shape}" if shape is not None else "has no such array"
+                raise UserError(
+                    f"{path}[{split}]: not {examples:,} integer labels as {INFO_FILE} says (it "
+                    f"{held}); {again}"
+                )
+        with np.load(path, allow_pickle=False) as saved:
+            labels = {split: np.asarray(saved[split]) for split in SPLITS}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
+        raise UserError(f"{path} cannot be read ({errors.reason(exc)}); {again}") from None
+    for split in SPLITS:
         raw = labels[split]  # checked as they are: a cast would make 2**32 + 1 class 1
         outside = np.flatnonzero((raw < 0) | (raw >= len(info["class_names"])))
         if len(outside):
             raise UserError(
-                f"{name}: label {raw[outside[0]]} at index {outside[0]} is outside "
-                f"0..{len(info['class_names']) - 1}; write the records again with --mode=prepare"
+                f"{path}[{split}]: label {raw[outside[0]]} at index {outside[0]} is outside "
+                f"0..{len(info['class_names']) - 1}; {again}"
             )
-    if _sha256(directory / LABELS_FILE) != info["files"][LABELS_FILE]["sha256"]:
+    if _sha256(path) != info["files"][LABELS_FILE]["sha256"]:
         raise UserError(
-            f"{directory / LABELS_FILE} does not match its SHA-256 in {INFO_FILE} (labels "
-            "edited or the file replaced); write the records again with --mode=prepare"
+            f"{path} does not match its SHA-256 in {INFO_FILE} (labels edited or the file "
+            f"replaced); {again}"
         )
-    images = {}
-    for split in SPLITS:
-        entry = info["splits"][split]
-        source = RecordSource(
-            [directory / s for s in entry["shards"]],
-            entry["counts"],
-            shape,
-            info["set"],
-            labels[split],
-            split,
-        )
-        source.check()
-        images[split] = RecordImages(source, shape)
-    return info, images, {split: labels[split].astype(np.int32) for split in SPLITS}
+    return {split: labels[split].astype(np.int32) for split in SPLITS}

@@ -23,6 +23,7 @@ from fmnist_flax.runtime.checkpoint import (
     DAMAGED_DIR,
     Checkpoints,
     StepVanished,
+    check_files,
     check_readable,
     item_problem,
     key_data,
@@ -78,7 +79,9 @@ def check_shapes(
 
 def restore_step(checkpoints: Checkpoints, step: int, targets: dict[str, Any]) -> dict[str, Any]:
     """The named items of one step: array items into the shapes of their targets (checked
-    first), JSON items checked for their fields. Any damage raises (ValueError or Orbax's)."""
+    first), JSON items checked for their fields. Any damage raises (ValueError or Orbax's); a
+    file that is no regular one, or too large, is one line (`check_files`)."""
+    check_files(checkpoints.directory / str(step))
     arrays = {name: key_data(t) for name, t in targets.items() if name in ARRAY_ITEMS}
     for name in arrays:
         problem = tree_metadata_problem(checkpoints.directory / str(step) / name)

@@ -23,11 +23,13 @@ import flax
 import jax
 import optax
 
+from fmnist_flax.runtime import errors
 from fmnist_flax.runtime.errors import UserError, is_digits, warning_line
 
 RUNS_DIR = pathlib.Path("runs")
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
+METRICS_LIMIT = 256 << 20  # the most of metrics.jsonl read back (a row is about 100 bytes)
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
 LOCK_FILE = ".lock"
 UMASK = os.umask(0o022)  # the process's umask, read once (reading it means setting it)
@@ -177,6 +179,21 @@ def disk_problem(path: pathlib.Path, exc: BaseException | None = None) -> str:
     return f"{reason}; {where}" if reason else where
 
 
+def remedy(exc: BaseException | None = None) -> str:
+    """What to do about a failed write, by its cause (`storage_error`): free space, raise the
+    file size limit, or make the place writable."""
+    code = getattr(storage_error(exc), "errno", None) if exc else None
+    if code == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        now = "" if limit == resource.RLIM_INFINITY else f", {limit:,} bytes now"
+        return f"raise the file size limit (ulimit -f{now})"
+    if code in (errno.EACCES, errno.EPERM):
+        return "make it writable (or run as its owner)"
+    if code == errno.EROFS:
+        return "make its filesystem writable"
+    return "free some space"
+
+
 def storage_error(exc: BaseException) -> OSError | None:
     """The OSError behind a failed write (no space, no inodes, no permission, read-only), found
     in the exception, its causes, or the message of a library that wraps it in another type."""
@@ -237,9 +254,10 @@ def write_json(path: pathlib.Path, value: dict[str, Any]) -> None:
 
 def read_json(path: pathlib.Path) -> dict[str, Any] | None:
     """A JSON object written by `write_json`, or None when there is none or it cannot be read
-    (a crash or someone else left something else there)."""
+    (a crash or someone else left something else there); a FIFO, a device or an oversized
+    file is one line (`errors.read_file`)."""
     try:
-        value = json.loads(path.read_bytes())
+        value = json.loads(errors.read_file(path))
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
@@ -255,9 +273,10 @@ def _is_row(row: Any) -> bool:
 
 def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
     """The rows of a JSON-lines file; a torn last line (a crash mid-write) or any line that is
-    not a metrics row (bad bytes, other types: not written by this project) is left out."""
+    not a metrics row (bad bytes, other types: not written by this project) is left out; a
+    FIFO, a device or an oversized file is one line (`errors.read_file`)."""
     try:
-        lines = path.read_bytes().decode("utf-8", "replace").splitlines()
+        lines = errors.read_file(path, METRICS_LIMIT).decode("utf-8", "replace").splitlines()
     except OSError:
         return []
     rows = []
@@ -313,8 +332,8 @@ class MetricsLog:
             self._file.flush()
         except OSError as exc:
             raise UserError(
-                f"cannot write {self.path} ({disk_problem(self.path, exc)}); run the same command "
-                f"again once that is mended: it resumes from the last checkpoint in "
+                f"cannot write {self.path} ({disk_problem(self.path, exc)}); {remedy(exc)} and "
+                f"run the same command again: it resumes from the last checkpoint in "
                 f"{self.path.parent}, or starts again if none was saved"
             ) from None
 
