@@ -27,6 +27,7 @@ from fmnist_flax.runtime import inference, records, tables
 from fmnist_flax.runtime import workdir as workdir_lib
 from fmnist_flax.runtime.errors import UserError
 from fmnist_flax.runtime.inference import PIXEL_SCALE
+from fmnist_flax.runtime.schedule import Schedule
 
 SHAPES = "expected (28, 28) or (N, 28, 28) or (28, 28, 1) or (N, 28, 28, 1) or (N, 784)"
 
@@ -665,7 +666,7 @@ def diverged_workdir(tmp_path_factory, real_dataset):
     )
     for step, variable in ((1, model.layers[0].kernel_ema), (2, model.layers[0].kernel)):
         variable[...] = jnp.full_like(variable[...], jnp.nan)
-        saved.save(step, model, optimizer, train.progress_of(step, 117, config))
+        saved.save(step, model, optimizer, Schedule(config, 117).progress(step))
         saved.wait()
     saved.close()
     return workdir
