@@ -342,3 +342,35 @@ def test_a_signal_ends_a_wait_for_rows_to_be_timed(tmp_path, quick_config, monke
         release.set()
     assert [row["step"] for row in rows_of(tmp_path)] == [25]  # written once released
     checkpoints.close()
+
+
+def test_the_metrics_writer_logs_the_running_row_and_starts_the_next(tmp_path, quick_config):
+    """`write` logs the means of the sums the chunks added since the row before, over the steps
+    between them, and starts the next row at zero; a checkpoint keeps the running row
+    (`state`), and a writer given it goes on from there."""
+    from fmnist_flax.runtime import checkpoint
+
+    checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
+    zeros = {"loss": jax.numpy.float32(0.0), "accuracy": jax.numpy.float32(0.0)}
+    last = {"grad_norm": jax.numpy.float32(0.5)}
+    with metrics_writer.MetricsWriter(
+        tmp_path, quick_config, 0, 512, checkpoints, 0.1, zeros=zeros
+    ) as writer:
+        writer.sums = {"loss": jax.numpy.float32(50.0), "accuracy": jax.numpy.float32(20.0)}
+        writer.write(25, last, 0.0)
+        writer.sums = {"loss": jax.numpy.float32(5.0), "accuracy": jax.numpy.float32(2.5)}
+        writer.flush()
+        saved = writer.state()["row"]
+    assert saved == {"start": 25, "sums": {"loss": 5.0, "accuracy": 2.5}}
+    with metrics_writer.MetricsWriter(
+        tmp_path, quick_config, 25, 512, checkpoints, 0.1, zeros=zeros, saved_row=saved
+    ) as writer:
+        writer.write(30, last, 0.0)
+        writer.flush()
+        assert {k: float(v) for k, v in writer.sums.items()} == {"loss": 0.0, "accuracy": 0.0}
+    rows = rows_of(tmp_path)
+    assert rows == [
+        {"step": 25, "loss": 2.0, "accuracy": 0.8, "grad_norm": 0.5},
+        {"step": 30, "loss": 1.0, "accuracy": 0.5, "grad_norm": 0.5},
+    ]
+    checkpoints.close()
