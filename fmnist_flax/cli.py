@@ -35,6 +35,7 @@ from fmnist_flax.runtime import (
     library_workarounds,
     parallel,
     records,
+    stopping,
 )
 from fmnist_flax.runtime.errors import UserError, error_line
 
@@ -452,7 +453,7 @@ def main(argv: Sequence[str]) -> None:
         else:
             run_mode(_MODE.value, config)
     except UserError as exc:
-        fail(str(exc), getattr(exc, "exit_code", 1), together=isinstance(exc, train.Interrupted))
+        fail(str(exc), getattr(exc, "exit_code", 1), together=isinstance(exc, stopping.Interrupted))
     except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM (`errors.Stopped`), outside training
         signum = getattr(exc, "signum", signal.SIGINT)
         fail(

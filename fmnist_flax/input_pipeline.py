@@ -264,6 +264,11 @@ class DeviceBatches:
             start = parallel.device_int(index + first - step, d.mesh)
             yield d.train_images, d.train_labels, self._order, start, count, first
 
+    def first_call(self, step: int) -> tuple[Any, ...]:
+        """The arguments of the first call after `step`, known before the loop starts: what
+        `compile_ahead` compiles (any stop: the count is traced)."""
+        return next(iter(self.chunks(step, step + 1)))
+
     def state(self) -> dict[str, Any]:
         """Nothing to save: the order is a function of (seed, step)."""
         return {}

@@ -14,9 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import pathlib
-import queue
-import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,18 +37,19 @@ from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax.model import create_model
 from fmnist_flax.runtime import checkpoint as checkpoint_lib
 from fmnist_flax.runtime import (
+    compile_ahead,
     ema,
     ensemble,
     grain_pipeline,
     inference,
+    metrics_writer,
     parallel,
     restore,
-    summaries,
-    tables,
+    stopping,
 )
 from fmnist_flax.runtime import workdir as workdir_lib
 from fmnist_flax.runtime.ensemble import Ensemble
-from fmnist_flax.runtime.errors import UserError
+from fmnist_flax.runtime.schedule import Schedule
 
 Metrics = dict[str, jax.Array]
 Config = ml_collections.FrozenConfigDict  # hashable: what the compiled steps are built for
@@ -210,56 +208,6 @@ def _zero_norm(grads: nnx.State) -> jax.Array:
 jit_train_step = nnx.jit(train_step, graph=False, static_argnames="config", donate_argnums=(0, 1))
 
 
-class Interrupted(UserError):
-    """SIGINT or SIGTERM stopped training after a checkpoint of the current step was saved."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.exit_code = 128 + signum
-
-
-class StopSignals:
-    """While active, SIGINT and SIGTERM only set `signum`; the loop saves and stops cleanly."""
-
-    def __init__(self):
-        self.signum = 0
-        self._previous = {}
-
-    def __enter__(self) -> StopSignals:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.signum = signum
-
-    def stop_set_up(self) -> None:
-        """Before the loop a signal stops the run at once: nothing is trained yet, so nothing
-        is lost. (A multi-process run's processes agree on when to stop only in the loop.)"""
-        if self.signum and jax.process_count() == 1:
-            raise Interrupted(
-                f"{signal.Signals(self.signum).name} before training began: nothing was "
-                "trained, checkpoints saved before are kept; run the same command to start again",
-                self.signum,
-            )
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def progress_of(step: int, num_batches: int, config: ml_collections.ConfigDict) -> dict[str, int]:
-    """Where the data order stands after `step` updates: epoch, index of the next batch."""
-    return {
-        "step": step,
-        "epoch": step // num_batches,
-        "index": step % num_batches,
-        "num_batches": num_batches,
-        "batch_size": config.batch_size,
-        "seed": config.seed,
-    }
-
-
 def chunk_steps(
     graphdef: nnx.GraphDef,
     config: Config,
@@ -364,298 +312,6 @@ def zero_sums(
     return jax.device_put(zeros, parallel.replicated(mesh))
 
 
-class RunningRow:
-    """The metrics of the steps since the last logged row: their sums (on the device, added
-    to by each chunk) and the step the row started after. A checkpoint keeps both, so a
-    resumed run logs the same rows as an uninterrupted one."""
-
-    def __init__(self, zeros: Metrics, start: int, saved: dict[str, Any] | None = None):
-        self.zeros = zeros
-        self.start = start
-        self.sums = zeros
-        if saved:  # from a checkpoint's progress item: float32 sums, exact through JSON
-            self.start = saved["start"]
-            sums = {k: np.asarray(saved["sums"].get(k, 0.0), np.float32) for k in zeros}
-            self.sums = jax.device_put(sums, {k: zero.sharding for k, zero in zeros.items()})
-
-    def take(self, step: int, metrics: Metrics) -> tuple[int, Metrics, int, jax.Array]:
-        """The parts of the row logged at `step`; the next row starts here."""
-        parts = (step, self.sums, step - self.start, metrics["grad_norm"])
-        self.sums = self.zeros
-        self.start = step
-        return parts
-
-    def state(self) -> dict[str, Any]:
-        """What a checkpoint's progress item keeps of it."""
-        sums = parallel.to_host(self.sums)
-        sums = {k: np.asarray(v).tolist() for k, v in sums.items()}
-        return {"row": {"start": self.start, "sums": sums}}
-
-
-def is_log_step(step: int, config: ml_collections.ConfigDict) -> bool:
-    return step == 1 or step % config.log_every == 0 or step == config.steps
-
-
-def eval_period(config: ml_collections.ConfigDict, batches_per_epoch: int) -> int:
-    """Steps between test-set evaluations: `eval_every`, or an epoch when it is 0."""
-    return config.eval_every or batches_per_epoch
-
-
-def is_eval_step(step: int, config: ml_collections.ConfigDict, batches_per_epoch: int) -> bool:
-    return step % eval_period(config, batches_per_epoch) == 0 or step == config.steps
-
-
-def next_stop(step: int, config: ml_collections.ConfigDict, batches_per_epoch: int) -> int:
-    """The next step where the host must look: a log, checkpoint or evaluation step, an
-    epoch's end, the end."""
-    if step == 0:
-        return 1  # step 1 is logged (and compiles the chunk)
-    periods = (
-        config.log_every,
-        config.checkpoint_every,
-        batches_per_epoch,
-        eval_period(config, batches_per_epoch),
-    )
-    return min(*[(step // every + 1) * every for every in periods], config.steps)
-
-
-def host_row(step: int, sums: Metrics, count: int, grad_norm: jax.Array) -> dict[str, float]:
-    """The row logged at `step`, on the host and JSON-ready: every metric's mean over the
-    `count` steps since the row before (their `sums`), and the last step's `grad_norm`."""
-    values = parallel.to_host({"sums": sums, "grad_norm": grad_norm})
-    means = {k: np.asarray(v, np.float64) / count for k, v in values["sums"].items()}
-    row = {"step": step}
-    for name, value in {**means, "grad_norm": values["grad_norm"]}.items():
-        row |= ensemble.columns(name, value)
-    return row
-
-
-def save_if_finite(
-    checkpoints: checkpoint_lib.Checkpoints,
-    step: int,
-    model: nnx.Module,
-    optimizer: nnx.Optimizer,
-    state: Any,
-    progress: dict[str, Any],
-) -> None:
-    """Checkpoint the newest (donated-into) buffers `state`, unless the parameters or their
-    EMA are no longer finite: then stop, the last good checkpoint (the last finite one) kept."""
-    nnx.update((model, optimizer), state)
-    for what, kind in (("parameters", nnx.Param), ("parameters' EMA", ema.EMA)):
-        if not parallel.all_finite(nnx.state(model, kind)):
-            raise diverged(f"the {what} became non-finite", 0, step, checkpoints)
-    checkpoints.save(step, model, optimizer, progress)
-
-
-def diverged(
-    what: str, last_finite: int, step: int, checkpoints: checkpoint_lib.Checkpoints
-) -> UserError:
-    """The one line a run stops with when the loss or the parameters stop being finite."""
-    checkpoints.wait()
-    kept = checkpoints.steps()
-    since = max(last_finite, kept[-1]) if kept else last_finite  # a saved step was finite
-    return UserError(
-        f"{what} between steps {since} and {step}; training stopped, the last good "
-        f"checkpoint is {kept[-1] if kept else 'none'}; lower --learning_rate and retry"
-    )
-
-
-def interrupted(
-    signum: int, step: int, checkpoints: checkpoint_lib.Checkpoints, unfinished: str
-) -> Interrupted:
-    """The one line a signal ends a run with, once the checkpoint of `step` is on disk."""
-    checkpoints.wait()
-    return Interrupted(
-        f"{signal.Signals(signum).name} at step {step}: checkpoint {step} saved in "
-        f"{checkpoints.directory}{unfinished}; resume by running the same command with the "
-        "same --workdir",
-        signum,
-    )
-
-
-def stop_if_signalled(signals: StopSignals, step: int, checkpoints) -> None:
-    """After training, a signal still stops the run with its line and exit code; the final
-    checkpoint is on disk and the same command finishes the outputs."""
-    signum = max(parallel.from_every_process(signals.signum))
-    if signum:
-        raise interrupted(signum, step, checkpoints, "; the summary and report were not written")
-
-
-def must_save(step: int, signum: int, config, checkpoints: checkpoint_lib.Checkpoints) -> bool:
-    """At the end, on a signal, and at each `checkpoint_every` step that the save policy allows
-    (`Checkpoints.due`: none being written, the last one old enough)."""
-    if step == config.steps or signum:
-        return True
-    return step % config.checkpoint_every == 0 and checkpoints.due(step)
-
-
-WAIT_SLICE = 0.1  # seconds between looks of a wait for the metrics writer
-
-
-class RowLog:
-    """Where process 0 writes each logged row: metrics.jsonl, TensorBoard (with the examples/sec
-    since the row before, evaluations left out) and the progress bar.
-
-    `submit` hands a row to a writer thread and returns at once: the loop never waits for a
-    row's values to reach the host. A row is timed when its values arrive, before it is
-    written; an evaluation first waits for that (`wait_timed`), so its time is left out of the
-    next row's interval and no other. `drain` waits until every row handed over is written; a
-    loss that was not finite then stops the run, as `check` does without waiting. With several
-    processes rows are written in the loop (fetching them may be a collective)."""
-
-    def __init__(
-        self,
-        workdir: pathlib.Path,
-        config: ml_collections.ConfigDict,
-        start_step: int,
-        per_step: int,
-        checkpoints: checkpoint_lib.Checkpoints,
-        background: bool = True,
-        signals: StopSignals | None = None,
-    ):
-        self.primary = parallel.is_primary()
-        self.signals = signals  # a wait for rows to be timed ends early on a signal
-        self.checkpoints = checkpoints
-        self.start_step = start_step
-        self.per_step = per_step
-        self.last_step = start_step  # the row before's step, time and evaluation seconds
-        self.last_time = time.perf_counter()
-        self.last_eval = 0.0
-        self.last_finite = start_step  # the last step whose row had a finite loss
-        self.failure: tuple[float, int] | None = None  # a non-finite loss and its step
-        self.error: BaseException | None = None  # what stopped the writer thread
-        self.host_seconds = 0.0  # the loop's time in `submit`: what logging costs it
-        # The newest row handed over, the newest one timed, the newest one written or skipped.
-        self.submitted = self.timed = self.handled = start_step
-        self.timing = threading.Condition()
-        if self.primary:
-            path = workdir / workdir_lib.METRICS_FILE
-            self.metrics = workdir_lib.MetricsLog(path, keep_until=start_step)
-            self.progress = tables.ProgressBar(config.steps)
-            rate = optimizer_lib.learning_rate(config)
-            self.board = summaries.Summaries(workdir, config, start_step, rate)
-        self.queue: queue.Queue | None = None
-        if background and jax.process_count() == 1:
-            self.queue = queue.Queue()
-            self.thread = threading.Thread(target=self._write_submitted, daemon=True)
-            self.thread.start()
-
-    def submit(
-        self,
-        parts: tuple[int, Metrics, int, jax.Array],
-        eval_seconds: float,
-        tested: dict[str, float] | None = None,
-    ) -> None:
-        """Log the row of `parts` (`RunningRow.take`) without waiting for its values, with the
-        test metrics evaluated at its step (`tested`); `eval_seconds`: the run's time spent
-        evaluating so far."""
-        began = time.perf_counter()
-        self.submitted = parts[0]
-        if self.queue is None:
-            self._handle(parts, eval_seconds, tested)
-        else:
-            self.queue.put((parts, eval_seconds, tested))
-        self.host_seconds += time.perf_counter() - began
-
-    def _write_submitted(self) -> None:
-        while (item := self.queue.get()) is not None:
-            self._handle(*item)
-
-    def _handle(
-        self,
-        parts: tuple[int, Metrics, int, jax.Array],
-        eval_seconds: float,
-        tested: dict[str, float] | None,
-    ) -> None:
-        """Write a row, or skip it once the run has failed; either way it counts as timed
-        and handled, so no wait for it outlasts a failure."""
-        try:
-            if self.failure is None and self.error is None:
-                self._write_parts(parts, eval_seconds, tested)
-        except BaseException as exc:
-            if self.queue is None:  # written in the loop: raised there
-                raise
-            self.error = exc  # raised in the loop by `check`
-        finally:
-            with self.timing:
-                self.timed = max(self.timed, parts[0])
-                self.handled = parts[0]
-                self.timing.notify_all()
-
-    def _write_parts(
-        self,
-        parts: tuple[int, Metrics, int, jax.Array],
-        eval_seconds: float,
-        tested: dict[str, float] | None,
-    ) -> None:
-        row = host_row(*parts)
-        now = time.perf_counter()  # its values are on the host: the row's time
-        with self.timing:
-            self.timed = row["step"]
-            self.timing.notify_all()
-        if np.isfinite(row["loss"]):
-            self.write(row | (tested or {}), eval_seconds, now)
-        else:
-            self.failure = (row["loss"], row["step"])
-
-    def check(self) -> None:
-        """Stop the run if a row written so far had a non-finite loss (or could not be
-        written)."""
-        if self.error is not None:
-            raise self.error
-        if self.failure is not None:
-            loss, step = self.failure
-            raise diverged(f"the loss became {loss}", self.last_finite, step, self.checkpoints)
-
-    def wait_timed(self) -> None:
-        """Wait until every submitted row's values have reached the writer and been timed
-        (not written): an evaluation starting after that is left out of the next row's
-        interval whole, never counted twice against a row timed while it ran. A signal ends
-        the wait early (the loop acts on it at its next stop); a failed row stops the run."""
-        self._wait(lambda: self.timed >= self.submitted, until_signal=True)
-        self.check()
-
-    def drain(self) -> None:
-        """Wait until every submitted row is written (or skipped after a failure), then
-        `check`."""
-        self._wait(lambda: self.handled >= self.submitted, until_signal=False)
-        self.check()
-
-    def _wait(self, ready: Callable[[], bool], until_signal: bool) -> None:
-        """Wait until `ready()` or the writer failed (or, `until_signal`, a stop signal came),
-        looking again at least every `WAIT_SLICE` seconds."""
-        with self.timing:
-            while not (ready() or self.failure or self.error):
-                if until_signal and self.signals is not None and self.signals.signum:
-                    return
-                self.timing.wait(WAIT_SLICE)
-
-    def write(self, row: dict[str, float], eval_seconds: float, now: float) -> None:
-        """Log a finite `row` whose values reached the host at `now`; `eval_seconds`: the
-        run's time spent evaluating so far."""
-        seconds = now - self.last_time - (eval_seconds - self.last_eval)
-        rate = (row["step"] - self.last_step) * self.per_step / seconds
-        first = self.last_step == self.start_step  # its interval includes the compilation
-        self.last_step = self.last_finite = row["step"]
-        self.last_time = now
-        self.last_eval = eval_seconds
-        if self.primary:
-            self.metrics.write(row)
-            self.board.write(row, None if first else rate)
-            self.progress.update(row)
-
-    def __enter__(self) -> RowLog:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.queue is not None:  # rows already handed over are written, then it stops
-            self.queue.put(None)
-            self.thread.join()
-        if self.primary:
-            for output in (self.metrics, self.progress, self.board):
-                output.close()
-
-
 def training_batches(
     config: ml_collections.ConfigDict,
     dataset: datasets.Dataset,
@@ -709,35 +365,91 @@ def ema_test_metrics(run: experiment.Run, model: nnx.Module) -> dict[str, float]
     return {ema.TEST_PREFIX + k.removeprefix("test_"): v for k, v in tested}
 
 
-def compile_ahead(
-    train_chunk: Callable[..., Any],
-    state: Any,
-    sums: Metrics,
-    aug_key: jax.Array | None,
-    batches: Any,
-    step: int,
-    model: nnx.Module,
-    optimizer: nnx.Optimizer,
-) -> threading.Thread:
-    """A thread compiling what the loop runs first while the set-up tables and extensions
-    run (XLA compiles without the GIL): the chunk of the first call where it is known before
-    the loop (the device pipeline's; Grain's comes from its first read), the finiteness check
-    and the save's state copy. It compiles only, never runs: with several processes a run
-    beside the main thread's could interleave their collectives. Join it before the loop."""
-    first = None
-    if isinstance(batches, input_pipeline.DeviceBatches):
-        first = next(iter(batches.chunks(step, step + 1)))  # any stop: the count is traced
-    params = nnx.state(model, nnx.Param)
+def restore_train_state(
+    config: ml_collections.ConfigDict,
+    dataset: datasets.Dataset,
+    mesh: jax.sharding.Mesh,
+    checkpoints: checkpoint_lib.Checkpoints,
+    schedule: Schedule,
+    accept_config_change: bool,
+) -> tuple[nnx.Module, nnx.Optimizer, int, dict[str, Any], list[dict[str, Any]]]:
+    """A fresh model and optimizer, then the newest intact checkpoint (or the model of
+    --init_from) restored into them; returns them, their step, the checkpoint's progress item
+    (with `init_from_step`, the step --init_from loaded) and the config's changes since it."""
+    model, optimizer = create_train_state(config, dataset.image_shape, dataset.num_classes, mesh)
+    changes = experiment.check_config_changes(checkpoints, config, dataset, accept_config_change)
+    checkpoints.metadata["changes"] = {"changes": changes}
+    optimizer_changed = any(c["field"].startswith(config_lib.OPTIMIZER_FIELDS) for c in changes)
+    start_step, resumed = restore.resume(
+        checkpoints,
+        model,
+        optimizer,
+        schedule.progress(0),
+        optimizer_changed,
+        # The EMA's debiasing counts the optimizer's updates: update 1 copies the parameters.
+        "the EMA starts again from the parameters" if config.ema.decay else "",
+    )
+    if start_step:
+        refresh_hyperparams(model, optimizer, config)
+    if config.keep_best and jax.process_count() == 1:  # processes could not agree to move it
+        restore.check_best(checkpoints, model, start_step)
+    if not start_step and config.init_from:
+        optimizer, resumed["init_from_step"] = warm_start(model, config, mesh)
+    return model, optimizer, start_step, resumed, changes
 
-    def compile_first() -> None:
-        if first is not None:
-            train_chunk.lower(state, sums, *first, aug_key).compile()
-        parallel.finite.lower(params).compile()
-        checkpoint_lib.warm_up(model, optimizer)
 
-    thread = threading.Thread(target=compile_first, name="compile-ahead")
-    thread.start()
-    return thread
+def finished_summary(
+    workdir: pathlib.Path, start_step: int, config: ml_collections.ConfigDict
+) -> dict[str, Any] | None:
+    """The summary to return when the workdir already holds the run (saying so), else None.
+    An unreadable summary.json (a kill while it was replaced is not one: it is written
+    atomically) is written again from the final checkpoint."""
+    summary = workdir_lib.read_json(workdir / workdir_lib.SUMMARY_FILE)
+    if start_step > config.steps or (start_step == config.steps and summary):
+        parallel.say(
+            f"workdir {workdir} already holds step {start_step}; nothing to do for "
+            f"--steps={config.steps} (pass a larger --steps to continue)"
+        )
+        return summary or {}
+    return None
+
+
+def evaluate_during_training(
+    run: experiment.Run, model: nnx.Module, optimizer: nnx.Optimizer, state: Any, step: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Evaluate the newest state `state` on the test set at `step`, its time counted in
+    `run.eval_seconds`; returns the row's test metrics and, among them, the EMA's."""
+    began = time.perf_counter()
+    nnx.update((model, optimizer), state)
+    model.eval()
+    full = experiment.evaluate_test(run, model)
+    averaged = ema_test_metrics(run, model)
+    model.train()
+    run.evaluation = (step, full)
+    run.eval_seconds += time.perf_counter() - began
+    return experiment.test_metrics(full) | averaged, averaged
+
+
+def finish(
+    run: experiment.Run,
+    extensions: Sequence[experiment.Extension],
+    stop: stopping.Stop,
+    averaged: dict[str, float],
+    wall_start: float,
+) -> dict[str, Any]:
+    """After training: the training table, the final evaluation, the extensions' tables and
+    figures, summary.json and report/ (a signal stops it between them); returns the summary.
+    `averaged`: the EMA's test metrics at the last evaluation during training."""
+    experiment.show_training(run)
+    # summary.json's EMA test metrics: the last step's, or evaluated now if none was.
+    run.summary |= averaged if run.evaluation else ema_test_metrics(run, run.model)
+    steps = run.config.steps
+    stop.after_training(steps, run.checkpoints)
+    evaluation = experiment.evaluate_model(run)
+    for extension in extensions:
+        extension.after_training(run)
+        stop.after_training(steps, run.checkpoints)
+    return experiment.write_outputs(run, evaluation, time.perf_counter() - wall_start)
 
 
 def train_and_evaluate(
@@ -757,20 +469,16 @@ def train_and_evaluate(
     """
     wall_start = time.perf_counter()
     with contextlib.ExitStack() as cleanup:
-        signals = cleanup.enter_context(StopSignals())
+        stop = cleanup.enter_context(stopping.Stop())
         workdir, dataset, device_data = experiment.prepare(
             config, workdir, cleanup, devices, step=train_step
         )
         # The report's figures are drawn on a thread, which imports matplotlib now.
         painter = experiment.start_painter(config, cleanup)
         mesh = device_data.mesh
-        per_epoch = device_data.batches_per_epoch
+        schedule = Schedule(config, device_data.batches_per_epoch)
 
-        # The state: a fresh model and optimizer, then the newest intact checkpoint (or the
-        # model of --init_from) restored into them.
-        model, optimizer = create_train_state(
-            config, dataset.image_shape, dataset.num_classes, mesh
-        )
+        # The state: the newest intact checkpoint's, the model of --init_from's, or fresh.
         checkpoints = checkpoint_lib.Checkpoints(
             workdir,
             max_to_keep=config.max_to_keep,
@@ -780,28 +488,10 @@ def train_and_evaluate(
         )
         cleanup.callback(checkpoints.close)
         cleanup.callback(checkpoints.wait)  # runs first: the last save is on disk before closing
-        changes = experiment.check_config_changes(
-            checkpoints, config, dataset, accept_config_change
+        model, optimizer, start_step, resumed, changes = restore_train_state(
+            config, dataset, mesh, checkpoints, schedule, accept_config_change
         )
-        checkpoints.metadata["changes"] = {"changes": changes}
-        optimizer_changed = any(c["field"].startswith(config_lib.OPTIMIZER_FIELDS) for c in changes)
-        start_step, resumed = restore.resume(
-            checkpoints,
-            model,
-            optimizer,
-            progress_of(0, per_epoch, config),
-            optimizer_changed,
-            # The EMA's debiasing counts the optimizer's updates: update 1 copies the parameters.
-            "the EMA starts again from the parameters" if config.ema.decay else "",
-        )
-        if start_step:
-            refresh_hyperparams(model, optimizer, config)
-        if config.keep_best and jax.process_count() == 1:  # processes could not agree to move it
-            restore.check_best(checkpoints, model, start_step)
-        # The step --init_from loaded (a resume keeps it in its progress).
-        init_step = resumed.get("init_from_step")
-        if not start_step and config.init_from:
-            optimizer, init_step = warm_start(model, config, mesh)
+        init_step = resumed.get("init_from_step")  # a resume keeps it in its progress
         batches = training_batches(config, dataset, device_data, resumed, start_step)
         run = experiment.Run(
             config,
@@ -817,95 +507,84 @@ def train_and_evaluate(
         run.summary["config_changes"] = changes
         if config.init_from:
             run.summary |= {"init_from": config.init_from, "init_from_step": init_step}
-
-        # An unreadable summary.json (a kill while it was replaced is not one: it is written
-        # atomically) is written again from the final checkpoint.
-        summary = workdir_lib.read_json(workdir / workdir_lib.SUMMARY_FILE)
-        if start_step > config.steps or (start_step == config.steps and summary):
-            parallel.say(
-                f"workdir {workdir} already holds step {start_step}; nothing to do for "
-                f"--steps={config.steps} (pass a larger --steps to continue)"
-            )
-            return summary or {}
-        signals.stop_set_up()
+        if (summary := finished_summary(workdir, start_step, config)) is not None:
+            return summary
+        stop.before_training()
 
         # The loop: compiled chunks of steps (`make_train_chunk`) between the steps where the
-        # host looks (`next_stop`). The state lives in `state` (donated, updated in place);
-        # `model` and `optimizer` are brought up to date only to evaluate or save.
+        # host looks (`schedule.next_stop`). The state lives in `state` (donated, updated in
+        # place); `model` and `optimizer` are brought up to date only to evaluate or save.
         model.train()  # dropout on, BatchNorm on batch statistics (no-ops for the MLP)
         graphdef, state = split_state(model, optimizer)
         frozen = Config(config)
         train_chunk = make_train_chunk(graphdef, frozen, dataset.image_shape, mesh)
         zeros = zero_sums(model, frozen, dataset.image_shape, mesh)
-        row = RunningRow(zeros, start_step, resumed.get("row"))
         aug_key = input_pipeline.augment_key(config)
         # Its first programs compile on a thread while the set-up tables and extensions run.
-        ahead = compile_ahead(
-            train_chunk, state, row.sums, aug_key, batches, start_step, model, optimizer
+        first_call = batches.first_call(start_step)
+        ahead = compile_ahead.start(
+            train_chunk, state, zeros, aug_key, first_call, model, optimizer
         )
         experiment.show_setup(run)
         for extension in extensions:
             extension.before_training(run)
         ahead.join()
         run.figures_drawn()  # the set-up's figures do not share the CPU with training
-        signals.stop_set_up()
+        stop.before_training()
         _, state = split_state(model, optimizer)  # as the extensions left it
         step = start_step
         clock = None  # (time, step) once the first call, which compiles, is done
         averaged = {}  # the EMA's test metrics at the newest evaluation
         # Examples/sec counts every model's: an ensemble of 8 at 1x does the work of 8 runs.
         per_step = device_data.examples_per_step * config.ensemble.size
-        with RowLog(workdir, config, start_step, per_step, checkpoints, signals=signals) as log:
+        writer = metrics_writer.MetricsWriter(
+            workdir,
+            config,
+            start_step,
+            per_step,
+            checkpoints,
+            optimizer_lib.learning_rate(config),
+            zeros=zeros,
+            saved_row=resumed.get("row"),
+            stop=stop,
+        )
+        with writer:
             while step < config.steps:
-                stop = next_stop(step, config, per_epoch)
+                next_stop = schedule.next_stop(step)
                 # Each call: images, labels, order, first batch index, count, first step.
-                for call in batches.chunks(step, stop):
-                    state, row.sums, metrics = train_chunk(state, row.sums, *call, aug_key)
-                step = stop
+                for call in batches.chunks(step, next_stop):
+                    state, writer.sums, metrics = train_chunk(state, writer.sums, *call, aug_key)
+                step = next_stop
                 if clock is None:  # the first call compiled: the clock starts once it is done
                     jax.block_until_ready(metrics)
                     clock = (time.perf_counter(), step)
-                log.check()  # a row written since the last stop had a non-finite loss
+                writer.check()  # a row written since the last stop had a non-finite loss
 
                 # Where the host looks. A signal to any process stops all of them at the same
                 # step (saving is collective).
-                signum = max(parallel.from_every_process(signals.signum))
-                saving = must_save(step, signum, config, checkpoints)
-                testing = is_eval_step(step, config, per_epoch)
-                parts = row.take(step, metrics) if testing or is_log_step(step, config) else None
+                signum = stop.requested
+                testing = schedule.evaluates(step)
                 tested = {}
                 if testing:
                     jax.block_until_ready(state)  # training's own asynchronous work is done
-                    log.wait_timed()  # the rows before are timed before the evaluation
-                    began = time.perf_counter()
-                    nnx.update((model, optimizer), state)
-                    model.eval()
-                    full = experiment.evaluate_test(run, model)
-                    averaged = ema_test_metrics(run, model)
-                    model.train()
-                    run.evaluation = (step, full)
-                    run.eval_seconds += time.perf_counter() - began
-                    tested = experiment.test_metrics(full) | averaged
-                if parts:  # written by the log's thread while the next chunks run
-                    log.submit(parts, run.eval_seconds, tested)
+                    writer.wait_timed()  # the rows before are timed before the evaluation
+                    tested, averaged = evaluate_during_training(run, model, optimizer, state, step)
+                if testing or schedule.logs(step):
+                    # Written by the writer's thread while the next chunks run.
+                    writer.write(step, metrics, run.eval_seconds, tested)
 
                 # Save: at the end, on a signal, when due; with keep_best, at each evaluation.
-                if saving or (tested and config.keep_best):
-                    log.drain()
-                    progress = progress_of(step, per_epoch, config) | batches.state() | row.state()
+                if schedule.saves(step, signum, checkpoints) or (tested and config.keep_best):
+                    writer.flush()
+                    progress = schedule.progress(step) | batches.state() | writer.state()
                     if init_step is not None:
                         progress["init_from_step"] = init_step
-                    save_if_finite(
-                        checkpoints,
-                        step,
-                        model,
-                        optimizer,
-                        state,
-                        progress | tested,
+                    stopping.save_if_finite(
+                        checkpoints, step, model, optimizer, state, progress | tested
                     )
                 # Stop on a signal, the checkpoint of this step saved.
                 if signum:
-                    raise interrupted(signum, step, checkpoints, "")
+                    raise stop.interrupted(signum, step, checkpoints)
 
         jax.block_until_ready(state)
         nnx.update((model, optimizer), state)
@@ -913,14 +592,4 @@ def train_and_evaluate(
         if clock is not None and clock[1] < config.steps:  # else nothing was timed
             seconds = time.perf_counter() - clock[0] - run.eval_seconds
             run.examples_per_sec = (config.steps - clock[1]) * per_step / seconds
-        experiment.show_training(run)
-        # summary.json's EMA test metrics: the last step's, or evaluated now if none was.
-        run.summary |= averaged if run.evaluation else ema_test_metrics(run, model)
-
-        # The final evaluation, the extensions' tables and figures, summary.json and report/.
-        stop_if_signalled(signals, config.steps, checkpoints)
-        evaluation = experiment.evaluate_model(run)
-        for extension in extensions:
-            extension.after_training(run)
-            stop_if_signalled(signals, config.steps, checkpoints)
-        return experiment.write_outputs(run, evaluation, time.perf_counter() - wall_start)
+        return finish(run, extensions, stop, averaged, wall_start)

@@ -23,6 +23,7 @@ from conftest import EVERY_DUE_SAVE, REPO, load_config
 from fmnist_flax import load_model, train
 from fmnist_flax.runtime import checkpoint, errors, inference, parallel, restore
 from fmnist_flax.runtime.errors import UserError
+from fmnist_flax.runtime.schedule import Schedule
 
 
 def params_of(workdir, step=None):
@@ -515,7 +516,7 @@ def test_keep_best_keeps_the_best_evaluated_step_beside_the_newest(tmp_path):
     def save(steps_and_accuracies):
         manager = checkpoint.Checkpoints(tmp_path, max_to_keep=2, keep_best=True, metadata=metadata)
         for step, accuracy in steps_and_accuracies:
-            progress = train.progress_of(step, 117, config)
+            progress = Schedule(config, 117).progress(step)
             if accuracy is not None:
                 progress["test_accuracy"] = accuracy
             manager.save(step, model, optimizer, progress)
@@ -546,7 +547,7 @@ def test_a_checkpoint_directory_removed_under_a_run_is_made_again_at_the_next_sa
     accuracies = {1: 0.9, 2: None, 3: 0.5, 4: None, 5: 0.4}
 
     def save(step):
-        progress = train.progress_of(step, 117, config)
+        progress = Schedule(config, 117).progress(step)
         if accuracies[step] is not None:
             progress["test_accuracy"] = accuracies[step]
         manager.save(step, model, optimizer, progress)

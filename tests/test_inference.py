@@ -27,6 +27,7 @@ from fmnist_flax.runtime import inference, records, tables
 from fmnist_flax.runtime import workdir as workdir_lib
 from fmnist_flax.runtime.errors import UserError
 from fmnist_flax.runtime.inference import PIXEL_SCALE
+from fmnist_flax.runtime.schedule import Schedule
 
 SHAPES = "expected (28, 28) or (N, 28, 28) or (28, 28, 1) or (N, 28, 28, 1) or (N, 784)"
 
@@ -659,7 +660,7 @@ def diverged_workdir(tmp_path_factory, real_dataset):
     )
     for step, variable in ((1, model.layers[0].kernel_ema), (2, model.layers[0].kernel)):
         variable[...] = jnp.full_like(variable[...], jnp.nan)
-        saved.save(step, model, optimizer, train.progress_of(step, 117, config))
+        saved.save(step, model, optimizer, Schedule(config, 117).progress(step))
         saved.wait()
     saved.close()
     return workdir
@@ -741,7 +742,7 @@ def test_a_checkpoint_that_records_no_dataset_is_read_as_fashion_mnist(tmp_path,
     config = load_config("default")
     saved = checkpoint.Checkpoints(tmp_path, max_to_keep=1, metadata={"config": config.to_dict()})
     model, optimizer = train.create_train_state(config, (28, 28, 1), 10, parallel.mesh_for(config))
-    saved.save(1, model, optimizer, train.progress_of(1, 117, config))
+    saved.save(1, model, optimizer, Schedule(config, 117).progress(1))
     saved.wait()
     saved.close()
     assert inference.class_names(tmp_path) == tuple(real_dataset.class_names) == CLASS_NAMES

@@ -13,7 +13,9 @@ from flax import nnx
 
 from fmnist_flax import input_pipeline, train
 from fmnist_flax.model import MLP, create_model
-from fmnist_flax.runtime import ensemble, parallel
+from fmnist_flax.runtime import ensemble, metrics_writer, parallel, stopping
+from fmnist_flax.runtime.errors import UserError
+from fmnist_flax.runtime.schedule import Schedule
 
 
 def first_batches(real_dataset, count, batch_size=512):
@@ -148,7 +150,7 @@ def test_chunks_stop_at_log_checkpoint_and_epoch_boundaries(quick_config):
     quick_config.log_every, quick_config.checkpoint_every, quick_config.steps = 25, 100, 400
     stops, step = [], 0
     while step < quick_config.steps:
-        step = train.next_stop(step, quick_config, 117)
+        step = Schedule(quick_config, 117).next_stop(step)
         stops.append(step)
     assert stops[:6] == [1, 25, 50, 75, 100, 117]
     assert 234 in stops and 351 in stops and stops[-1] == 400
@@ -162,9 +164,9 @@ def test_evaluations_come_each_epoch_or_every_eval_every_steps_and_at_the_end(
     quick_config.log_every, quick_config.steps, quick_config.eval_every = 25, 400, eval_every
     stops, step = [], 0
     while step < quick_config.steps:
-        step = train.next_stop(step, quick_config, 117)
+        step = Schedule(quick_config, 117).next_stop(step)
         stops.append(step)
-    tested = [s for s in stops if train.is_eval_step(s, quick_config, 117)]
+    tested = [s for s in stops if Schedule(quick_config, 117).evaluates(s)]
     assert tested == (evaluated or [60, 120, 180, 240, 300, 360, 400])
 
 
@@ -219,28 +221,28 @@ def test_accumulating_4_batches_of_128_trains_like_batches_of_512(quick_config, 
     assert accumulated["test_accuracy"] == pytest.approx(base["test_accuracy"], abs=1e-3)
 
 
-def test_the_row_log_writes_rows_in_the_background_in_order_until_a_non_finite_loss(
+def test_the_metrics_writer_writes_rows_in_the_background_in_order_until_a_non_finite_loss(
     tmp_path, quick_config
 ):
-    """Rows handed to the log's thread reach metrics.jsonl in order, an evaluation step's with
+    """Rows handed to the writer's thread reach metrics.jsonl in order, an evaluation step's with
     its test metrics; a non-finite loss among them stops the run at the next check, naming
     the last finite row, and nothing after it is written."""
     from fmnist_flax.runtime import checkpoint
 
     checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
     sums = {"loss": jax.numpy.float32(2.0), "accuracy": jax.numpy.float32(1.0)}
-    with train.RowLog(tmp_path, quick_config, 0, 512, checkpoints) as log:
+    with metrics_writer.MetricsWriter(tmp_path, quick_config, 0, 512, checkpoints, 0.1) as log:
         assert log.queue is not None  # one process: rows go to the writer thread
         for step in (1, 25):
             log.submit((step, sums, 2, jax.numpy.float32(0.5)), 0.0)
         log.submit((50, sums, 2, jax.numpy.float32(0.5)), 0.3, {"test_accuracy": 0.75})
-        log.drain()
+        log.flush()
         assert log.last_finite == 50
         nan = {"loss": jax.numpy.float32(np.nan), "accuracy": jax.numpy.float32(0.0)}
         log.submit((75, nan, 25, jax.numpy.float32(0.5)), 0.0)
         log.submit((100, sums, 25, jax.numpy.float32(0.5)), 0.0)
-        with pytest.raises(train.UserError, match="loss became nan between steps 50 and 75"):
-            log.drain()
+        with pytest.raises(UserError, match="loss became nan between steps 50 and 75"):
+            log.flush()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 25, 50]
     assert rows[1] == {"step": 25, "loss": 1.0, "accuracy": 0.5, "grad_norm": 0.5}
@@ -257,9 +259,9 @@ def test_an_evaluation_waits_for_the_rows_before_to_be_timed_not_written(tmp_pat
     checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
     sums = {"loss": jax.numpy.float32(2.0), "accuracy": jax.numpy.float32(1.0)}
     release = threading.Event()
-    with train.RowLog(tmp_path, quick_config, 0, 512, checkpoints) as log:
-        write = log.write
-        log.write = lambda *args: (release.wait(), write(*args))  # a writer held up
+    with metrics_writer.MetricsWriter(tmp_path, quick_config, 0, 512, checkpoints, 0.1) as log:
+        write = log._write_row
+        log._write_row = lambda *args: (release.wait(), write(*args))  # a writer held up
         log.submit((25, sums, 25, jax.numpy.float32(0.5)), 0.0)
         waiter = threading.Thread(target=log.wait_timed)
         waiter.start()
@@ -268,7 +270,7 @@ def test_an_evaluation_waits_for_the_rows_before_to_be_timed_not_written(tmp_pat
         assert not (tmp_path / "metrics.jsonl").read_text()  # timed, not yet written
         release.set()
         log.submit((50, sums, 25, jax.numpy.float32(0.5)), 0.1, {"test_accuracy": 0.75})
-        log.drain()
+        log.flush()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [25, 50]
     checkpoints.close()
@@ -287,14 +289,14 @@ def test_waits_for_rows_after_a_non_finite_one_end_and_stop_the_run(tmp_path, qu
     def wait(method) -> None:
         try:
             method()
-        except train.UserError as exc:
+        except UserError as exc:
             raised.append(str(exc))
 
-    with train.RowLog(tmp_path, quick_config, 0, 512, checkpoints) as log:
+    with metrics_writer.MetricsWriter(tmp_path, quick_config, 0, 512, checkpoints, 0.1) as log:
         log.submit((25, nan, 25, jax.numpy.float32(0.5)), 0.0)
         for step in (50, 75, 100):
             log.submit((step, sums, 25, jax.numpy.float32(0.5)), 0.0)
-        for method in (log.wait_timed, log.drain):
+        for method in (log.wait_timed, log.flush):
             waiter = threading.Thread(target=wait, args=(method,), daemon=True)
             waiter.start()
             waiter.join(30)
@@ -318,18 +320,57 @@ def test_a_signal_ends_a_wait_for_rows_to_be_timed(tmp_path, quick_config, monke
     checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
     sums = {"loss": jax.numpy.float32(2.0), "accuracy": jax.numpy.float32(1.0)}
     release = threading.Event()
-    host_row = train.host_row
-    monkeypatch.setattr(train, "host_row", lambda *parts: (release.wait(), host_row(*parts))[1])
-    signals = train.StopSignals()
-    with train.RowLog(tmp_path, quick_config, 0, 512, checkpoints, signals=signals) as log:
+    host_row = metrics_writer.host_row
+
+    def held(*parts):
+        release.wait()
+        return host_row(*parts)
+
+    monkeypatch.setattr(metrics_writer, "host_row", held)
+    stop = stopping.Stop()
+    with metrics_writer.MetricsWriter(
+        tmp_path, quick_config, 0, 512, checkpoints, 0.1, stop=stop
+    ) as log:
         log.submit((25, sums, 25, jax.numpy.float32(0.5)), 0.0)
         waiter = threading.Thread(target=log.wait_timed, daemon=True)
         waiter.start()
         waiter.join(0.5)
         assert waiter.is_alive()  # the row is not timed yet
-        signals.signum = signal.SIGINT
+        stop.signum = signal.SIGINT
         waiter.join(5)
         assert not waiter.is_alive() and log.timed == 0
         release.set()
     assert [row["step"] for row in rows_of(tmp_path)] == [25]  # written once released
+    checkpoints.close()
+
+
+def test_the_metrics_writer_logs_the_running_row_and_starts_the_next(tmp_path, quick_config):
+    """`write` logs the means of the sums the chunks added since the row before, over the steps
+    between them, and starts the next row at zero; a checkpoint keeps the running row
+    (`state`), and a writer given it goes on from there."""
+    from fmnist_flax.runtime import checkpoint
+
+    checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
+    zeros = {"loss": jax.numpy.float32(0.0), "accuracy": jax.numpy.float32(0.0)}
+    last = {"grad_norm": jax.numpy.float32(0.5)}
+    with metrics_writer.MetricsWriter(
+        tmp_path, quick_config, 0, 512, checkpoints, 0.1, zeros=zeros
+    ) as writer:
+        writer.sums = {"loss": jax.numpy.float32(50.0), "accuracy": jax.numpy.float32(20.0)}
+        writer.write(25, last, 0.0)
+        writer.sums = {"loss": jax.numpy.float32(5.0), "accuracy": jax.numpy.float32(2.5)}
+        writer.flush()
+        saved = writer.state()["row"]
+    assert saved == {"start": 25, "sums": {"loss": 5.0, "accuracy": 2.5}}
+    with metrics_writer.MetricsWriter(
+        tmp_path, quick_config, 25, 512, checkpoints, 0.1, zeros=zeros, saved_row=saved
+    ) as writer:
+        writer.write(30, last, 0.0)
+        writer.flush()
+        assert {k: float(v) for k, v in writer.sums.items()} == {"loss": 0.0, "accuracy": 0.0}
+    rows = rows_of(tmp_path)
+    assert rows == [
+        {"step": 25, "loss": 2.0, "accuracy": 0.8, "grad_norm": 0.5},
+        {"step": 30, "loss": 1.0, "accuracy": 0.5, "grad_norm": 0.5},
+    ]
     checkpoints.close()

@@ -30,10 +30,21 @@ from flax import nnx
 from fmnist_flax import config as config_lib
 from fmnist_flax import datasets, input_pipeline, train
 from fmnist_flax import model as model_lib
+from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax.codelab import profiling, reference
-from fmnist_flax.runtime import checkpoint, ensemble, errors, grain_pipeline, parallel, records
+from fmnist_flax.runtime import (
+    checkpoint,
+    ensemble,
+    errors,
+    grain_pipeline,
+    metrics_writer,
+    parallel,
+    records,
+    stopping,
+)
 from fmnist_flax.runtime import workdir as workdir_lib
 from fmnist_flax.runtime.errors import UserError
+from fmnist_flax.runtime.schedule import Schedule
 from fmnist_flax.runtime.tables import Table
 
 COMPARISON_SEED = 10  # fresh models, never a trained one
@@ -140,6 +151,7 @@ def fused_runner(
     seeds = [COMPARISON_SEED + k for k in range(len(ensemble.data_seeds(config)))]
     order = input_pipeline.epoch_orders(seeds, 0, len(device_data.train_labels))
     per_epoch = device_data.batches_per_epoch
+    schedule = Schedule(config, per_epoch)
     carry = [state, 0]
 
     def run_steps(steps):
@@ -154,8 +166,8 @@ def fused_runner(
             i += count
             steps -= count
             if checkpoints and i % config.checkpoint_every == 0 and checkpoints.due(i):
-                progress = train.progress_of(i, per_epoch, config)  # main.py's save, checks too
-                train.save_if_finite(checkpoints, i, model, optimizer, state, progress, i)
+                progress = schedule.progress(i)  # main.py's save, checks too
+                stopping.save_if_finite(checkpoints, i, model, optimizer, state, progress)
         carry[:] = state, i
         if checkpoints:
             checkpoints.wait()
@@ -673,10 +685,11 @@ def whole_loop(
 def logging_cost(config: ml_collections.ConfigDict, rows: int = 200) -> dict[str, float]:
     """The loop's own seconds per logged row, the row's values fresh from the device (a step
     that does nothing else): written in the loop, as before the log had a thread, against
-    handed to its thread (`train.RowLog.submit`), alternated in one process."""
+    handed to its thread (`MetricsWriter.submit`), alternated in one process."""
     make = jax.jit(lambda i: ({"loss": i * 1.0, "accuracy": i * 0.5}, i * 0.25))
     jax.block_until_ready(make(0))
     per_row = {True: [], False: []}
+    rate = optimizer_lib.learning_rate(config)
     for _ in range(3):
         for background in (False, True):
             with tempfile.TemporaryDirectory(prefix="bench-log-") as tmp:
@@ -684,12 +697,14 @@ def logging_cost(config: ml_collections.ConfigDict, rows: int = 200) -> dict[str
                 quiet = contextlib.redirect_stdout(io.StringIO())
                 with (
                     quiet,
-                    train.RowLog(pathlib.Path(tmp), config, 0, 1, checkpoints, background) as log,
+                    metrics_writer.MetricsWriter(
+                        pathlib.Path(tmp), config, 0, 1, checkpoints, rate, background=background
+                    ) as log,
                 ):
                     for step in range(1, rows + 1):
                         sums, grad_norm = make(step)
                         log.submit((step, sums, 1, grad_norm), 0.0)
-                    log.drain()
+                    log.flush()
                 checkpoints.close()
             per_row[background].append(log.host_seconds / rows)
     in_loop, handed = (statistics.median(per_row[b]) for b in (False, True))

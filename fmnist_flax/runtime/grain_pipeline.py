@@ -147,6 +147,10 @@ class GrainBatches:
             step += count
             self.next = step
 
+    def first_call(self, step: int) -> None:
+        """None: the first call's arguments come from the first read, inside the loop."""
+        return None
+
     def state(self) -> dict[str, Any]:
         """The iterator's position (steps done), saved in the checkpoint's progress item."""
         return {"data_iterator": {"next_index": self.next}}

@@ -4,10 +4,10 @@ examples/sec and the config, under <workdir>/tensorboard (process 0 writes them)
 `tensorboard --logdir runs` shows every run under runs/ side by side. The events are built
 with tensorboardX's protos and written here, synchronously and unbuffered, one record per
 `write` call (a row's scalars in one event): a full disk or a file where the directory
-should be is an OSError at once, in the training thread (no writer thread to die and block
-it), and every event written before a kill is in the file. Each start writes a purge marker,
-so TensorBoard drops the events a killed run logged past the checkpoint this one resumes
-from: one event per tag and step.
+should be is an OSError at once, in the thread that writes the row (the metrics writer's;
+no tensorboardX writer thread to die and block it), and every event written before a kill
+is in the file. Each start writes a purge marker, so TensorBoard drops the events a killed
+run logged past the checkpoint this one resumes from: one event per tag and step.
 
 API: `Summaries(workdir, config, start_step, schedule)` with `write(row)` and `close()`;
 `write_members`.

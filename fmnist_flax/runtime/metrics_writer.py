@@ -1,0 +1,269 @@
+"""The metrics writer: where each logged row of training goes (metrics.jsonl, TensorBoard with
+examples/sec, the progress bar), written on a thread of its own so the loop never waits for a
+row's values to reach the host; a non-finite loss among them stops the run.
+
+API: `MetricsWriter(workdir, config, start_step, per_step, checkpoints, learning_rate, ...)`,
+a context manager, with `sums` (the running row's sums, which each compiled chunk adds to),
+`write(step, metrics, eval_seconds, tested)`, `wait_timed()`, `flush()`, `check()` and
+`state()`; `RunningRow`; `host_row`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+
+from fmnist_flax.runtime import checkpoint as checkpoint_lib
+from fmnist_flax.runtime import ensemble, parallel, summaries, tables
+from fmnist_flax.runtime import workdir as workdir_lib
+from fmnist_flax.runtime.stopping import Stop, diverged
+
+Metrics = dict[str, jax.Array]
+
+
+class RunningRow:
+    """The metrics of the steps since the last logged row: their sums (on the device, added
+    to by each chunk) and the step the row started after. A checkpoint keeps both, so a
+    resumed run logs the same rows as an uninterrupted one."""
+
+    def __init__(self, zeros: Metrics, start: int, saved: dict[str, Any] | None = None):
+        self.zeros = zeros
+        self.start = start
+        self.sums = zeros
+        if saved:  # from a checkpoint's progress item: float32 sums, exact through JSON
+            self.start = saved["start"]
+            sums = {k: np.asarray(saved["sums"].get(k, 0.0), np.float32) for k in zeros}
+            self.sums = jax.device_put(sums, {k: zero.sharding for k, zero in zeros.items()})
+
+    def take(self, step: int, metrics: Metrics) -> tuple[int, Metrics, int, jax.Array]:
+        """The parts of the row logged at `step`; the next row starts here."""
+        parts = (step, self.sums, step - self.start, metrics["grad_norm"])
+        self.sums = self.zeros
+        self.start = step
+        return parts
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint's progress item keeps of it."""
+        sums = parallel.to_host(self.sums)
+        sums = {k: np.asarray(v).tolist() for k, v in sums.items()}
+        return {"row": {"start": self.start, "sums": sums}}
+
+
+def host_row(step: int, sums: Metrics, count: int, grad_norm: jax.Array) -> dict[str, float]:
+    """The row logged at `step`, on the host and JSON-ready: every metric's mean over the
+    `count` steps since the row before (their `sums`), and the last step's `grad_norm`."""
+    values = parallel.to_host({"sums": sums, "grad_norm": grad_norm})
+    means = {k: np.asarray(v, np.float64) / count for k, v in values["sums"].items()}
+    row = {"step": step}
+    for name, value in {**means, "grad_norm": values["grad_norm"]}.items():
+        row |= ensemble.columns(name, value)
+    return row
+
+
+WAIT_SLICE = 0.1  # seconds between looks of a wait for the metrics writer
+
+
+class MetricsWriter:
+    """Where process 0 writes each logged row: metrics.jsonl, TensorBoard (with the examples/sec
+    since the row before, evaluations left out) and the progress bar.
+
+    It keeps the running row (`sums`). `write` takes the row at a step and hands it to a writer
+    thread (`submit`), returning at once: the loop never waits for a row's values to reach the
+    host. A row is timed when its values arrive, before it is
+    written; an evaluation first waits for that (`wait_timed`), so its time is left out of the
+    next row's interval and no other. `flush` waits until every row handed over is written; a
+    loss that was not finite then stops the run, as `check` does without waiting. With several
+    processes rows are written in the loop (fetching them may be a collective)."""
+
+    def __init__(
+        self,
+        workdir: pathlib.Path,
+        config: ml_collections.ConfigDict,
+        start_step: int,
+        per_step: int,
+        checkpoints: checkpoint_lib.Checkpoints,
+        learning_rate: optax.ScalarOrSchedule,
+        *,
+        zeros: Metrics | None = None,
+        saved_row: dict[str, Any] | None = None,
+        background: bool = True,
+        stop: Stop | None = None,
+    ):
+        """`per_step`: examples a step trains on; `learning_rate`: what TensorBoard plots;
+        `zeros`: a zero for each metric, where the running row's sums start (a checkpoint's
+        `saved_row` restores them); `stop`: a signal ends a wait for rows to be timed."""
+        self.primary = parallel.is_primary()
+        self.stop = stop
+        self.row = RunningRow(zeros or {}, start_step, saved_row)
+        self.checkpoints = checkpoints
+        self.start_step = start_step
+        self.per_step = per_step
+        self.last_step = start_step  # the row before's step, time and evaluation seconds
+        self.last_time = time.perf_counter()
+        self.last_eval = 0.0
+        self.last_finite = start_step  # the last step whose row had a finite loss
+        self.failure: tuple[float, int] | None = None  # a non-finite loss and its step
+        self.error: BaseException | None = None  # what stopped the writer thread
+        self.host_seconds = 0.0  # the loop's time in `submit`: what logging costs it
+        # The newest row handed over, the newest one timed, the newest one written or skipped.
+        self.submitted = self.timed = self.handled = start_step
+        self.timing = threading.Condition()
+        if self.primary:
+            path = workdir / workdir_lib.METRICS_FILE
+            self.metrics = workdir_lib.MetricsLog(path, keep_until=start_step)
+            self.progress = tables.ProgressBar(config.steps)
+            self.board = summaries.Summaries(workdir, config, start_step, learning_rate)
+        self.queue: queue.Queue | None = None
+        if background and jax.process_count() == 1:
+            self.queue = queue.Queue()
+            self.thread = threading.Thread(target=self._write_submitted, daemon=True)
+            self.thread.start()
+
+    @property
+    def sums(self) -> Metrics:
+        """The running row's sums: what the next compiled chunk adds its steps' metrics to."""
+        return self.row.sums
+
+    @sums.setter
+    def sums(self, sums: Metrics) -> None:
+        self.row.sums = sums
+
+    def write(
+        self,
+        step: int,
+        metrics: Metrics,
+        eval_seconds: float,
+        tested: dict[str, float] | None = None,
+    ) -> None:
+        """Log the row of the steps up to `step` (the running row's means and the last step's
+        `metrics["grad_norm"]`) with the test metrics evaluated at `step` (`tested`), without
+        waiting for its values; `eval_seconds`: the run's time spent evaluating so far."""
+        self.submit(self.row.take(step, metrics), eval_seconds, tested)
+
+    def submit(
+        self,
+        parts: tuple[int, Metrics, int, jax.Array],
+        eval_seconds: float,
+        tested: dict[str, float] | None = None,
+    ) -> None:
+        """Log the row of `parts` (`RunningRow.take`) without waiting for its values, with the
+        test metrics evaluated at its step (`tested`); `eval_seconds`: the run's time spent
+        evaluating so far."""
+        began = time.perf_counter()
+        self.submitted = parts[0]
+        if self.queue is None:
+            self._handle(parts, eval_seconds, tested)
+        else:
+            self.queue.put((parts, eval_seconds, tested))
+        self.host_seconds += time.perf_counter() - began
+
+    def _write_submitted(self) -> None:
+        while (item := self.queue.get()) is not None:
+            self._handle(*item)
+
+    def _handle(
+        self,
+        parts: tuple[int, Metrics, int, jax.Array],
+        eval_seconds: float,
+        tested: dict[str, float] | None,
+    ) -> None:
+        """Write a row, or skip it once the run has failed; either way it counts as timed
+        and handled, so no wait for it outlasts a failure."""
+        try:
+            if self.failure is None and self.error is None:
+                self._write_parts(parts, eval_seconds, tested)
+        except BaseException as exc:
+            if self.queue is None:  # written in the loop: raised there
+                raise
+            self.error = exc  # raised in the loop by `check`
+        finally:
+            with self.timing:
+                self.timed = max(self.timed, parts[0])
+                self.handled = parts[0]
+                self.timing.notify_all()
+
+    def _write_parts(
+        self,
+        parts: tuple[int, Metrics, int, jax.Array],
+        eval_seconds: float,
+        tested: dict[str, float] | None,
+    ) -> None:
+        row = host_row(*parts)
+        now = time.perf_counter()  # its values are on the host: the row's time
+        with self.timing:
+            self.timed = row["step"]
+            self.timing.notify_all()
+        if np.isfinite(row["loss"]):
+            self._write_row(row | (tested or {}), eval_seconds, now)
+        else:
+            self.failure = (row["loss"], row["step"])
+
+    def check(self) -> None:
+        """Stop the run if a row written so far had a non-finite loss (or could not be
+        written)."""
+        if self.error is not None:
+            raise self.error
+        if self.failure is not None:
+            loss, step = self.failure
+            raise diverged(f"the loss became {loss}", self.last_finite, step, self.checkpoints)
+
+    def wait_timed(self) -> None:
+        """Wait until every submitted row's values have reached the writer and been timed
+        (not written): an evaluation starting after that is left out of the next row's
+        interval whole, never counted twice against a row timed while it ran. A signal ends
+        the wait early (the loop acts on it at its next stop); a failed row stops the run."""
+        self._wait(lambda: self.timed >= self.submitted, until_signal=True)
+        self.check()
+
+    def flush(self) -> None:
+        """Wait until every submitted row is written (or skipped after a failure), then
+        `check`."""
+        self._wait(lambda: self.handled >= self.submitted, until_signal=False)
+        self.check()
+
+    def _wait(self, ready: Callable[[], bool], until_signal: bool) -> None:
+        """Wait until `ready()` or the writer failed (or, `until_signal`, a stop signal came),
+        looking again at least every `WAIT_SLICE` seconds."""
+        with self.timing:
+            while not (ready() or self.failure or self.error):
+                if until_signal and self.stop is not None and self.stop.signum:
+                    return
+                self.timing.wait(WAIT_SLICE)
+
+    def _write_row(self, row: dict[str, float], eval_seconds: float, now: float) -> None:
+        """Log a finite `row` whose values reached the host at `now`; `eval_seconds`: the
+        run's time spent evaluating so far."""
+        seconds = now - self.last_time - (eval_seconds - self.last_eval)
+        rate = (row["step"] - self.last_step) * self.per_step / seconds
+        first = self.last_step == self.start_step  # its interval includes the compilation
+        self.last_step = self.last_finite = row["step"]
+        self.last_time = now
+        self.last_eval = eval_seconds
+        if self.primary:
+            self.metrics.write(row)
+            self.board.write(row, None if first else rate)
+            self.progress.update(row)
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint's progress item keeps of the running row."""
+        return self.row.state()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.queue is not None:  # rows already handed over are written, then it stops
+            self.queue.put(None)
+            self.thread.join()
+        if self.primary:
+            for output in (self.metrics, self.progress, self.board):
+                output.close()

@@ -1,0 +1,113 @@
+"""How a run stops before its last step, always with one line and its checkpoints kept: on
+SIGINT or SIGTERM, after saving the step it reached; when the loss or the parameters stop being
+finite, keeping the last good checkpoint.
+
+API: `Stop()`, a context manager, with `requested`, `before_training()`,
+`interrupted(signum, step, checkpoints)` and `after_training(step, checkpoints)`;
+`Interrupted`; `diverged(...)`; `save_if_finite(...)`.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import jax
+from flax import nnx
+
+from fmnist_flax.runtime import checkpoint as checkpoint_lib
+from fmnist_flax.runtime import ema, parallel
+from fmnist_flax.runtime.errors import UserError
+
+
+class Interrupted(UserError):
+    """SIGINT or SIGTERM stopped training after a checkpoint of the current step was saved."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class Stop:
+    """While active, SIGINT and SIGTERM only set `signum`; the loop saves and stops cleanly."""
+
+    def __init__(self):
+        self.signum = 0  # the signal this process got (0: none)
+        self._previous = {}
+
+    def __enter__(self) -> Stop:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+
+    @property
+    def requested(self) -> int:
+        """The signal any process got (0: none): every process reads it at the same step, so
+        all of them stop there together (saving is collective)."""
+        return max(parallel.from_every_process(self.signum))
+
+    def before_training(self) -> None:
+        """Before the loop a signal stops the run at once: nothing is trained yet, so nothing
+        is lost. (A multi-process run's processes agree on when to stop only in the loop.)"""
+        if self.signum and jax.process_count() == 1:
+            raise Interrupted(
+                f"{signal.Signals(self.signum).name} before training began: nothing was "
+                "trained, checkpoints saved before are kept; run the same command to start again",
+                self.signum,
+            )
+
+    def interrupted(
+        self, signum: int, step: int, checkpoints: checkpoint_lib.Checkpoints, unfinished: str = ""
+    ) -> Interrupted:
+        """The one line a signal ends a run with, once the checkpoint of `step` is on disk."""
+        checkpoints.wait()
+        return Interrupted(
+            f"{signal.Signals(signum).name} at step {step}: checkpoint {step} saved in "
+            f"{checkpoints.directory}{unfinished}; resume by running the same command with the "
+            "same --workdir",
+            signum,
+        )
+
+    def after_training(self, step: int, checkpoints: checkpoint_lib.Checkpoints) -> None:
+        """After training, a signal still stops the run with its line and exit code; the final
+        checkpoint is on disk and the same command finishes the outputs."""
+        if signum := self.requested:
+            unfinished = "; the summary and report were not written"
+            raise self.interrupted(signum, step, checkpoints, unfinished)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def diverged(
+    what: str, last_finite: int, step: int, checkpoints: checkpoint_lib.Checkpoints
+) -> UserError:
+    """The one line a run stops with when the loss or the parameters stop being finite."""
+    checkpoints.wait()
+    kept = checkpoints.steps()
+    since = max(last_finite, kept[-1]) if kept else last_finite  # a saved step was finite
+    return UserError(
+        f"{what} between steps {since} and {step}; training stopped, the last good "
+        f"checkpoint is {kept[-1] if kept else 'none'}; lower --learning_rate and retry"
+    )
+
+
+def save_if_finite(
+    checkpoints: checkpoint_lib.Checkpoints,
+    step: int,
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    state: Any,
+    progress: dict[str, Any],
+) -> None:
+    """Checkpoint the newest (donated-into) buffers `state`, unless the parameters or their
+    EMA are no longer finite: then stop, the last good checkpoint (the last finite one) kept."""
+    nnx.update((model, optimizer), state)
+    for what, kind in (("parameters", nnx.Param), ("parameters' EMA", ema.EMA)):
+        if not parallel.all_finite(nnx.state(model, kind)):
+            raise diverged(f"the {what} became non-finite", 0, step, checkpoints)
+    checkpoints.save(step, model, optimizer, progress)
