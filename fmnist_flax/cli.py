@@ -38,7 +38,7 @@ from fmnist_flax.runtime.errors import UserError, error_line
 
 DEFAULT_CONFIG = config_lib.__file__  # its get_config(): the codelab's values
 PIPE_CLOSED_STATUS = 128 + 13  # what a shell reports for a writer stopped by SIGPIPE
-# Added to every run when present: the codelab's demonstrations (delete fmnist_flax/codelab/).
+# Added to a run whose config.demonstrations is True, while present (delete fmnist_flax/codelab/).
 EXTENSIONS = ("fmnist_flax.codelab.demonstrations",)
 BENCHMARK_MODULE = "fmnist_flax.codelab.benchmark"  # --mode=benchmark, offered while it exists
 
@@ -335,7 +335,7 @@ def main(argv: Sequence[str]) -> None:
             train.train_and_evaluate(
                 config,
                 _WORKDIR.value,
-                extensions(),
+                extensions(config),
                 accept_config_change=_ACCEPT_CONFIG_CHANGE.value,
             )
         else:
@@ -477,8 +477,11 @@ def run_benchmark(config: ml_collections.ConfigDict) -> None:
     )
 
 
-def extensions() -> list[experiment.Extension]:
-    """One instance of each extension module in EXTENSIONS that exists (its `EXTENSION`)."""
+def extensions(config: ml_collections.ConfigDict) -> list[experiment.Extension]:
+    """One instance of each extension module in EXTENSIONS that exists (its `EXTENSION`), when
+    `config.demonstrations` asks for them; none otherwise."""
+    if config.demonstrations is not True:
+        return []
     return [importlib.import_module(name).EXTENSION for name in EXTENSIONS if exists(name)]
 
 

@@ -401,3 +401,9 @@ def test_a_signal_while_starting_is_one_line_with_its_status(signum, after, tmp_
     if " at step " not in lines[0]:  # stopped before training (the usual case): no checkpoint
         checkpoints = tmp_path / "w" / "checkpoints"
         assert not checkpoints.exists() or not any(checkpoints.iterdir())
+
+
+def test_demonstrations_asked_for_once_the_codelab_is_deleted_are_none(quick_config, monkeypatch):
+    """config.demonstrations=True with fmnist_flax/codelab/ gone: the run has no extension."""
+    monkeypatch.setattr(cli, "EXTENSIONS", ("fmnist_flax.codelab_deleted.demonstrations",))
+    assert quick_config.demonstrations is True and cli.extensions(quick_config) == []
