@@ -168,6 +168,21 @@ def after_update(hook: UpdateHook) -> UpdateHook:
     return hook
 
 
+# hook(step, metrics, config) -> True to end the run, called after each evaluation in training
+# with its `test_*` metrics (an early stop).
+EvaluationHook = Callable[[int, dict[str, float], ml_collections.FrozenConfigDict], bool]
+AFTER_EVALUATION: list[EvaluationHook] = []
+STOPPED_AT = "stopped_at"  # the progress and summary entry of a step where a hook ended the run
+
+
+def after_evaluation(hook: EvaluationHook) -> EvaluationHook:
+    """Decorator: call `hook(step, metrics, config)` after each evaluation during training. A
+    True return ends the run at that step, saved and with its outputs written; running the same
+    command again does not train past it."""
+    AFTER_EVALUATION.append(hook)
+    return hook
+
+
 def train_step(
     model: nnx.Module,
     optimizer: nnx.Optimizer,
@@ -819,10 +834,15 @@ def train_and_evaluate(
         # An unreadable summary.json (a kill while it was replaced is not one: it is written
         # atomically) is written again from the final checkpoint.
         summary = workdir_lib.read_json(workdir / workdir_lib.SUMMARY_FILE)
-        if start_step > config.steps or (start_step == config.steps and summary):
+        end = resumed.get(STOPPED_AT, config.steps)  # where an AFTER_EVALUATION hook stopped it
+        if start_step > config.steps or (start_step == end and summary):
             parallel.say(
                 f"workdir {workdir} already holds step {start_step}; nothing to do for "
-                f"--steps={config.steps} (pass a larger --steps to continue)"
+                + (
+                    f"--steps={config.steps} (pass a larger --steps to continue)"
+                    if end == config.steps
+                    else "it: an after-evaluation hook ended the run there (use a new --workdir)"
+                )
             )
             return summary or {}
         signals.stop_set_up()
@@ -854,7 +874,7 @@ def train_and_evaluate(
         # Examples/sec counts every model's: an ensemble of 8 at 1x does the work of 8 runs.
         per_step = device_data.examples_per_step * config.ensemble.size
         with RowLog(workdir, config, start_step, per_step, checkpoints, signals=signals) as log:
-            while step < config.steps:
+            while step < end:
                 stop = next_stop(step, config, per_epoch)
                 # Each call: images, labels, order, first batch index, count, first step.
                 for call in batches.chunks(step, stop):
@@ -884,13 +904,17 @@ def train_and_evaluate(
                     run.evaluation = (step, full)
                     run.eval_seconds += time.perf_counter() - began
                     tested = experiment.test_metrics(full) | averaged
+                    if any([hook(step, tested, frozen) for hook in AFTER_EVALUATION]):
+                        end = step
                 if parts:  # written by the log's thread while the next chunks run
                     log.submit(parts, run.eval_seconds, tested)
 
                 # Save: at the end, on a signal, when due; with keep_best, at each evaluation.
-                if saving or (tested and config.keep_best):
+                if saving or step == end or (tested and config.keep_best):
                     log.drain()
                     progress = progress_of(step, per_epoch, config) | batches.state() | row.state()
+                    if step == end < config.steps:
+                        progress[STOPPED_AT] = step
                     if init_step is not None:
                         progress["init_from_step"] = init_step
                     save_if_finite(
@@ -908,17 +932,19 @@ def train_and_evaluate(
         jax.block_until_ready(state)
         nnx.update((model, optimizer), state)
         model.eval()
-        if clock is not None and clock[1] < config.steps:  # else nothing was timed
+        if clock is not None and clock[1] < step:  # else nothing was timed
             seconds = time.perf_counter() - clock[0] - run.eval_seconds
-            run.examples_per_sec = (config.steps - clock[1]) * per_step / seconds
+            run.examples_per_sec = (step - clock[1]) * per_step / seconds
+        if end < config.steps:
+            run.summary[STOPPED_AT] = end
         experiment.show_training(run)
         # summary.json's EMA test metrics: the last step's, or evaluated now if none was.
         run.summary |= averaged if run.evaluation else ema_test_metrics(run, model)
 
         # The final evaluation, the extensions' tables and figures, summary.json and report/.
-        stop_if_signalled(signals, config.steps, checkpoints)
+        stop_if_signalled(signals, step, checkpoints)
         evaluation = experiment.evaluate_model(run)
         for extension in extensions:
             extension.after_training(run)
-            stop_if_signalled(signals, config.steps, checkpoints)
+            stop_if_signalled(signals, step, checkpoints)
         return experiment.write_outputs(run, evaluation, time.perf_counter() - wall_start)
