@@ -37,6 +37,7 @@ from fmnist_flax.runtime import (
 from fmnist_flax.runtime.errors import UserError, error_line
 
 DEFAULT_CONFIG = config_lib.__file__  # its get_config(): the codelab's values
+FIELD_LIST_CHARS = 300  # how much of a group's field names a missing field's line lists
 PIPE_CLOSED_STATUS = 128 + 13  # what a shell reports for a writer stopped by SIGPIPE
 # Added to a run whose config.demonstrations is True, while present (delete fmnist_flax/codelab/).
 EXTENSIONS = ("fmnist_flax.codelab.demonstrations",)
@@ -249,6 +250,7 @@ def missing_field(config: ml_collections.ConfigDict, name: str) -> str | None:
     for key in name.split(".")[1:]:
         if not isinstance(node, ml_collections.ConfigDict) or key not in node:
             fields = ", ".join(node.keys()) if isinstance(node, ml_collections.ConfigDict) else ""
+            fields = errors.clip(fields, FIELD_LIST_CHARS)  # one line, however many there are
             return f"--{name}: {'.'.join(parents)} has no field {key!r}" + (
                 f"; its fields are {fields}" if fields else ""
             )
