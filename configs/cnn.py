@@ -31,6 +31,7 @@ def get_config():
     config.optimizer.warmup_steps = 300
     config.optimizer.final_fraction = 0.01
     config.report = "basic"
+    config.demonstrations = False  # a model of its own: none of the codelab's demonstrations
     # One step per compiled call: XLA's CPU backend runs convolutions inside a loop body
     # much slower than at top level. On a GPU, fused steps are fine: --config.fused_steps=True.
     config.fused_steps = False

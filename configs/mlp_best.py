@@ -23,4 +23,5 @@ def get_config():
     config.optimizer.warmup_steps = 500
     config.optimizer.final_fraction = 0.01  # the cosine ends at 1% of the peak rate
     config.report = "basic"
+    config.demonstrations = False  # a model of its own: none of the codelab's demonstrations
     return config

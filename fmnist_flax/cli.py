@@ -40,8 +40,9 @@ from fmnist_flax.runtime import (
 from fmnist_flax.runtime.errors import UserError, error_line
 
 DEFAULT_CONFIG = config_lib.__file__  # its get_config(): the codelab's values
+FIELD_LIST_CHARS = 300  # how much of a group's field names a missing field's line lists
 PIPE_CLOSED_STATUS = 128 + 13  # what a shell reports for a writer stopped by SIGPIPE
-# Added to every run when present: the codelab's demonstrations (delete fmnist_flax/codelab/).
+# Added to a run whose config.demonstrations is True, while present (delete fmnist_flax/codelab/).
 EXTENSIONS = ("fmnist_flax.codelab.demonstrations",)
 BENCHMARK_MODULE = "fmnist_flax.codelab.benchmark"  # --mode=benchmark, offered while it exists
 
@@ -252,6 +253,7 @@ def missing_field(config: ml_collections.ConfigDict, name: str) -> str | None:
     for key in name.split(".")[1:]:
         if not isinstance(node, ml_collections.ConfigDict) or key not in node:
             fields = ", ".join(node.keys()) if isinstance(node, ml_collections.ConfigDict) else ""
+            fields = errors.clip(fields, FIELD_LIST_CHARS)  # one line, however many there are
             return f"--{name}: {'.'.join(parents)} has no field {key!r}" + (
                 f"; its fields are {fields}" if fields else ""
             )
@@ -447,7 +449,7 @@ def main(argv: Sequence[str]) -> None:
             train.train_and_evaluate(
                 config,
                 _WORKDIR.value,
-                extensions(),
+                extensions(config),
                 accept_config_change=_ACCEPT_CONFIG_CHANGE.value,
             )
         else:
@@ -589,8 +591,11 @@ def run_benchmark(config: ml_collections.ConfigDict) -> None:
     )
 
 
-def extensions() -> list[experiment.Extension]:
-    """One instance of each extension module in EXTENSIONS that exists (its `EXTENSION`)."""
+def extensions(config: ml_collections.ConfigDict) -> list[experiment.Extension]:
+    """One instance of each extension module in EXTENSIONS that exists (its `EXTENSION`), when
+    `config.demonstrations` asks for them; none otherwise."""
+    if config.demonstrations is not True:
+        return []
     return [importlib.import_module(name).EXTENSION for name in EXTENSIONS if exists(name)]
 
 

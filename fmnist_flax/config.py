@@ -73,6 +73,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.augment.max_shift = 0  # random shifts of up to this many pixels, on the device
     config.augment.flip = False  # random left-right mirroring, on the device
     config.report = "full"  # full | basic (no extra timing comparisons) | none (no report/)
+    # The codelab's demonstrations (gradient check, dispatch vs jit, float32 vs bfloat16,
+    # tokens/sec, the whole-batches test row): True in the codelab's configs, False in a
+    # project's. Ignored once fmnist_flax/codelab/ is deleted.
+    config.demonstrations = True
     config.param_sharding = "replicated"  # replicated | fsdp (split over the `data` mesh axis)
     config.mesh = ml_collections.ConfigDict()
     # Devices each annotated parameter is split over: a `model` mesh axis beside `data` (1: none)
@@ -291,6 +295,7 @@ RESUMABLE_FIELDS = (
     "keep_best",
     "max_to_keep",
     "report",
+    "demonstrations",
     "data_dir",
     "fused_steps",
     "param_sharding",

@@ -662,10 +662,8 @@ def evaluate_model(run: Run) -> dict[str, Any]:
     if not parallel.is_primary():
         return result
     last = run.history[-1] if run.history else {}
-    rows = {
-        "test, codelab (whole batches only)": codelab,
-        "test, full (last batch padded, masked)": result["full"],
-    }
+    rows = {"test, codelab (whole batches only)": codelab} if run.config.demonstrations else {}
+    rows["test, full (last batch padded, masked)"] = result["full"]
     if "loss" in last:
         since = run.history[-2]["step"] if len(run.history) > 1 else 0
         examples = (last["step"] - since) * run.device_data.examples_per_step
@@ -779,7 +777,7 @@ def write_outputs(run: Run, evaluation: dict[str, Any], wall_seconds: float) -> 
     whole = f" ({codelab['accuracy']:.4f} on the codelab's {codelab['examples']:,})"
     print(
         f"test accuracy {full['accuracy']:.4f} on {full['examples']:,} examples"
-        + (whole if codelab["examples"] else ""),
+        + (whole if codelab["examples"] and config.demonstrations else ""),
         f"report: {report_path}" if report_path else "report: none (--report=none)",
         f"workdir: {run.workdir}",
         sep="\n",

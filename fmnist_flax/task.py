@@ -4,7 +4,8 @@
 batch (and differentiates `loss`), each logged row over the steps since the row before, and
 evaluation (during training, `--mode=eval`) over the test set with padding masked out; the
 test set's appear as `test_<name>` in metrics.jsonl, TensorBoard, the tables and the report.
-Add a metric or a loss term here and every one of those shows it.
+A module of `config.imports` adds a loss term (`@task.loss_term`, `LOSS_TERMS`) or a metric
+(`@task.metric`, `METRICS`) with no edit here, and every one of those shows it.
 
 `TEST_SET_METRICS` are the metrics that are not a mean over examples (an F1 score): each is
 computed from every test example's label and predicted class at each evaluation, for the
@@ -13,6 +14,8 @@ names in `config.test_set_metrics` (none by default), and reaches the same place
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable, Sequence
 
 import jax
@@ -23,13 +26,47 @@ import optax
 
 from fmnist_flax.runtime.errors import UserError
 
+# fn(logits, labels, config) -> one float32 value per example.
+PerExample = Callable[[jax.Array, jax.Array, ml_collections.FrozenConfigDict], jax.Array]
+BUILT_IN = ("loss", "accuracy")
+# Filled by the decorators below, from a module of config.imports: each loss term is added to
+# `loss` and shown under its own name; each metric is shown beside `loss` and `accuracy`.
+LOSS_TERMS: dict[str, PerExample] = {}
+METRICS: dict[str, PerExample] = {}
+
+
+def _register(registry: dict[str, PerExample], kind: str, name: str):
+    taken = (*BUILT_IN, *LOSS_TERMS, *METRICS)
+    if not name.isidentifier() or name.startswith("test_") or name in taken:
+        raise UserError(
+            f"@task.{kind}({name!r}): a name must be an identifier, not start with test_ (the "
+            f"test set's prefix) and not be one of {', '.join(taken)}"
+        )
+
+    def add(fn: PerExample) -> PerExample:
+        registry[name] = fn
+        return fn
+
+    return add
+
+
+def loss_term(name: str) -> Callable[[PerExample], PerExample]:
+    """Register fn(logits, labels, config), one value per example, as a term added to the loss
+    that training minimises and evaluation reports, shown under `name` too."""
+    return _register(LOSS_TERMS, "loss_term", name)
+
+
+def metric(name: str) -> Callable[[PerExample], PerExample]:
+    """Register fn(logits, labels, config), one value per example, as the metric `name`."""
+    return _register(METRICS, "metric", name)
+
 
 def per_example(
     logits: jax.Array, labels: jax.Array, config: ml_collections.FrozenConfigDict
 ) -> dict[str, jax.Array]:
     """Every metric of a batch, one float32 value per example; `loss` is what training
-    minimises (softmax cross-entropy, labels smoothed when `config.label_smoothing` > 0).
-    Names containing `accuracy` are shown as percentages."""
+    minimises (softmax cross-entropy, labels smoothed when `config.label_smoothing` > 0, plus
+    each of LOSS_TERMS). Names containing `accuracy` are shown as percentages."""
     if config.label_smoothing:
         targets = optax.smooth_labels(
             jax.nn.one_hot(labels, logits.shape[-1]), config.label_smoothing
@@ -37,9 +74,12 @@ def per_example(
         loss = optax.softmax_cross_entropy(logits, targets)
     else:
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    terms = {name: fn(logits, labels, config) for name, fn in LOSS_TERMS.items()}
     return {
-        "loss": loss,
+        "loss": functools.reduce(operator.add, terms.values(), loss),
         "accuracy": (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32),
+        **terms,
+        **{name: fn(logits, labels, config) for name, fn in METRICS.items()},
     }
 
 

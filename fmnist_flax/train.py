@@ -166,6 +166,21 @@ def after_update(hook: UpdateHook) -> UpdateHook:
     return hook
 
 
+# hook(step, metrics, config) -> True to end the run, called after each evaluation in training
+# with its `test_*` metrics (an early stop).
+EvaluationHook = Callable[[int, dict[str, float], ml_collections.FrozenConfigDict], bool]
+AFTER_EVALUATION: list[EvaluationHook] = []
+STOPPED_AT = "stopped_at"  # the progress and summary entry of a step where a hook ended the run
+
+
+def after_evaluation(hook: EvaluationHook) -> EvaluationHook:
+    """Decorator: call `hook(step, metrics, config)` after each evaluation during training. A
+    True return ends the run at that step, saved and with its outputs written; running the same
+    command again does not train past it."""
+    AFTER_EVALUATION.append(hook)
+    return hook
+
+
 def train_step(
     model: nnx.Module,
     optimizer: nnx.Optimizer,
@@ -399,16 +414,21 @@ def restore_train_state(
 
 
 def finished_summary(
-    workdir: pathlib.Path, start_step: int, config: ml_collections.ConfigDict
+    workdir: pathlib.Path, start_step: int, config: ml_collections.ConfigDict, end: int
 ) -> dict[str, Any] | None:
-    """The summary to return when the workdir already holds the run (saying so), else None.
-    An unreadable summary.json (a kill while it was replaced is not one: it is written
-    atomically) is written again from the final checkpoint."""
+    """The summary to return when the workdir already holds the run, to `config.steps` or to
+    `end` where an after-evaluation hook ended it (saying so), else None. An unreadable
+    summary.json (a kill while it was replaced is not one: it is written atomically) is
+    written again from the final checkpoint."""
     summary = workdir_lib.read_json(workdir / workdir_lib.SUMMARY_FILE)
-    if start_step > config.steps or (start_step == config.steps and summary):
+    if start_step > config.steps or (start_step == end and summary):
         parallel.say(
             f"workdir {workdir} already holds step {start_step}; nothing to do for "
-            f"--steps={config.steps} (pass a larger --steps to continue)"
+            + (
+                f"--steps={config.steps} (pass a larger --steps to continue)"
+                if end == config.steps
+                else "it: an after-evaluation hook ended the run there (use a new --workdir)"
+            )
         )
         return summary or {}
     return None
@@ -443,7 +463,7 @@ def finish(
     experiment.show_training(run)
     # summary.json's EMA test metrics: the last step's, or evaluated now if none was.
     run.summary |= averaged if run.evaluation else ema_test_metrics(run, run.model)
-    steps = run.config.steps
+    steps = run.summary.get(STOPPED_AT, run.config.steps)
     stop.after_training(steps, run.checkpoints)
     evaluation = experiment.evaluate_model(run)
     for extension in extensions:
@@ -507,7 +527,8 @@ def train_and_evaluate(
         run.summary["config_changes"] = changes
         if config.init_from:
             run.summary |= {"init_from": config.init_from, "init_from_step": init_step}
-        if (summary := finished_summary(workdir, start_step, config)) is not None:
+        end = resumed.get(STOPPED_AT, config.steps)  # where an AFTER_EVALUATION hook stopped it
+        if (summary := finished_summary(workdir, start_step, config, end)) is not None:
             return summary
         stop.before_training()
 
@@ -549,7 +570,7 @@ def train_and_evaluate(
             stop=stop,
         )
         with writer:
-            while step < config.steps:
+            while step < end:
                 next_stop = schedule.next_stop(step)
                 # Each call: images, labels, order, first batch index, count, first step.
                 for call in batches.chunks(step, next_stop):
@@ -569,14 +590,22 @@ def train_and_evaluate(
                     jax.block_until_ready(state)  # training's own asynchronous work is done
                     writer.wait_timed()  # the rows before are timed before the evaluation
                     tested, averaged = evaluate_during_training(run, model, optimizer, state, step)
+                    if any([hook(step, tested, frozen) for hook in AFTER_EVALUATION]):
+                        end = step  # an early stop: saved below, and kept on resume
                 if testing or schedule.logs(step):
                     # Written by the writer's thread while the next chunks run.
                     writer.write(step, metrics, run.eval_seconds, tested)
 
                 # Save: at the end, on a signal, when due; with keep_best, at each evaluation.
-                if schedule.saves(step, signum, checkpoints) or (tested and config.keep_best):
+                if (
+                    schedule.saves(step, signum, checkpoints)
+                    or step == end
+                    or (tested and config.keep_best)
+                ):
                     writer.flush()
                     progress = schedule.progress(step) | batches.state() | writer.state()
+                    if step == end < config.steps:
+                        progress[STOPPED_AT] = step
                     if init_step is not None:
                         progress["init_from_step"] = init_step
                     stopping.save_if_finite(
@@ -589,7 +618,9 @@ def train_and_evaluate(
         jax.block_until_ready(state)
         nnx.update((model, optimizer), state)
         model.eval()
-        if clock is not None and clock[1] < config.steps:  # else nothing was timed
+        if clock is not None and clock[1] < step:  # else nothing was timed
             seconds = time.perf_counter() - clock[0] - run.eval_seconds
-            run.examples_per_sec = (config.steps - clock[1]) * per_step / seconds
+            run.examples_per_sec = (step - clock[1]) * per_step / seconds
+        if end < config.steps:
+            run.summary[STOPPED_AT] = end
         return finish(run, extensions, stop, averaged, wall_start)

@@ -465,3 +465,9 @@ def test_help_starts_with_usage_and_examples_and_shows_the_training_defaults():
         line = next(line for line in lines if line.startswith(f"  --{flag} "))
         assert f"(default: {default})" in line, line
     assert max(len(line) for line in lines) <= 100
+
+
+def test_demonstrations_asked_for_once_the_codelab_is_deleted_are_none(quick_config, monkeypatch):
+    """config.demonstrations=True with fmnist_flax/codelab/ gone: the run has no extension."""
+    monkeypatch.setattr(cli, "EXTENSIONS", ("fmnist_flax.codelab_deleted.demonstrations",))
+    assert quick_config.demonstrations is True and cli.extensions(quick_config) == []

@@ -6,11 +6,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_config
+from conftest import load_config, run_main
 from flax import nnx
 from PIL import Image
 
-from fmnist_flax import train
+from fmnist_flax import cli, train
 from fmnist_flax.codelab import demonstrations as codelab
 from fmnist_flax.model import MLP
 
@@ -21,6 +21,29 @@ TABLE_TITLES = (  # what the codelab adds to the report's tables
     "Throughput in tokens (projection)",
 )
 FIGURE_SIZES = {"dispatch_vs_jit.png": (800, 260), "precision.png": (800, 260)}
+
+
+@pytest.mark.parametrize(
+    ("name", "runs_them"),
+    [("default", True), ("smoke", True), ("bf16", True), ("mlp_best", False), ("cnn", False)],
+)
+def test_the_codelabs_configs_ask_for_the_demonstrations_and_others_do_not(name, runs_them):
+    assert cli.extensions(load_config(name)) == ([codelab.EXTENSION] if runs_them else [])
+
+
+@pytest.mark.slow
+def test_a_project_config_prints_none_of_the_demonstrations(tmp_path):
+    """configs/mlp_best.py (shortened) shows no demonstration table and no codelab test row;
+    the codelab's own run still shows them."""
+    shorten = ("--steps=30", "--report=none", "--config.log_every=10")
+    mlp_best = ("--config=configs/mlp_best.py", "--config.optimizer.warmup_steps=10")
+    project = run_main(*mlp_best, *shorten, f"--workdir={tmp_path / 'p'}")
+    assert project.returncode == 0, project.stderr
+    codelab_run = run_main(*shorten, f"--workdir={tmp_path / 'c'}")
+    assert codelab_run.returncode == 0, codelab_run.stderr
+    for title in (TABLE_TITLES[0], TABLE_TITLES[3], "codelab"):
+        assert title not in project.stdout
+        assert title in codelab_run.stdout
 
 
 def test_gradient_check_reports_matching_trees(quick_config):

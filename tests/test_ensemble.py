@@ -311,7 +311,7 @@ def test_an_ensemble_run_writes_the_full_report(tmp_path):
 
     config = ensemble_config(steps=10, report="full")
     config.ensemble.size, config.ensemble.learning_rate = 2, (1e-3, 3e-3)
-    summary = train.train_and_evaluate(config, tmp_path / "w", cli.extensions())
+    summary = train.train_and_evaluate(config, tmp_path / "w", cli.extensions(config))
     names = {p.name for p in (tmp_path / "w" / "report").iterdir()}
     assert {"members.png", "dispatch_vs_jit.png", "precision.png"} <= names
     assert [row["mode"] for row in summary["dispatch_vs_jit"]] == ["Python dispatch", "jitted step"]

@@ -8,12 +8,13 @@ import pathlib
 
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import forward, load_config, run_main
 from flax import nnx
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fmnist_flax import evaluate, input_pipeline, task
+from fmnist_flax import evaluate, input_pipeline, task, train
 from fmnist_flax import model as model_lib
 from fmnist_flax.model import MLP
 from fmnist_flax.runtime import inference, parallel
@@ -243,3 +244,21 @@ def test_whole_set_metrics_reach_every_output_of_a_run_and_eval(tmp_path: pathli
     assert "Macro f1" in evaluated.stdout
     report = json.loads((tmp_path / "e.json").read_text())
     assert {k: report[k] for k in columns} == {k: summary[k] for k in columns}
+
+
+def test_registered_loss_terms_add_to_the_loss_and_metrics_sit_beside_it(quick_config, monkeypatch):
+    """`@task.loss_term` adds to the loss and shows the term; `@task.metric` adds a metric;
+    a name already taken is refused in one line."""
+    monkeypatch.setattr(task, "LOSS_TERMS", {})
+    monkeypatch.setattr(task, "METRICS", {})
+    task.loss_term("twice")(lambda logits, labels, config: jnp.full(len(labels), 2.0))
+    task.metric("top_logit")(lambda logits, labels, config: logits.max(-1))
+    logits, labels = jnp.array([[1.0, 3.0], [2.0, 0.0]]), jnp.array([1, 1])
+    values = task.per_example(logits, labels, train.Config(quick_config))
+    assert list(values) == ["loss", "accuracy", "twice", "top_logit"]
+    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    np.testing.assert_allclose(values["loss"], cross_entropy + 2.0)
+    np.testing.assert_array_equal(values["top_logit"], [3.0, 2.0])
+    for name in ("twice", "accuracy", "test_top"):
+        with pytest.raises(UserError, match=f"@task.metric\\('{name}'\\): a name must be"):
+            task.metric(name)

@@ -283,7 +283,9 @@ def test_the_ensemble_recipe(project, jax_only):
 @pytest.mark.slow
 def test_the_loss_term_optimizer_and_fine_tuning_recipes(project):
     root, values = project
+    template = {p: p.read_bytes() for p in (root / "fmnist_flax").rglob("*.py")}
     assert len(follow(recipe("Add a loss term"), root, **values)) == 1
+    assert {p: p.read_bytes() for p in (root / "fmnist_flax").rglob("*.py")} == template
     sgd_run, rmsprop_run = follow(recipe("Use another optimizer"), root, **values)
     follow(recipe("Fine-tune from another run"), root, **values)
     runs = root / "runs"
@@ -291,6 +293,9 @@ def test_the_loss_term_optimizer_and_fine_tuning_recipes(project):
     z_first, plain_first = rows_of(runs / "z_loss")[0], rows_of(runs / "pretrained")[0]
     assert z_first["loss"] > plain_first["loss"] + 1e-3
     assert z_first["accuracy"] == plain_first["accuracy"]
+    # The term is shown under its own name and is all the loss gained.
+    assert z_first["loss"] == pytest.approx(plain_first["loss"] + z_first["z_loss"], rel=1e-5)
+    assert all(row["test_z_loss"] > 0 for row in rows_of(runs / "z_loss") if "test_loss" in row)
     assert summary_of(runs / "z_loss")["config"]["z_loss"] == 0.01
     sgd = summary_of(runs / "sgd")
     assert sgd["config"]["optimizer"]["name"] == "sgd" and sgd["steps"] == 20
@@ -301,6 +306,26 @@ def test_the_loss_term_optimizer_and_fine_tuning_recipes(project):
     assert tuned["init_from"] == str(runs / "pretrained")
     # It starts where the pretrained run ended, far below a fresh model's first loss.
     assert rows_of(runs / "finetuned")[0]["loss"] < 0.5 * plain_first["loss"]
+
+
+@pytest.mark.slow
+def test_the_early_stopping_recipe_stops_keeps_the_best_and_stays_stopped(project):
+    """An after-evaluation hook of the project's own module ends the run before --steps, with
+    no template edit; the same command again trains no further; --step=best is the best
+    evaluation's step."""
+    root, values = project
+    template = {p: p.read_bytes() for p in (root / "fmnist_flax").rglob("*.py")}
+    _, again, _ = follow(recipe("Stop early"), root, **values)
+    assert {p: p.read_bytes() for p in (root / "fmnist_flax").rglob("*.py")} == template
+    work = root / "runs" / "early"
+    summary, rows = summary_of(work), rows_of(work)
+    tested = [row for row in rows if "test_accuracy" in row]
+    assert summary["stopped_at"] == rows[-1]["step"] == tested[-1]["step"] < summary["steps"]
+    assert tested[-1]["test_accuracy"] <= max(r["test_accuracy"] for r in tested[:-1])
+    assert max(int(p.name) for p in (work / "checkpoints").iterdir()) == summary["stopped_at"]
+    assert "an after-evaluation hook ended the run there" in again.stdout
+    best = max(tested, key=lambda row: row["test_accuracy"])["step"]
+    assert json.loads((root / "runs/early-best.json").read_text())["step"] == best
 
 
 @pytest.mark.slow

@@ -181,6 +181,29 @@ def short_run(quick_config, workdir, fields=None):
     return train.train_and_evaluate(quick_config, workdir)
 
 
+def test_an_after_evaluation_hook_ends_the_run_and_a_resume_stays_there(
+    quick_config, tmp_path, monkeypatch
+):
+    """A hook returning True ends the run at that evaluation, saved, its summary written; the
+    same call again trains no further."""
+    seen = []
+
+    def stop_at_20(step, metrics, config):
+        seen.append((step, "test_accuracy" in metrics))
+        return step == 20
+
+    monkeypatch.setattr(train, "AFTER_EVALUATION", [stop_at_20])
+    quick_config.steps, quick_config.log_every, quick_config.eval_every = 40, 10, 10
+    quick_config.eval_examples = 1_000
+    summary = train.train_and_evaluate(quick_config, tmp_path / "w")
+    assert seen == [(10, True), (20, True)] and summary["stopped_at"] == 20
+    rows = rows_of(tmp_path / "w")
+    assert rows[-1]["step"] == 20
+    assert max(int(p.name) for p in (tmp_path / "w" / "checkpoints").iterdir()) == 20
+    assert train.train_and_evaluate(quick_config, tmp_path / "w")["stopped_at"] == 20
+    assert rows_of(tmp_path / "w") == rows and len(seen) == 2
+
+
 def test_a_row_is_the_mean_of_the_steps_since_the_row_before(quick_config, tmp_path, caplog):
     """Logged every 25 steps, a row equals the mean of the rows the same run logs every step
     (the gradient norm stays the row's last step's): summed inside the compiled chunks, and

@@ -2,8 +2,9 @@
 
 The gradient check, Python dispatch vs the jitted step, float32 vs bfloat16 timing and the
 tokens/sec projection. Nothing on the training path imports this module: the CLI adds
-`Codelab()` to the run when it exists, so a project that starts from this template can delete
-`fmnist_flax/codelab/` (with its tests) and keep a working trainer.
+`Codelab()` to a run whose `config.demonstrations` is True, while it exists, so a project that
+starts from this template can delete `fmnist_flax/codelab/` (with its tests) and keep a
+working trainer.
 """
 
 from __future__ import annotations
@@ -283,4 +284,4 @@ def timing_table(title: str, key: str, rows: Sequence[dict[str, Any]]) -> Table:
     )
 
 
-EXTENSION = Codelab()  # what the CLI adds to every run
+EXTENSION = Codelab()  # what the CLI adds to a run with config.demonstrations

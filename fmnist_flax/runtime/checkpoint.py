@@ -71,7 +71,9 @@ ITEM_FIELDS = {
 # What each field of a JSON item must hold, where present (a field edited by hand, or
 # damaged, is named rather than failing later): a test, and what it wants.
 FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    **dict.fromkeys(("step", "epoch", "index", "seed"), (errors.is_whole, "a whole number >= 0")),
+    **dict.fromkeys(
+        ("step", "epoch", "index", "seed", "stopped_at"), (errors.is_whole, "a whole number >= 0")
+    ),
     **dict.fromkeys(
         ("num_batches", "batch_size"), (lambda v: errors.is_whole(v, 1), "a whole number >= 1")
     ),
