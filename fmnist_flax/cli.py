@@ -26,6 +26,7 @@ from fmnist_flax import datasets, experiment, train
 from fmnist_flax.runtime import (
     checkpoint,
     compilation_cache,
+    data_files,
     ensemble,
     errors,
     export,
@@ -67,7 +68,7 @@ _WORKDIR = flags.DEFINE_string(
 )
 _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache",
-    str(datasets.CACHE_ROOT / "jax"),
+    str(data_files.CACHE_ROOT / "jax"),
     "JAX's persistent compilation cache; runs after the first skip most compiling. '' disables.",
 )
 _MODE = flags.DEFINE_enum(

@@ -28,6 +28,7 @@ from fmnist_flax import model as model_lib
 from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax.runtime import checkpoint as checkpoint_lib
 from fmnist_flax.runtime import (
+    data_files,
     ensemble,
     grain_pipeline,
     inference,
@@ -437,7 +438,7 @@ def check_config_changes(
         return []
     earlier = checkpoints.saved("changes", step)[1] or {"changes": []}
     changes = config_lib.training_changes(saved, config.to_dict())
-    changes += datasets.identity_changes(
+    changes += data_files.identity_changes(
         checkpoints.saved("dataset", step)[1] or {}, dataset.info()
     )
     fixed = [c for c in changes if config_lib.fixed_on_resume(c)]
