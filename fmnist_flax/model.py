@@ -308,6 +308,6 @@ def abstract_model(
     config: ml_collections.ConfigDict, image_shape: tuple[int, int, int], num_classes: int
 ) -> nnx.Module:
     """One model of the config (not an ensemble) as shapes and dtypes only (`nnx.eval_shape`):
-    what it would hold, with nothing allocated; `experiment.check_memory` sizes runs by it."""
+    what it would hold, with nothing allocated; `experiment.member_bytes` sizes runs by it."""
     static = static_args(config, image_shape, num_classes)
     return nnx.eval_shape(lambda: _construct(*static, jnp.uint32(0)))
