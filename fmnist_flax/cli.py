@@ -7,19 +7,14 @@ from __future__ import annotations
 
 import errno
 import importlib
-import importlib.util
 import os
-import runpy
 import signal
 import sys
 from collections.abc import Sequence
 
-import jax
 import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
-from ml_collections.config_flags import config_path as config_fields
-from ml_collections.config_flags import tuple_parser
 
 from fmnist_flax import config as config_lib
 from fmnist_flax import datasets, experiment, train
@@ -35,6 +30,7 @@ from fmnist_flax.runtime import (
     parallel,
     records,
 )
+from fmnist_flax.runtime.command_line import exists, explain_config_error, fail
 from fmnist_flax.runtime.errors import UserError, error_line
 
 DEFAULT_CONFIG = config_lib.__file__  # its get_config(): the codelab's values
@@ -42,25 +38,7 @@ PIPE_CLOSED_STATUS = 128 + 13  # what a shell reports for a writer stopped by SI
 # Added to every run when present: the codelab's demonstrations (delete fmnist_flax/codelab/).
 EXTENSIONS = ("fmnist_flax.codelab.demonstrations",)
 BENCHMARK_MODULE = "fmnist_flax.codelab.benchmark"  # --mode=benchmark, offered while it exists
-
-
-def exists(name: str) -> bool:
-    """Whether module `name` can be imported; False when it or its package was deleted."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:  # its package is gone
-        return False
-
-
 BENCHMARK = exists(BENCHMARK_MODULE)
-# The parsers of a --config.FIELD's value by the field's type, as ml_collections parses them.
-VALUE_PARSERS = {
-    int: flags.IntegerParser,
-    float: flags.FloatParser,
-    bool: flags.BooleanParser,
-    tuple: tuple_parser.TupleParser,
-}
-
 FLAGS = flags.FLAGS
 _CONFIG: flags.FlagHolder | None = None  # defined by run(): see define_config_flag
 _WORKDIR = flags.DEFINE_string(
@@ -184,107 +162,6 @@ flags.DEFINE_string(
 )
 
 
-def fail(message: str, code: int, together: bool = False) -> None:
-    """Say `message` in one line and exit with `code`. `together`: every process of a
-    multi-process run stops here at once (a signal stops all at the same saved step).
-    With --debug (or FMNIST_FLAX_DEBUG=1) the exception being handled comes first, whole."""
-    errors.print_traceback(sys.exc_info()[1])
-    error_line(message)
-    # Leave at once (1) in a multi-process run: the other processes may be waiting in a
-    # collective this one will never join, and a normal exit would wait for them at JAX's
-    # shutdown barrier (is_initialized: process_count() would start the backends); (2) after
-    # a failed save: Orbax's threads may still be inside tensorstore finishing its abandoned
-    # writes, and the interpreter's shutdown would kill them mid-call (an abort, exit -6).
-    if jax.distributed.is_initialized() or library_workarounds.abandoned_writes():
-        if together and jax.distributed.is_initialized():
-            # Leave through JAX's shutdown barrier: process 0 hosts the coordination service,
-            # and a peer still leaving when it goes aborts with a C++ stack trace (exit -6).
-            jax.distributed.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
-
-
-def config_path(argv: Sequence[str]) -> str:
-    """The --config file named on the command line, or the default."""
-    given = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    return given[-1] if given else DEFAULT_CONFIG
-
-
-def explain_config_error(argv: Sequence[str], exc: Exception) -> str:
-    """One line for a --config mistake: a file that does not load, or a field it lacks."""
-    path = config_path(argv)
-    try:
-        if os.path.isdir(path):
-            raise IsADirectoryError("it is a directory")
-        config = runpy.run_path(path)["get_config"]()
-    except Exception as load_error:  # any error in the user's file is reported, not raised
-        lines = str(load_error).strip().splitlines()
-        reason = lines[-1] if lines else type(load_error).__name__
-        if isinstance(load_error, KeyError):
-            reason = "it defines no get_config()"
-        return (
-            f"--config={path} cannot be loaded ({reason}); pass a Python file whose "
-            "get_config() returns a config, e.g. configs/bf16.py"
-        )
-    overrides = [arg.lstrip("-").partition("=")[::2] for arg in argv]
-    overrides = [(name, value) for name, value in overrides if name.startswith("config.")]
-    for name, _ in overrides:  # an unknown field first: no value of it can be checked
-        missing = missing_field(config, name)
-        if missing:
-            return missing
-    said = str(exc)
-    for name, value in overrides:  # absl names the flag whose value failed to parse
-        if said.startswith(f"flag --{name}={value}: "):
-            return bad_value(config, name, value)
-    for name, value in overrides:  # else the first value its field's type refuses
-        if value and refuses(config, name.removeprefix("config."), value):
-            return bad_value(config, name, value)
-    return f"{errors.shorten(said.splitlines()[0] if said else type(exc).__name__)} (see --help)"
-
-
-def missing_field(config: ml_collections.ConfigDict, name: str) -> str | None:
-    """The line for `--config.A.B` naming a field the config lacks, or None."""
-    node, *parents = config, "config"
-    for key in name.split(".")[1:]:
-        if not isinstance(node, ml_collections.ConfigDict) or key not in node:
-            fields = ", ".join(node.keys()) if isinstance(node, ml_collections.ConfigDict) else ""
-            return f"--{name}: {'.'.join(parents)} has no field {key!r}" + (
-                f"; its fields are {fields}" if fields else ""
-            )
-        node, parents = node[key], [*parents, key]
-    return None
-
-
-def refuses(config: ml_collections.ConfigDict, field: str, value: str) -> bool:
-    """Whether `value` cannot be parsed as `field`'s type (a group of fields takes none)."""
-    kind = config_fields.get_type(field, config)
-    if isinstance(kind, type) and issubclass(kind, ml_collections.ConfigDict):
-        return True
-    if kind not in VALUE_PARSERS:
-        return False
-    try:
-        VALUE_PARSERS[kind]().parse(value)
-    except ValueError:
-        return True
-    return False
-
-
-def bad_value(config: ml_collections.ConfigDict, name: str, value: str) -> str:
-    """The line for `--config.FIELD=VALUE` whose value its field cannot take."""
-    field = name.removeprefix("config.")
-    now = config_fields.get_value(field, config)
-    if isinstance(now, ml_collections.ConfigDict):
-        return (
-            f"--{name}={value}: config.{field} is a group of fields, not a value; set them one "
-            f"by one, --{name}.FIELD=VALUE; its fields are {', '.join(now.keys())}"
-        )
-    kind = config_fields.get_type(field, config)
-    shown = errors.clip(repr(now), errors.QUOTE_CHARS)
-    return f"--{name}={value}: not a valid {kind.__name__} for this field ({shown} now)"
-
-
 def parse_flags(argv: Sequence[str]) -> list[str]:
     """absl's parser, with --help listing this project's flags and every mistake in one line."""
     if any(a in ("-h", "--help", "-help", "--helpshort") for a in argv[1:]):
@@ -296,16 +173,16 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
         _CONFIG.value.to_dict()  # a file that failed to load raises only when used
     except flags.UnrecognizedFlagError as exc:
         if exc.flagname.startswith("config."):
-            fail(explain_config_error(argv, exc), 2)
+            fail(explain_config_error(argv, exc, DEFAULT_CONFIG), 2)
         fail(f"{exc} (see --help)", 2)
     except flags.Error as exc:
         if str(exc).startswith("flag --config"):
-            fail(explain_config_error(argv, exc), 2)
+            fail(explain_config_error(argv, exc, DEFAULT_CONFIG), 2)
         if str(exc).startswith("flag --mode=benchmark:"):  # only while it is not a mode
             fail("--mode=benchmark: the benchmark was removed with fmnist_flax/codelab/", 2)
         fail(f"{str(exc).splitlines()[0]} (see --help)", 2)
     except Exception as exc:  # the config file failed to load
-        fail(explain_config_error(argv, exc), 2)
+        fail(explain_config_error(argv, exc, DEFAULT_CONFIG), 2)
     return remaining
 
 
@@ -493,7 +370,7 @@ def define_config_flag() -> None:
             "config", DEFAULT_CONFIG, "Config file; override fields with --config.FIELD=VALUE."
         )
     except Exception as exc:  # an unknown --config.FIELD, a file that does not load
-        fail(explain_config_error(sys.argv, exc), 2)
+        fail(explain_config_error(sys.argv, exc, DEFAULT_CONFIG), 2)
 
 
 def run() -> None:
