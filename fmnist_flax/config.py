@@ -9,7 +9,6 @@ fields by `datasets.get`.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import ml_collections
@@ -18,6 +17,7 @@ from ml_collections import config_dict
 
 from fmnist_flax import optimizer, task
 from fmnist_flax.model import COMPUTE_DTYPES
+from fmnist_flax.runtime import ensemble as ensemble_lib
 from fmnist_flax.runtime.errors import UserError, is_whole
 from fmnist_flax.runtime.parallel import PARAM_SHARDINGS, check_mesh_config
 from fmnist_flax.runtime.plugins import import_modules
@@ -202,7 +202,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
             )
     if config.augment.max_shift < 0:
         raise UserError(f"--config.augment.max_shift={config.augment.max_shift} must be >= 0")
-    check_ensemble(config)
+    ensemble_lib.check_config(config, MAX_SEED)
     decay = config.ema.decay
     if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 <= decay < 1:
         raise UserError(
@@ -213,71 +213,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise UserError(
             f"--config.ema.decay={decay!r} is 1.0 in float32, where the average is kept, so it "
             "would never move; use at most 0.9999999 (e.g. 0.999)"
-        )
-
-
-MAX_MEMBERS = 1024
-
-
-def check_ensemble(config: ml_collections.ConfigDict) -> None:
-    """`config.ensemble`: a size, per-member values of that length, a data rule that the input
-    pipeline can follow."""
-    ens = config.ensemble
-    flag = "--config.ensemble"
-    if isinstance(ens.size, bool) or not isinstance(ens.size, int) or ens.size < 1:
-        raise UserError(f"{flag}.size={ens.size!r} must be a whole number of members >= 1")
-    if (
-        isinstance(ens.shards, bool)
-        or not isinstance(ens.shards, int)
-        or ens.shards < 1
-        or (ens.size % ens.shards)
-    ):
-        raise UserError(
-            f"{flag}.shards={ens.shards!r} must be a whole number >= 1 that divides "
-            f"{flag}.size={ens.size} (the members are split over that many devices)"
-        )
-    per_pass = ens.members_per_pass
-    if (
-        isinstance(per_pass, bool)
-        or not isinstance(per_pass, int)
-        or per_pass < 0
-        or (per_pass and (ens.size % per_pass or per_pass % ens.shards))
-    ):
-        raise UserError(
-            f"{flag}.members_per_pass={per_pass!r} must be 0 (chosen for the device) or a whole "
-            f"number that divides {flag}.size={ens.size} and is a multiple of "
-            f"{flag}.shards={ens.shards}"
-        )
-    if ens.size > MAX_MEMBERS or config.seed + ens.size - 1 > MAX_SEED:
-        raise UserError(
-            f"{flag}.size={ens.size} is too large: at most {MAX_MEMBERS} members, and "
-            f"--seed + size - 1 must stay <= {MAX_SEED:,}"
-        )
-    for field, low in (("learning_rate", 0.0), ("weight_decay", 0.0)):
-        values = ens[field]
-        if not isinstance(values, tuple | list) or len(values) not in (0, ens.size):
-            raise UserError(
-                f"{flag}.{field}={values!r} must be a tuple of {ens.size} values, one per member "
-                f"(--config.ensemble.size={ens.size}), or () for config.optimizer's"
-            )
-        for value in values:
-            number = isinstance(value, int | float) and not isinstance(value, bool)
-            if (
-                not number
-                or not low <= value < math.inf
-                or (field == "learning_rate" and not value)
-            ):
-                bound = "positive" if field == "learning_rate" else ">= 0"
-                raise UserError(f"{flag}.{field}: {value!r} must be a finite number {bound}")
-    if ens.learning_rate and config.optimizer.schedule != "constant":
-        raise UserError(
-            f"{flag}.learning_rate sets per-member rates, which need "
-            "--config.optimizer.schedule=constant (a schedule's peak is config.optimizer's)"
-        )
-    if ens.size > 1 and not ens.same_data and config.input_pipeline == "grain":
-        raise UserError(
-            f"{flag}.same_data=False gives each member its own batches, which only "
-            "--config.input_pipeline=device can gather; use it, or same_data=True"
         )
 
 
