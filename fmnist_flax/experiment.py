@@ -27,6 +27,7 @@ from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax.runtime import checkpoint as checkpoint_lib
 from fmnist_flax.runtime import (
     data_files,
+    device_batches,
     ensemble,
     inference,
     memory,
@@ -132,7 +133,7 @@ def prepare(
     model_lib.check_config(config.model, dataset.image_shape)
     mesh = parallel.mesh_for(config, devices)
     on_host = config.input_pipeline == "grain"
-    device_data = input_pipeline.to_device(
+    device_data = device_batches.to_device(
         dataset, config.batch_size, mesh, not on_host, config.optimizer.accumulate
     )
     memory.check_memory(config, dataset, mesh, member_bytes)
