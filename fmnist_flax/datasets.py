@@ -19,7 +19,7 @@ from collections.abc import Callable
 import ml_collections
 import numpy as np
 
-from fmnist_flax.runtime import data_files
+from fmnist_flax.runtime import data_files, records
 from fmnist_flax.runtime.data_files import (
     ARRAY_FILES,
     CLASSES_FILE,
@@ -27,8 +27,6 @@ from fmnist_flax.runtime.data_files import (
     Dataset,
     DatasetSpec,
     IdxFile,
-    check_class_count,
-    check_labels,
     find_payload,
     make_dataset,
     parse_idx,
@@ -176,66 +174,9 @@ for _spec in IDX_DATASETS.values():
     )
 
 
-# --- `arrays`: train.npz and test.npz ---------------------------------------------------------
+# --- `arrays`: train.npz and test.npz; `records`: --mode=prepare's record files -------------
 
-
-@register("arrays", needs=f"{' and '.join(ARRAY_FILES)} (images, labels)")
-def load_arrays(data_dir: pathlib.Path) -> Dataset:
-    """`DIR/train.npz` and `DIR/test.npz`, each holding `images` uint8 (N, H, W) or
-    (N, H, W, C) and `labels` (N,) integers (float images need `pixel_range`, [low, high]);
-    class names from `DIR/classes.txt`, or 0..N-1."""
-    paths = [data_dir / name for name in ARRAY_FILES]
-    splits = []
-    for path in paths:  # each file's floats mapped by its own pixel_range
-        arrays = data_files.read_npz(path)
-        images = data_files.split_images(
-            np.asarray(arrays["images"]), str(path), arrays.get("pixel_range")
-        )
-        splits.append((images, data_files.split_labels(np.asarray(arrays["labels"]), str(path))))
-    return make_dataset(
-        "arrays",
-        f"{data_dir.name} (arrays)",
-        read_class_names(data_dir, np.concatenate([labels for _, labels in splits])),
-        *splits,
-        sources=(str(paths[0]), str(paths[1])),
-        origin=".npz files",
-    )
-
-
-@register("records", needs="record files written by --mode=prepare --output=DIR")
-def load_records(data_dir: pathlib.Path) -> Dataset:
-    """Record shards that `--mode=prepare` wrote (fmnist_flax/runtime/records.py): images stay
-    in the files and are read a batch at a time; labels are read whole (4 bytes each)."""
-    from fmnist_flax.runtime import records
-
-    info, images, labels = records.read_splits(data_dir)
-    for split in records.SPLITS:  # training would end at its first evaluation
-        if not len(labels[split]):
-            raise UserError(
-                f"{data_dir / records.INFO_FILE}: the {split} split holds no examples; each split "
-                "needs at least one: write the records again with --mode=prepare from a dataset "
-                f"that has {split} examples"
-            )
-    check_class_count(
-        len(info["class_names"]),
-        f"{data_dir / records.INFO_FILE}:",
-        "write the records again with --mode=prepare",
-    )
-    for split in records.SPLITS:
-        check_labels(
-            labels[split], f"{data_dir / records.LABELS_FILE}[{split}]", len(info["class_names"])
-        )
-    return Dataset(
-        name="records",
-        title=info["title"],
-        class_names=tuple(info["class_names"]),
-        train_images=images["train"],
-        train_labels=labels["train"],
-        test_images=images["test"],
-        test_labels=labels["test"],
-        sources=tuple(
-            str(data_dir / f"{split}-*{records.SHARD_SUFFIX}") for split in records.SPLITS
-        ),
-        origin=f"record files (prepared from {info['source']['dataset']})",
-        checked=bool(info["source"]["checked"]),
-    )
+register("arrays", needs=f"{' and '.join(ARRAY_FILES)} (images, labels)")(data_files.load_arrays)
+register("records", needs="record files written by --mode=prepare --output=DIR")(
+    records.load_dataset
+)

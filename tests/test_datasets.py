@@ -95,7 +95,7 @@ def test_label_out_of_range_is_refused():
     labels = np.array([0, 9, 10, 3], np.uint8)
     parsed = datasets.parse_idx(idx_bytes(labels), "labels", images=False)
     with pytest.raises(UserError, match=r"labels: label 10 at index 2 is outside 0\.\.9"):
-        datasets.check_labels(parsed, "labels", 10)
+        data_files.check_labels(parsed, "labels", 10)
 
 
 def test_image_and_label_counts_must_agree(small_dataset_dir, tmp_path_factory):

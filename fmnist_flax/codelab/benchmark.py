@@ -805,7 +805,7 @@ def run_benchmark(
     dataset = datasets.load(config)
     with tempfile.TemporaryDirectory(prefix="bench-records-") as tmp:
         records.write_dataset(dataset, pathlib.Path(tmp) / "records")
-        record_set = datasets.load_records(pathlib.Path(tmp) / "records")
+        record_set = records.load_dataset(pathlib.Path(tmp) / "records")
         result = run_suite(
             config,
             dataset,

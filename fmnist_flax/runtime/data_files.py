@@ -5,7 +5,7 @@ in a file is one `UserError` line naming it.
 
 API: `Dataset`, `make_dataset`, `identity_changes`, `check_labels`, `check_class_count`,
 `read_class_names`, `split_images`, `split_labels`; `IdxFile`, `DatasetSpec`, `find_payload`,
-`verified_payload`, `parse_idx`; `read_npz`.
+`verified_payload`, `parse_idx`; `read_npz`, `load_arrays`.
 """
 
 from __future__ import annotations
@@ -544,3 +544,23 @@ def _check_declared_size(
             f"{path}: {member.filename[:-4]} declares shape {shape} of {dtype} ({declared:,} "
             f"bytes) but the file holds {max(held, 0):,}; the file is damaged or cut short"
         )
+
+
+def load_arrays(data_dir: pathlib.Path) -> Dataset:
+    """`DIR/train.npz` and `DIR/test.npz`, each holding `images` uint8 (N, H, W) or
+    (N, H, W, C) and `labels` (N,) integers (float images need `pixel_range`, [low, high]);
+    class names from `DIR/classes.txt`, or 0..N-1."""
+    paths = [data_dir / name for name in ARRAY_FILES]
+    splits = []
+    for path in paths:  # each file's floats mapped by its own pixel_range
+        arrays = read_npz(path)
+        images = split_images(np.asarray(arrays["images"]), str(path), arrays.get("pixel_range"))
+        splits.append((images, split_labels(np.asarray(arrays["labels"]), str(path))))
+    return make_dataset(
+        "arrays",
+        f"{data_dir.name} (arrays)",
+        read_class_names(data_dir, np.concatenate([labels for _, labels in splits])),
+        *splits,
+        sources=(str(paths[0]), str(paths[1])),
+        origin=".npz files",
+    )

@@ -16,7 +16,7 @@ back). Each record's check and label is compared with what was written, once for
 damaged record, a shard of another set or edited labels: one line naming the file). The mapped
 pages a source holds stay within RESIDENT_BYTES: past it, all are let go at once.
 
-API: `write_dataset`, `read_splits`, `RecordSource`.
+API: `write_dataset`, `read_splits`, `load_dataset`, `RecordSource`.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from fmnist_flax.runtime import errors
+from fmnist_flax.runtime.data_files import Dataset, check_class_count, check_labels
 from fmnist_flax.runtime.errors import UserError
 
 INFO_FILE = "info.json"
@@ -838,3 +839,35 @@ def read_splits(
         source.check()
         images[split] = RecordImages(source, shape)
     return info, images, {split: labels[split].astype(np.int32) for split in SPLITS}
+
+
+def load_dataset(data_dir: pathlib.Path) -> Dataset:
+    """The `records` dataset: record shards that `--mode=prepare` wrote, checked; images stay
+    in the files and are read a batch at a time; labels are read whole (4 bytes each)."""
+    info, images, labels = read_splits(data_dir)
+    for split in SPLITS:  # training would end at its first evaluation
+        if not len(labels[split]):
+            raise UserError(
+                f"{data_dir / INFO_FILE}: the {split} split holds no examples; each split "
+                "needs at least one: write the records again with --mode=prepare from a dataset "
+                f"that has {split} examples"
+            )
+    check_class_count(
+        len(info["class_names"]),
+        f"{data_dir / INFO_FILE}:",
+        "write the records again with --mode=prepare",
+    )
+    for split in SPLITS:
+        check_labels(labels[split], f"{data_dir / LABELS_FILE}[{split}]", len(info["class_names"]))
+    return Dataset(
+        name="records",
+        title=info["title"],
+        class_names=tuple(info["class_names"]),
+        train_images=images["train"],
+        train_labels=labels["train"],
+        test_images=images["test"],
+        test_labels=labels["test"],
+        sources=tuple(str(data_dir / f"{split}-*{SHARD_SUFFIX}") for split in SPLITS),
+        origin=f"record files (prepared from {info['source']['dataset']})",
+        checked=bool(info["source"]["checked"]),
+    )
