@@ -14,6 +14,8 @@ from fmnist_flax.runtime import inference
 
 PACKAGE = REPO / "fmnist_flax"
 RUNTIME, CODELAB = "fmnist_flax.runtime", "fmnist_flax.codelab"
+# The most lines the template's top-level modules other than the loop (train.py) hold together.
+TEMPLATE_BESIDES_LOOP_LINES = 2_400
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -100,3 +102,11 @@ def test_the_runtime_assumes_fashion_mnist_s_own_classes_for_old_checkpoints():
     """Checkpoints saved before the `dataset` item were all Fashion-MNIST runs."""
     legacy = inference.FASHION_MNIST_INFO["class_names"]
     assert legacy == list(datasets.IDX_DATASETS["fashion_mnist"].class_names)
+
+
+def test_the_template_besides_the_loop_stays_short_enough_to_read_in_one_sitting():
+    """The template's modules other than train.py hold at most TEMPLATE_BESIDES_LOOP_LINES
+    lines together: generic machinery belongs in runtime/, behind a small API."""
+    sizes = {path.name: len(path.read_text().splitlines()) for path in PACKAGE.glob("*.py")}
+    besides_loop = sum(lines for name, lines in sizes.items() if name != "train.py")
+    assert besides_loop <= TEMPLATE_BESIDES_LOOP_LINES, sorted(sizes.items())
