@@ -214,7 +214,8 @@ def create_model(
     """The model (or ensemble) `config.model` names, initialised from `seed` (default
     `config.seed`), its arrays not yet laid out on a mesh (`model_build.create_model`)."""
     check_config(config.model, image_shape)
-    return model_build.create_model(MODELS, COMPUTE_DTYPES, config, image_shape, num_classes, seed)
+    static = model_build.static_args(MODELS, COMPUTE_DTYPES, config, image_shape, num_classes)
+    return model_build.create_model(static, config, seed)
 
 
 def abstract_model(
@@ -222,4 +223,5 @@ def abstract_model(
 ) -> nnx.Module:
     """One model of the config as shapes and dtypes only; `experiment.member_bytes` sizes runs
     by it."""
-    return model_build.abstract_model(MODELS, COMPUTE_DTYPES, config, image_shape, num_classes)
+    static = model_build.static_args(MODELS, COMPUTE_DTYPES, config, image_shape, num_classes)
+    return model_build.abstract_model(static)

@@ -5,7 +5,7 @@ compiled program, an ensemble's members stacked, or only its shapes for sizing a
 A model class takes its config fields, then keyword-only `image_shape`, `num_classes`,
 `compute_dtype` and `rngs`.
 
-API: `check_config`, `create_model`, `abstract_model`.
+API: `check_config`, `static_args`, `create_model`, `abstract_model`.
 """
 
 from __future__ import annotations
@@ -53,24 +53,17 @@ def check_config(
 
 
 def create_model(
-    models: Mapping[str, type],
-    compute_dtypes: Mapping[str, Any],
-    config: ml_collections.ConfigDict,
-    image_shape: tuple[int, int, int],
-    num_classes: int,
-    seed: int | None = None,
+    static: tuple, config: ml_collections.ConfigDict, seed: int | None = None
 ) -> nnx.Module:
-    """Build the model a config describes, once `check_config` accepts it (`config.model.name`
-    and its other fields are the constructor's arguments) for the dataset's image shape and
-    classes, initialised from
-    `seed` (default: `config.seed`). Its arrays are not yet laid out on a mesh (annotated ones
-    included: `parallel.place_module` does that, by `config.mesh.rules`).
+    """Build the model of `static` (`static_args`, once `check_config` accepts the config), or
+    `config.ensemble.size` of them stacked, initialised from `seed` (default: `config.seed`).
+    Its arrays are not yet laid out on a mesh (annotated ones included:
+    `parallel.place_module` does that, by `config.mesh.rules`).
 
     The initialisation is compiled as one program: eagerly, each random op would compile on
     its own, which costs over a second at start-up.
     """
     seed = config.seed if seed is None else seed
-    static = static_args(models, compute_dtypes, config, image_shape, num_classes)
     size = config.ensemble.size
     try:
         if size == 1:
@@ -141,14 +134,7 @@ def _build(*args) -> nnx.Module:
     return nnx.merge(graphdef, _initial_state(*args))
 
 
-def abstract_model(
-    models: Mapping[str, type],
-    compute_dtypes: Mapping[str, Any],
-    config: ml_collections.ConfigDict,
-    image_shape: tuple[int, int, int],
-    num_classes: int,
-) -> nnx.Module:
-    """One model of the config (not an ensemble) as shapes and dtypes only (`nnx.eval_shape`):
-    what it would hold, with nothing allocated; `experiment.member_bytes` sizes runs by it."""
-    static = static_args(models, compute_dtypes, config, image_shape, num_classes)
+def abstract_model(static: tuple) -> nnx.Module:
+    """One model of `static` (`static_args`) as shapes and dtypes only (`nnx.eval_shape`):
+    what it would hold, with nothing allocated, for sizing a run."""
     return nnx.eval_shape(lambda: _construct(*static, jnp.uint32(0)))
