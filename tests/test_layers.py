@@ -87,6 +87,14 @@ def test_nothing_outside_the_codelab_imports_it():
     assert not found, sorted(found)
 
 
+def test_the_template_besides_the_loop_stays_short_enough_to_read_in_one_sitting():
+    """The template's modules other than train.py hold at most TEMPLATE_BESIDES_LOOP_LINES
+    lines together: generic machinery belongs in runtime/, behind a small API."""
+    sizes = {path.name: len(path.read_text().splitlines()) for path in PACKAGE.glob("*.py")}
+    besides_loop = sum(lines for name, lines in sizes.items() if name != "train.py")
+    assert besides_loop <= TEMPLATE_BESIDES_LOOP_LINES, sorted(sizes.items())
+
+
 def test_no_module_of_the_package_imports_itself_through_a_cycle():
     def reach(start: str, seen: set[str]) -> set[str]:
         for module in GRAPH[start] - seen:
@@ -102,11 +110,3 @@ def test_the_runtime_assumes_fashion_mnist_s_own_classes_for_old_checkpoints():
     """Checkpoints saved before the `dataset` item were all Fashion-MNIST runs."""
     legacy = inference.FASHION_MNIST_INFO["class_names"]
     assert legacy == list(datasets.IDX_DATASETS["fashion_mnist"].class_names)
-
-
-def test_the_template_besides_the_loop_stays_short_enough_to_read_in_one_sitting():
-    """The template's modules other than train.py hold at most TEMPLATE_BESIDES_LOOP_LINES
-    lines together: generic machinery belongs in runtime/, behind a small API."""
-    sizes = {path.name: len(path.read_text().splitlines()) for path in PACKAGE.glob("*.py")}
-    besides_loop = sum(lines for name, lines in sizes.items() if name != "train.py")
-    assert besides_loop <= TEMPLATE_BESIDES_LOOP_LINES, sorted(sizes.items())
