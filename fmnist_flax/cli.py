@@ -5,29 +5,25 @@ Every user mistake, `--config` ones included, exits non-zero with one line.
 
 from __future__ import annotations
 
-import difflib
 import errno
 import importlib
-import importlib.util
 import os
-import runpy
 import signal
 import sys
-import textwrap
 from collections.abc import Sequence
 
-import jax
 import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 from ml_collections.config_flags import config_path as config_fields
-from ml_collections.config_flags import tuple_parser
 
 from fmnist_flax import config as config_lib
 from fmnist_flax import datasets, experiment, train
 from fmnist_flax.runtime import (
     checkpoint,
+    command_line,
     compilation_cache,
+    data_files,
     ensemble,
     errors,
     export,
@@ -37,33 +33,15 @@ from fmnist_flax.runtime import (
     records,
     stopping,
 )
+from fmnist_flax.runtime.command_line import exists, explain_config_error, fail
 from fmnist_flax.runtime.errors import UserError, error_line
 
 DEFAULT_CONFIG = config_lib.__file__  # its get_config(): the codelab's values
-FIELD_LIST_CHARS = 300  # how much of a group's field names a missing field's line lists
 PIPE_CLOSED_STATUS = 128 + 13  # what a shell reports for a writer stopped by SIGPIPE
 # Added to a run whose config.demonstrations is True, while present (delete fmnist_flax/codelab/).
 EXTENSIONS = ("fmnist_flax.codelab.demonstrations",)
 BENCHMARK_MODULE = "fmnist_flax.codelab.benchmark"  # --mode=benchmark, offered while it exists
-
-
-def exists(name: str) -> bool:
-    """Whether module `name` can be imported; False when it or its package was deleted."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:  # its package is gone
-        return False
-
-
 BENCHMARK = exists(BENCHMARK_MODULE)
-# The parsers of a --config.FIELD's value by the field's type, as ml_collections parses them.
-VALUE_PARSERS = {
-    int: flags.IntegerParser,
-    float: flags.FloatParser,
-    bool: flags.BooleanParser,
-    tuple: tuple_parser.TupleParser,
-}
-
 FLAGS = flags.FLAGS
 _CONFIG: flags.FlagHolder | None = None  # defined by run(): see define_config_flag
 _WORKDIR = flags.DEFINE_string(
@@ -71,7 +49,7 @@ _WORKDIR = flags.DEFINE_string(
 )
 _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache",
-    str(datasets.CACHE_ROOT / "jax"),
+    str(data_files.CACHE_ROOT / "jax"),
     "JAX's persistent compilation cache; runs after the first skip most compiling. '' disables.",
 )
 _MODE = flags.DEFINE_enum(
@@ -187,108 +165,6 @@ flags.DEFINE_string(
 )
 
 
-def fail(message: str, code: int, together: bool = False) -> None:
-    """Say `message` in one line and exit with `code`. `together`: every process of a
-    multi-process run stops here at once (a signal stops all at the same saved step).
-    With --debug (or FMNIST_FLAX_DEBUG=1) the exception being handled comes first, whole."""
-    errors.print_traceback(sys.exc_info()[1])
-    error_line(message)
-    # Leave at once (1) in a multi-process run: the other processes may be waiting in a
-    # collective this one will never join, and a normal exit would wait for them at JAX's
-    # shutdown barrier (is_initialized: process_count() would start the backends); (2) after
-    # a failed save: Orbax's threads may still be inside tensorstore finishing its abandoned
-    # writes, and the interpreter's shutdown would kill them mid-call (an abort, exit -6).
-    if jax.distributed.is_initialized() or library_workarounds.abandoned_writes():
-        if together and jax.distributed.is_initialized():
-            # Leave through JAX's shutdown barrier: process 0 hosts the coordination service,
-            # and a peer still leaving when it goes aborts with a C++ stack trace (exit -6).
-            jax.distributed.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
-
-
-def config_path(argv: Sequence[str]) -> str:
-    """The --config file named on the command line, or the default."""
-    given = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    return given[-1] if given else DEFAULT_CONFIG
-
-
-def explain_config_error(argv: Sequence[str], exc: Exception) -> str:
-    """One line for a --config mistake: a file that does not load, or a field it lacks."""
-    path = config_path(argv)
-    try:
-        if os.path.isdir(path):
-            raise IsADirectoryError("it is a directory")
-        config = runpy.run_path(path)["get_config"]()
-    except Exception as load_error:  # any error in the user's file is reported, not raised
-        lines = str(load_error).strip().splitlines()
-        reason = lines[-1] if lines else type(load_error).__name__
-        if isinstance(load_error, KeyError):
-            reason = "it defines no get_config()"
-        return (
-            f"--config={path} cannot be loaded ({reason}); pass a Python file whose "
-            "get_config() returns a config, e.g. configs/bf16.py"
-        )
-    overrides = [arg.lstrip("-").partition("=")[::2] for arg in argv]
-    overrides = [(name, value) for name, value in overrides if name.startswith("config.")]
-    for name, _ in overrides:  # an unknown field first: no value of it can be checked
-        missing = missing_field(config, name)
-        if missing:
-            return missing
-    said = str(exc)
-    for name, value in overrides:  # absl names the flag whose value failed to parse
-        if said.startswith(f"flag --{name}={value}: "):
-            return bad_value(config, name, value)
-    for name, value in overrides:  # else the first value its field's type refuses
-        if value and refuses(config, name.removeprefix("config."), value):
-            return bad_value(config, name, value)
-    return f"{errors.shorten(said.splitlines()[0] if said else type(exc).__name__)} (see --help)"
-
-
-def missing_field(config: ml_collections.ConfigDict, name: str) -> str | None:
-    """The line for `--config.A.B` naming a field the config lacks, or None."""
-    node, *parents = config, "config"
-    for key in name.split(".")[1:]:
-        if not isinstance(node, ml_collections.ConfigDict) or key not in node:
-            fields = ", ".join(node.keys()) if isinstance(node, ml_collections.ConfigDict) else ""
-            fields = errors.clip(fields, FIELD_LIST_CHARS)  # one line, however many there are
-            return f"--{name}: {'.'.join(parents)} has no field {key!r}" + (
-                f"; its fields are {fields}" if fields else ""
-            )
-        node, parents = node[key], [*parents, key]
-    return None
-
-
-def refuses(config: ml_collections.ConfigDict, field: str, value: str) -> bool:
-    """Whether `value` cannot be parsed as `field`'s type (a group of fields takes none)."""
-    kind = config_fields.get_type(field, config)
-    if isinstance(kind, type) and issubclass(kind, ml_collections.ConfigDict):
-        return True
-    if kind not in VALUE_PARSERS:
-        return False
-    try:
-        VALUE_PARSERS[kind]().parse(value)
-    except ValueError:
-        return True
-    return False
-
-
-def bad_value(config: ml_collections.ConfigDict, name: str, value: str) -> str:
-    """The line for `--config.FIELD=VALUE` whose value its field cannot take."""
-    field = name.removeprefix("config.")
-    now = config_fields.get_value(field, config)
-    if isinstance(now, ml_collections.ConfigDict):
-        return (
-            f"--{name}={value}: config.{field} is a group of fields, not a value; set them one "
-            f"by one, --{name}.FIELD=VALUE; its fields are {', '.join(now.keys())}"
-        )
-    kind = config_fields.get_type(field, config)
-    shown = errors.clip(repr(now), errors.QUOTE_CHARS)
-    return f"--{name}={value}: not a valid {kind.__name__} for this field ({shown} now)"
-
-
 # The flags each mode reads, besides EVERY_MODE's; any other given is refused in one line.
 # A mode marked in CONFIG_MODES also takes --config.FIELD overrides; the others read the run's
 # saved config and take only --config.imports (the modules a checkpoint needs).
@@ -313,6 +189,7 @@ MODE_FLAGS = {
     "benchmark": (*SHORTHANDS, "output", *(f for f in FLAGS if f.startswith("bench_"))),
 }
 CONFIG_MODES = ("train", "prepare", "benchmark")
+USAGE = "python main.py [--mode=MODE] [--FLAG=VALUE ...] [--config.FIELD=VALUE ...]"
 EXAMPLES = (
     "python main.py --steps=400 --compute_dtype=bfloat16",
     "python main.py --config=configs/mlp_best.py --workdir=runs/best",
@@ -321,39 +198,19 @@ EXAMPLES = (
 
 
 def check_mode_flags(argv: Sequence[str], mode: str) -> None:
-    """Refuse, in one line, a flag given on the command line that `mode` does not read (with
-    "did you mean" where one of its own is close): it would be accepted and do nothing."""
-    own = {*EVERY_MODE, *MODE_FLAGS[mode]}
-    given = [name for name in FLAGS.get_key_flags_for_module(__name__) if FLAGS[name.name].present]
-    for flag in given:
-        if flag.name not in own:
-            close = difflib.get_close_matches(flag.name, sorted(own), n=1, cutoff=0.75)
-            users = [m for m, names in MODE_FLAGS.items() if flag.name in names]
-            hint = f"did you mean --{close[0]}?" if close else "remove it."
-            raise UserError(
-                f"--{flag.name} is not used by --mode={mode} (it is for --mode="
-                f"{'/'.join(users)}); {hint} Nothing was run"
-            )
-    if mode not in CONFIG_MODES:
-        fields = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
-        if [f for f in fields if f != "--config.imports"]:
-            raise UserError(
-                f"{fields[0] if fields[0] != '--config.imports' else fields[1]} is not used by "
-                f"--mode={mode}: it reads the run's saved config (only --config.imports, the "
-                "modules it needs, may be given); remove it. Nothing was run"
-            )
+    """Refuse, in one line, a flag of this module or a --config.FIELD that `mode` does not
+    read (`command_line.check_mode_flags`)."""
+    given = [f.name for f in FLAGS.get_key_flags_for_module(__name__) if FLAGS[f.name].present]
+    command_line.check_mode_flags(
+        argv, mode, given, MODE_FLAGS, EVERY_MODE, config_fields_too=mode in CONFIG_MODES
+    )
 
 
 def help_text() -> str:
     """--help: a usage line, examples, then each mode's flags with their defaults (the
     training shorthands' from the default config)."""
-    defaults = config_lib.get_config()
-    lines = [
-        "usage: python main.py [--mode=MODE] [--FLAG=VALUE ...] [--config.FIELD=VALUE ...]",
-        "",
-        "Examples:",
-        *(f"  {example}" for example in EXAMPLES),
-    ]
+    config = config_lib.get_config()
+    defaults = {name: config_fields.get_value(field, config) for name, field in SHORTHANDS.items()}
     sections = {
         "train (the default mode; resumes from --workdir's checkpoints)": MODE_FLAGS["train"],
         "eval, predict, export (a trained --workdir)": (*INFERENCE, "images", "data_dir"),
@@ -365,27 +222,7 @@ def help_text() -> str:
         ),
         "every mode": EVERY_MODE,
     }
-    for title, names in sections.items():
-        lines += ["", f"{title}:"]
-        for name in (name for name in names if name in FLAGS):  # --config: once run() runs
-            flag = FLAGS[name]
-            default = flag.default
-            if name in SHORTHANDS:
-                default = defaults[SHORTHANDS[name].split(".")[0]]
-                for part in SHORTHANDS[name].split(".")[1:]:
-                    default = default[part]
-            if isinstance(default, list):
-                default = ",".join(default)
-            shown = "" if default in (None, "") else f" (default: {default})"
-            text = " ".join(f"{flag.help}{shown}".split())
-            lines += textwrap.wrap(
-                text, 100, initial_indent=f"  --{name:<22}", subsequent_indent=" " * 26
-            )
-    lines += [
-        "",
-        "Any config field: --config.FIELD=VALUE (e.g. --config.model.hidden='(512, 128)').",
-    ]
-    return "\n".join(lines)
+    return command_line.help_text(USAGE, EXAMPLES, sections, defaults)
 
 
 def parse_flags(argv: Sequence[str]) -> list[str]:
@@ -405,16 +242,16 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
         _CONFIG.value.to_dict()  # a file that failed to load raises only when used
     except flags.UnrecognizedFlagError as exc:
         if exc.flagname.startswith("config."):
-            fail(explain_config_error(argv, exc), 2)
+            fail(explain_config_error(argv, exc, DEFAULT_CONFIG), 2)
         fail(f"{exc} (see --help)", 2)
     except flags.Error as exc:
         if str(exc).startswith("flag --config"):
-            fail(explain_config_error(argv, exc), 2)
+            fail(explain_config_error(argv, exc, DEFAULT_CONFIG), 2)
         if str(exc).startswith("flag --mode=benchmark:"):  # only while it is not a mode
             fail("--mode=benchmark: the benchmark was removed with fmnist_flax/codelab/", 2)
         fail(f"{str(exc).splitlines()[0]} (see --help)", 2)
     except Exception as exc:  # the config file failed to load
-        fail(explain_config_error(argv, exc), 2)
+        fail(explain_config_error(argv, exc, DEFAULT_CONFIG), 2)
     try:
         check_mode_flags(argv, _MODE.value)
     except UserError as exc:
@@ -609,7 +446,7 @@ def define_config_flag() -> None:
             "config", DEFAULT_CONFIG, "Config file; override fields with --config.FIELD=VALUE."
         )
     except Exception as exc:  # an unknown --config.FIELD, a file that does not load
-        fail(explain_config_error(sys.argv, exc), 2)
+        fail(explain_config_error(sys.argv, exc, DEFAULT_CONFIG), 2)
 
 
 def run() -> None:

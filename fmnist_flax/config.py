@@ -9,7 +9,6 @@ fields by `datasets.get`.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import ml_collections
@@ -18,6 +17,8 @@ from ml_collections import config_dict
 
 from fmnist_flax import optimizer, task
 from fmnist_flax.model import COMPUTE_DTYPES
+from fmnist_flax.runtime import ensemble as ensemble_lib
+from fmnist_flax.runtime import grain_pipeline
 from fmnist_flax.runtime.errors import UserError, is_whole
 from fmnist_flax.runtime.parallel import PARAM_SHARDINGS, check_mesh_config
 from fmnist_flax.runtime.plugins import import_modules
@@ -47,7 +48,7 @@ def get_config() -> ml_collections.ConfigDict:
     # device: the train set on every device, batches gathered in the step (fastest when it
     # fits); grain: read on the host by Grain (config.grain), each process reading its share
     config.input_pipeline = "device"
-    config.grain = grain_config()
+    config.grain = grain_pipeline.default_config()  # its fields: runtime/grain_pipeline.py
     config.steps = 400  # optimizer updates; every epoch visits the train set in a fresh order
     config.log_every = 25  # metrics reach the host only at these steps (and the first and last)
     config.compute_dtype = "float32"  # float32 | bfloat16; params always stay float32
@@ -115,47 +116,13 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer.warmup_steps = 0  # linear warm-up from 0 to the peak over these steps
     # warmup_cosine, one_cycle: the last rate, as a fraction of the peak
     config.optimizer.final_fraction = 0.01
-    config.ensemble = ensemble_config()
+    config.ensemble = ensemble_lib.default_config()  # its fields: runtime/ensemble.py
     config.ema = ml_collections.ConfigDict()
     # An exponential moving average of the parameters, updated after each step, evaluated
     # beside them (test_ema_*) and picked by --ema in eval, predict and export; e.g. 0.999
     # averages over about the last 1,000 updates. 0: none kept.
     config.ema.decay = 0.0
     return config
-
-
-def grain_config() -> ml_collections.ConfigDict:
-    """How the Grain pipeline reads (input_pipeline=grain); none of it changes the batches."""
-    grain = ml_collections.ConfigDict()
-    grain.workers = 0  # host threads reading batches (0: one per core, at most 8)
-    # Examples read in one bulk read, as a block of whole steps that trains in compiled calls
-    # of up to that many steps: larger blocks spread the reader's fixed cost per call.
-    grain.block_examples = 16_384
-    grain.prefetch = 2  # such blocks read ahead of the step that needs them (>= 1 per worker)
-    return grain
-
-
-def ensemble_config() -> ml_collections.ConfigDict:
-    """Several members of the model trained at once, as one program (`nnx.vmap` over the
-    stacked members and their optimizers); member k is initialised from seed + k."""
-    ensemble = ml_collections.ConfigDict()
-    ensemble.size = 1  # 1: a single model, no member axis
-    # Per-member values, a tuple of `size` (empty: every member uses config.optimizer's).
-    ensemble.learning_rate = ()
-    ensemble.weight_decay = ()
-    # True: every member sees the same batches; False: member k the data order (and
-    # augmentation) of a single run with --seed=seed+k.
-    ensemble.same_data = True
-    # Split the members over this many devices (a `member` mesh axis; the devices of each
-    # part split every batch over `data`). It must divide `size` and the device count. On a
-    # CPU, main.py makes the devices: set it to the number of cores (faster than one device).
-    ensemble.shards = 1
-    # Members trained side by side (one vmap) in each pass over a chunk's steps; the passes run
-    # in turn. A multiple of `shards` that divides `size`; 0: every member on a GPU or TPU, 2 per
-    # device on a CPU, whose cache eight members' optimizer state overflows. The rounding of
-    # a member's batched arithmetic may differ with it in the last bit.
-    ensemble.members_per_pass = 0
-    return ensemble
 
 
 def _one_of(flag: str, value: object, choices: tuple[str, ...]) -> None:
@@ -206,7 +173,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
             )
     if config.augment.max_shift < 0:
         raise UserError(f"--config.augment.max_shift={config.augment.max_shift} must be >= 0")
-    check_ensemble(config)
+    ensemble_lib.check_config(config, MAX_SEED)
     decay = config.ema.decay
     if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 <= decay < 1:
         raise UserError(
@@ -217,71 +184,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise UserError(
             f"--config.ema.decay={decay!r} is 1.0 in float32, where the average is kept, so it "
             "would never move; use at most 0.9999999 (e.g. 0.999)"
-        )
-
-
-MAX_MEMBERS = 1024
-
-
-def check_ensemble(config: ml_collections.ConfigDict) -> None:
-    """`config.ensemble`: a size, per-member values of that length, a data rule that the input
-    pipeline can follow."""
-    ens = config.ensemble
-    flag = "--config.ensemble"
-    if isinstance(ens.size, bool) or not isinstance(ens.size, int) or ens.size < 1:
-        raise UserError(f"{flag}.size={ens.size!r} must be a whole number of members >= 1")
-    if (
-        isinstance(ens.shards, bool)
-        or not isinstance(ens.shards, int)
-        or ens.shards < 1
-        or (ens.size % ens.shards)
-    ):
-        raise UserError(
-            f"{flag}.shards={ens.shards!r} must be a whole number >= 1 that divides "
-            f"{flag}.size={ens.size} (the members are split over that many devices)"
-        )
-    per_pass = ens.members_per_pass
-    if (
-        isinstance(per_pass, bool)
-        or not isinstance(per_pass, int)
-        or per_pass < 0
-        or (per_pass and (ens.size % per_pass or per_pass % ens.shards))
-    ):
-        raise UserError(
-            f"{flag}.members_per_pass={per_pass!r} must be 0 (chosen for the device) or a whole "
-            f"number that divides {flag}.size={ens.size} and is a multiple of "
-            f"{flag}.shards={ens.shards}"
-        )
-    if ens.size > MAX_MEMBERS or config.seed + ens.size - 1 > MAX_SEED:
-        raise UserError(
-            f"{flag}.size={ens.size} is too large: at most {MAX_MEMBERS} members, and "
-            f"--seed + size - 1 must stay <= {MAX_SEED:,}"
-        )
-    for field, low in (("learning_rate", 0.0), ("weight_decay", 0.0)):
-        values = ens[field]
-        if not isinstance(values, tuple | list) or len(values) not in (0, ens.size):
-            raise UserError(
-                f"{flag}.{field}={values!r} must be a tuple of {ens.size} values, one per member "
-                f"(--config.ensemble.size={ens.size}), or () for config.optimizer's"
-            )
-        for value in values:
-            number = isinstance(value, int | float) and not isinstance(value, bool)
-            if (
-                not number
-                or not low <= value < math.inf
-                or (field == "learning_rate" and not value)
-            ):
-                bound = "positive" if field == "learning_rate" else ">= 0"
-                raise UserError(f"{flag}.{field}: {value!r} must be a finite number {bound}")
-    if ens.learning_rate and config.optimizer.schedule != "constant":
-        raise UserError(
-            f"{flag}.learning_rate sets per-member rates, which need "
-            "--config.optimizer.schedule=constant (a schedule's peak is config.optimizer's)"
-        )
-    if ens.size > 1 and not ens.same_data and config.input_pipeline == "grain":
-        raise UserError(
-            f"{flag}.same_data=False gives each member its own batches, which only "
-            "--config.input_pipeline=device can gather; use it, or same_data=True"
         )
 
 

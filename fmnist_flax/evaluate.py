@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from fmnist_flax import input_pipeline, task
-from fmnist_flax.runtime import ensemble, parallel
+from fmnist_flax.runtime import device_batches, ensemble, parallel
 
 # Test examples per compiled call at most (whole batches): a call's device memory is this
 # many uint8 images and one vmapped forward pass over them, whatever the test set's size.
@@ -103,7 +103,7 @@ def evaluate(
         if mesh is None:
             placed = (jnp.asarray(x), jnp.asarray(y), jnp.asarray(mask))
         else:
-            placed = input_pipeline.shard_batches((x, y, mask), mesh)
+            placed = device_batches.shard_batches((x, y, mask), mesh)
         outputs.append(evaluate_batches(model, *placed, frozen))
     outputs = parallel.to_host(outputs)
     batch_sums = {

@@ -9,18 +9,14 @@ training; nothing on the training path imports them, so deleting one leaves a wo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
+import functools
 import pathlib
-import resource
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.extend.core as jax_core
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from absl import logging
 from flax import nnx
 
@@ -30,85 +26,25 @@ from fmnist_flax import model as model_lib
 from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax.runtime import checkpoint as checkpoint_lib
 from fmnist_flax.runtime import (
+    data_files,
+    device_batches,
     ema,
     ensemble,
-    grain_pipeline,
     inference,
+    memory,
     parallel,
     report,
     summaries,
     tables,
 )
 from fmnist_flax.runtime import workdir as workdir_lib
-from fmnist_flax.runtime.errors import UserError, is_digits, warning_line
-from fmnist_flax.runtime.tables import Table
+from fmnist_flax.runtime.errors import UserError, warning_line
 
-
-@dataclasses.dataclass
-class Run:
-    """Everything one run holds, handed from stage to stage and to the extensions."""
-
-    config: ml_collections.ConfigDict
-    workdir: pathlib.Path
-    dataset: datasets.Dataset
-    device_data: input_pipeline.DeviceData
-    checkpoints: checkpoint_lib.Checkpoints
-    model: nnx.Module
-    optimizer: nnx.Optimizer
-    start_step: int
-    sections: dict[str, list[report.Item]] = dataclasses.field(default_factory=dict)
-    summary: dict[str, Any] = dataclasses.field(default_factory=dict)  # extensions' entries
-    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    examples_per_sec: float = float("nan")
-    evaluation: tuple[int, dict[str, Any]] | None = None  # the newest (step, full evaluation)
-    eval_seconds: float = 0.0  # spent evaluating during training, outside examples_per_sec
-    painter: report.Painter | None = None  # draws the figures where this process reports
-
-    @property
-    def reporting(self) -> bool:
-        """Whether this process writes report/ (`start_painter`)."""
-        return self.painter is not None
-
-    def figures_drawn(self) -> None:
-        """Wait for the figures being drawn: before a timing that needs the CPU alone."""
-        if self.painter:
-            self.painter.wait()
-
-    def show(self, heading: str, table: Table) -> None:
-        """Print a table once (process 0) and keep it for the report's section `heading`."""
-        self.sections.setdefault(heading, []).append(table)
-        parallel.say(table.format())
-
-    def figure(self, heading: str, name: str, make: Callable[[], report.Figure]) -> None:
-        """Add the figure `make()` builds as `name` (a PNG) to a section, only when reporting.
-        `make` runs later, on the painter's thread: give it values that stay as they are."""
-        if self.painter:
-            self.sections.setdefault(heading, []).append((name, self.painter.draw(make)))
-
-    def note(self, heading: str, text: str) -> None:
-        self.sections.setdefault(heading, []).append(text)
-
-
-class Extension:
-    """Something a run does besides training; override either hook."""
-
-    def before_training(self, run: Run) -> None:
-        """After the set-up tables, before the first step."""
-
-    def after_training(self, run: Run) -> None:
-        """After the evaluation, before the summary and report are written."""
-
-
-def start_painter(
-    config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack
-) -> report.Painter | None:
-    """The thread drawing the report's figures (closed on `cleanup`), where this process
-    writes report/: process 0, unless --report=none."""
-    if config.report == "none" or not parallel.is_primary():
-        return None
-    painter = report.Painter()
-    cleanup.callback(painter.close)
-    return painter
+# What a project's extensions and the loop use, under the names they had here.
+from fmnist_flax.runtime.run import Extension as Extension
+from fmnist_flax.runtime.run import Run as Run
+from fmnist_flax.runtime.run import parse_init_from as parse_init_from
+from fmnist_flax.runtime.run import start_painter as start_painter
 
 
 def prepare(
@@ -123,7 +59,7 @@ def prepare(
     the data and place it on a mesh over `devices` (default: all). `step`: the training step
     (`train.train_step`), whose memory is checked with the models' (`check_memory`)."""
     config_lib.validate(config)
-    check_threads(config)
+    memory.check_threads(config)
     datasets.get(config)  # an unknown dataset or a missing --data_dir, before any I/O
     if jax.process_count() > 1 and not workdir:
         raise UserError(
@@ -139,139 +75,22 @@ def prepare(
     model_lib.check_config(config.model, dataset.image_shape)
     mesh = parallel.mesh_for(config, devices)
     on_host = config.input_pipeline == "grain"
-    device_data = input_pipeline.to_device(
+    device_data = device_batches.to_device(
         dataset, config.batch_size, mesh, not on_host, config.optimizer.accumulate
     )
-    check_memory(config, dataset, mesh, step)
+    memory.check_memory(
+        config,
+        dataset,
+        mesh,
+        member_bytes,
+        functools.partial(memory.step_bytes, train_step=step, abstract_state=abstract_state),
+    )
     return workdir, dataset, device_data
 
 
-# --- What the machine can hold: runs it cannot are refused before their models are built ---
+# --- A model's size, for memory.check_memory ------------------------------------------------------
 
-LABEL_BYTES = 4  # int32 labels
-INDEX_BYTES = 8  # a Grain block's examples are picked by int64 indices (read_block)
-BLOCKS_PLACED = 2  # GrainBatches keeps the block being trained and the next on the devices
 PROBE_MEMBERS = 8  # members an evaluation call is compiled for to size one member's share
-# What the estimates leave out: compiling, the runtime's threads and buffers (RUN_RESERVE), the
-# allocators' slack and what other processes take meanwhile (all but USABLE of what is free).
-RUN_RESERVE = 256 * 2**20
-USABLE = 0.9
-
-
-@dataclasses.dataclass(frozen=True)
-class Memory:
-    """Bytes that can still be allocated, and where that figure was read."""
-
-    free: int
-    source: str
-
-    def __str__(self) -> str:
-        return f"{size_text(self.free)} available ({self.source})"
-
-    def usable(self, held: int = 0) -> int:
-        """What a run may plan to use of it, besides `held` bytes already planned."""
-        return int(self.free * USABLE) - RUN_RESERVE - held
-
-
-def size_text(size: float) -> str:
-    """Bytes for a person: 26.3 MiB, 21.78 GiB, 1,592.00 GiB."""
-    if abs(size) < 2**30:
-        return f"{size / 2**20:,.1f} MiB"
-    return f"{size / 2**30:,.2f} GiB"
-
-
-def check_threads(config: ml_collections.ConfigDict) -> None:
-    """Refuse more Grain read threads than usable cores: Grain buffers at least a block per
-    thread, so threads the cores cannot run hold more memory without reading faster."""
-    workers = config.grain.workers
-    cores = grain_pipeline.usable_cores()
-    if config.input_pipeline == "grain" and workers > cores:
-        raise UserError(
-            f"--config.grain.workers={workers} is more read threads than the {cores} cores this "
-            "process may use: each thread buffers a block of examples, so threads beyond the "
-            f"cores only hold more memory; use at most {cores}, or 0 (one per core, at most "
-            f"{grain_pipeline.MAX_WORKERS})"
-        )
-
-
-def _meminfo(proc: pathlib.Path) -> list[Memory]:
-    """MemAvailable: what the kernel can hand out without swapping."""
-    with contextlib.suppress(OSError):
-        for line in (proc / "meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return [Memory(int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo")]
-    return []
-
-
-def _cgroup_left(proc: pathlib.Path, cgroups: pathlib.Path) -> list[Memory]:
-    """Each enclosing cgroup's memory limit less its usage (v1 and v2), from this process's
-    own cgroup up to its hierarchy's root: a limit holds for everything below it."""
-    try:
-        lines = (proc / "self" / "cgroup").read_text().splitlines()
-    except OSError:
-        return []
-    left = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if not controllers:
-            root, limit_file, usage_file = cgroups, "memory.max", "memory.current"
-        elif "memory" in controllers.split(","):
-            root = cgroups / "memory"
-            limit_file, usage_file = "memory.limit_in_bytes", "memory.usage_in_bytes"
-        else:
-            continue
-        directory = root / path.lstrip("/")
-        while True:
-            with contextlib.suppress(OSError, ValueError):  # absent, or "max": no limit
-                limit = int((directory / limit_file).read_text())
-                usage = int((directory / usage_file).read_text())
-                name = "/" + str(directory.relative_to(root)).removeprefix(".")
-                left.append(Memory(limit - usage, f"the memory limit of cgroup {name} less use"))
-            if directory == root or root not in directory.parents:
-                break
-            directory = directory.parent
-    return left
-
-
-def _data_limit_left(proc: pathlib.Path) -> list[Memory]:
-    """RLIMIT_DATA (`ulimit -d`) less the data this process holds (VmData)."""
-    soft = resource.getrlimit(resource.RLIMIT_DATA)[0]
-    if soft == resource.RLIM_INFINITY:
-        return []
-    with contextlib.suppress(OSError, IndexError, ValueError):
-        held = int((proc / "self" / "status").read_text().split("VmData:")[1].split()[0]) * 1024
-        return [
-            Memory(soft - held, f"ulimit -d of {size_text(soft)} less {size_text(held)} in use")
-        ]
-    return []
-
-
-def host_memory(
-    proc: pathlib.Path = pathlib.Path("/proc"),
-    cgroups: pathlib.Path = pathlib.Path("/sys/fs/cgroup"),
-) -> Memory | None:
-    """What this process may still allocate on the host: the least of /proc/meminfo's
-    MemAvailable, each enclosing cgroup's limit less its usage and `ulimit -d` less the data
-    held; None where the OS tells none of them."""
-    found = [*_meminfo(proc), *_cgroup_left(proc, cgroups), *_data_limit_left(proc)]
-    return min(found, key=lambda m: m.free) if found else None
-
-
-def device_memory(devices: list[jax.Device]) -> Memory | None:
-    """The least any of `devices` may still allocate (its `memory_stats`: bytes_limit less
-    bytes_in_use); None where they keep no such statistics (a CPU)."""
-    free = []
-    for device in devices:
-        stats = device.memory_stats() or {}
-        if "bytes_limit" in stats:
-            left = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            free.append(Memory(left, f"{device}: memory_stats' bytes_limit less bytes_in_use"))
-    return min(free, key=lambda m: m.free) if free else None
-
-
-def tree_bytes(tree: Any) -> int:
-    """The bytes of every array (or abstract shape) in `tree`."""
-    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
 def abstract_state(
@@ -300,8 +119,10 @@ def member_bytes(
     on a CPU); for an ensemble also a member's share of an evaluation call, which runs every
     member at once."""
     model, optimizer = abstract_state(config, image_shape, num_classes)
-    state = tree_bytes(nnx.state(model)) + tree_bytes(nnx.state(optimizer, nnx.OptState))
-    held = state * (1 + saved_copy) + tree_bytes(nnx.state(model, nnx.Param))
+    state = memory.tree_bytes(nnx.state(model)) + memory.tree_bytes(
+        nnx.state(optimizer, nnx.OptState)
+    )
+    held = state * (1 + saved_copy) + memory.tree_bytes(nnx.state(model, nnx.Param))
     if config.ensemble.size > 1:
         held += evaluation_bytes_per_member(config, model, image_shape)
     return held
@@ -333,209 +154,6 @@ def evaluation_bytes_per_member(
     return analysis.temp_size_in_bytes // size if analysis else 0
 
 
-def step_bytes(
-    config: ml_collections.ConfigDict,
-    train_step: Callable[..., Any],
-    image_shape: tuple[int, int, int],
-    num_classes: int,
-    batch: int,
-    usable: int,
-) -> int:
-    """What one `train_step` of one model holds besides its state, for `batch` examples (a
-    micro-batch each of `optimizer.accumulate`): its float32 batch, activations and
-    temporaries. Every value the step's program computes, summed, when that is within `usable`
-    (a generous bound: far fewer are alive at once); else XLA's memory analysis of the step
-    compiled, not run, for abstract arrays (no analysis: the batch alone)."""
-    graphdef, state = nnx.split(abstract_state(config, image_shape, num_classes))
-    frozen = ml_collections.FrozenConfigDict(config)
-    accumulate = config.optimizer.accumulate
-    lead = (accumulate, batch) if accumulate > 1 else (batch,)
-    inputs = (
-        jax.ShapeDtypeStruct((*lead, *image_shape), jnp.float32),
-        jax.ShapeDtypeStruct(lead, jnp.int32),
-    )
-
-    def step(state, x, y):
-        model, optimizer = nnx.merge(graphdef, state)
-        metrics = train_step(model, optimizer, x, y, frozen)
-        return metrics, nnx.state((model, optimizer))
-
-    held = tree_bytes(inputs)
-    bound = held + _values_bytes(jax.make_jaxpr(step)(state, *inputs).jaxpr)
-    if bound <= usable:
-        return bound
-    analysis = jax.jit(step, donate_argnums=0).lower(state, *inputs).compile().memory_analysis()
-    return held + (analysis.temp_size_in_bytes if analysis else 0)
-
-
-def _values_bytes(jaxpr: Any) -> int:
-    """The bytes of every value `jaxpr` computes, its inner programs' (loop bodies, branches)
-    counted once each."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        for value in eqn.outvars:
-            aval = value.aval
-            if hasattr(aval, "shape") and isinstance(aval.dtype, np.dtype):  # not a key or token
-                total += math.prod(aval.shape) * aval.dtype.itemsize
-        total += sum(_values_bytes(inner) for inner in jax_core.jaxprs_in_params(eqn.params))
-    return total
-
-
-def grain_blocks(
-    config: ml_collections.ConfigDict, image_shape: tuple[int, int, int]
-) -> tuple[int, int, int]:
-    """(blocks in memory at once, steps a block, bytes a block) of the Grain pipeline: Grain's
-    buffer (`prefetch`, at least a block per read thread) and the blocks on the devices; a
-    block holds this process's share of its pixels and labels, and the indices picking them."""
-    threads = grain_pipeline.read_threads(config.grain.workers)
-    steps = grain_pipeline.block_steps(config)
-    examples = steps * config.optimizer.accumulate * config.batch_size
-    share = examples // jax.process_count() * (math.prod(image_shape) + LABEL_BYTES)
-    return (
-        max(config.grain.prefetch, threads) + BLOCKS_PLACED,
-        steps,
-        share + examples * INDEX_BYTES,
-    )
-
-
-def check_memory(
-    config: ml_collections.ConfigDict,
-    dataset: datasets.Dataset,
-    mesh: jax.sharding.Mesh,
-    step: Callable[..., Any],
-) -> None:
-    """Refuse, in one line, a run whose models, training step or Grain blocks cannot fit in what
-    is left once the data is loaded and placed: the models and the step's activations in the
-    devices' memory (a CPU's is the host's), the blocks in the host's, each within
-    `Memory.usable`."""
-    devices = list(mesh.devices.flat)
-    on_host = devices[0].platform == "cpu"
-    host = host_memory()
-    memory = host if on_host else device_memory(devices)
-    held = check_models(config, dataset.image_shape, dataset.num_classes, memory, on_host)
-    held += check_step(config, dataset, mesh, memory, held, step)
-    if config.input_pipeline == "grain" and host is not None:
-        check_grain(config, dataset.image_shape, host, held if on_host else 0)
-
-
-def check_models(
-    config: ml_collections.ConfigDict,
-    image_shape: tuple[int, int, int],
-    num_classes: int,
-    memory: Memory | None,
-    on_host: bool,
-) -> int:
-    """The bytes the run's models hold on each device (`member_bytes` each; an ensemble's
-    members split over `shards` devices, but on a CPU all in the host's memory); refused in
-    one line naming the field where `memory.usable()` cannot hold them."""
-    members = config.ensemble.size
-    try:
-        each = member_bytes(config, image_shape, num_classes, saved_copy=on_host)
-    except (TypeError, ValueError):  # a model that cannot be built: create_model says why
-        return 0
-    shards = 1 if on_host else config.ensemble.shards
-    held = members // shards * each
-    if memory is None or held <= memory.usable():
-        return held
-    parts = "parameters, gradients, optimizer state" + (
-        ", the copy a checkpoint writes" if on_host else ""
-    )
-    where = _where(memory, on_host)
-    if members == 1:
-        raise UserError(
-            f"--config.model: the model needs about {size_text(held)} ({parts}) on {where}; "
-            "choose a smaller model"
-        )
-    fit = memory.usable() // each * shards
-    raise UserError(
-        f"--config.ensemble.size={members}: {members:,} members need about {size_text(held)} "
-        f"({size_text(each)} each: {parts}, a share of an evaluation call) on {where}; "
-        + (f"use at most about {fit:,} members" if fit > 1 else "choose a smaller model")
-    )
-
-
-def _where(memory: Memory, on_host: bool) -> str:
-    """Where a run's memory is planned, for a refusal: 'the host, which has ...'."""
-    return (
-        f"{'the host' if on_host else 'each device'}, which has {memory}, of which a run may "
-        f"plan {size_text(memory.usable())}"
-    )
-
-
-def check_step(
-    config: ml_collections.ConfigDict,
-    dataset: datasets.Dataset,
-    mesh: jax.sharding.Mesh,
-    memory: Memory | None,
-    held: int,
-    step: Callable[..., Any],
-) -> int:
-    """The bytes the training `step` holds at once on each device (`step_bytes` for a device's
-    share of the batch, times the members a pass trains there together; on a CPU the whole
-    batch and pass in the host's memory); refused in one line naming --batch_size where they
-    do not fit in `memory.usable` besides the `held` bytes of the models."""
-    if memory is None:
-        return 0
-    platform = mesh.devices.flat[0].platform
-    on_host = platform == "cpu"
-    batch = config.batch_size if on_host else max(1, config.batch_size // parallel.data_size(mesh))
-    together = ensemble.members_per_pass(config, platform)
-    together = together if on_host else max(1, together // config.ensemble.shards)
-    usable = memory.usable(held)
-    try:
-        each = step_bytes(
-            config, step, dataset.image_shape, dataset.num_classes, batch, usable // together
-        )
-    except (TypeError, ValueError):  # a model that cannot be built: create_model says why
-        return 0
-    needed = each * together
-    if needed <= usable:
-        return needed
-    fit = config.batch_size * max(usable, 0) // needed  # activations grow with the batch
-    raise UserError(
-        f"--batch_size={config.batch_size}: a training step needs about {size_text(needed)} "
-        f"(its batch, activations and temporaries, by XLA's memory analysis) besides "
-        f"{size_text(held)} for the model{'s' if config.ensemble.size > 1 else ''}, on "
-        f"{_where(memory, on_host)}; "
-        + (f"use at most about --batch_size={fit:,}" if fit > 0 else "choose a smaller model")
-    )
-
-
-def check_grain(
-    config: ml_collections.ConfigDict,
-    image_shape: tuple[int, int, int],
-    host: Memory,
-    held: int,
-) -> None:
-    """Refuse, in one line naming the fields, Grain blocks in flight (`grain_blocks`) that do
-    not fit in what the host can use besides the `held` bytes of the models."""
-    blocks, steps, block = grain_blocks(config, image_shape)
-    if blocks * block <= host.usable(held):
-        return
-    grain = config.grain
-    raise UserError(
-        f"--config.grain.block_examples={grain.block_examples} with --config.grain.prefetch="
-        f"{grain.prefetch} and --config.grain.workers={grain.workers} keeps {blocks:,} blocks "
-        f"of {steps:,} steps in memory, about {size_text(blocks * block)} ({size_text(block)} "
-        f"a block), but the host has {host}"
-        + f", of which a run may plan {size_text(host.usable())}"
-        + "; lower block_examples or prefetch"
-    )
-
-
-def parse_init_from(value: str) -> tuple[str, int | str | None, int | str | None]:
-    """'runs/a' -> ('runs/a', None, None); 'runs/a:200' -> ('runs/a', 200, None);
-    'runs/a:best'; an ensemble's member after '@': 'runs/a@3', 'runs/a:200@best'."""
-    value, at, member = value.rpartition("@") if "@" in value else (value, "", "")
-    if not at or not (is_digits(member) or member in (ensemble.BEST_MEMBER, ensemble.ENSEMBLE)):
-        value, member = value + at + member, None
-    workdir, _, step = value.rpartition(":")
-    member = ensemble.parse_member(member)
-    if workdir and (is_digits(step) or step == checkpoint_lib.BEST):
-        return workdir, int(step) if is_digits(step) else step, member
-    return value, None, member
-
-
 def check_config_changes(
     checkpoints: checkpoint_lib.Checkpoints,
     config: ml_collections.ConfigDict,
@@ -551,7 +169,7 @@ def check_config_changes(
         return []
     earlier = checkpoints.saved("changes", step)[1] or {"changes": []}
     changes = config_lib.training_changes(saved, config.to_dict())
-    changes += datasets.identity_changes(
+    changes += data_files.identity_changes(
         checkpoints.saved("dataset", step)[1] or {}, dataset.info()
     )
     fixed = [c for c in changes if config_lib.fixed_on_resume(c)]

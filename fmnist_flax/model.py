@@ -10,8 +10,6 @@ layer's `kernel_metadata={"out_sharding": ...}`): `config.mesh.rules` maps them 
 
 from __future__ import annotations
 
-import functools
-import inspect
 import itertools
 import math
 from collections.abc import Sequence
@@ -20,11 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from flax import nnx
 
-from fmnist_flax.runtime import errors, parallel
-from fmnist_flax.runtime.ensemble import Ensemble, stack
+from fmnist_flax.runtime import model_build
 from fmnist_flax.runtime.errors import UserError
 from fmnist_flax.runtime.registry import Registry
 
@@ -206,23 +202,9 @@ BUILT_IN_ARGS = ("image_shape", "num_classes", "compute_dtype", "rngs")  # not c
 def check_config(
     model_config: ml_collections.ConfigDict, image_shape: tuple[int, int, int]
 ) -> None:
-    """Refuse an unknown model name, a field its constructor does not take, or (through the
-    model's own `check_config`) a value it cannot use: one line each, before anything builds."""
-    fields = model_config.to_dict()
-    name = fields.pop("name", "mlp")
-    if name not in MODELS:
-        raise UserError(f"--config.model.name={name!r} is not one of {', '.join(MODELS)}")
-    cls = MODELS[name]
-    parameters = inspect.signature(cls.__init__).parameters
-    takes = [p for p in parameters if p not in ("self", *BUILT_IN_ARGS)]
-    for field in fields:
-        if field not in takes:
-            raise UserError(
-                f"--config.model.{field}: model {name!r} takes no field {field!r}; its fields "
-                f"are {', '.join(takes) or 'none'}"
-            )
-    if hasattr(cls, "check_config"):
-        cls.check_config(fields, tuple(image_shape))
+    """Refuse a model name MODELS lacks, a field its class does not take or a value it
+    refuses (`model_build.check_config`): one line, before anything builds."""
+    model_build.check_config(MODELS, model_config, image_shape, BUILT_IN_ARGS)
 
 
 def create_model(
@@ -231,85 +213,17 @@ def create_model(
     num_classes: int,
     seed: int | None = None,
 ) -> nnx.Module:
-    """Build the model a config describes (`config.model.name` and its other fields are the
-    constructor's arguments) for the dataset's image shape and classes, initialised from
-    `seed` (default: `config.seed`). Its arrays are not yet laid out on a mesh (annotated ones
-    included: `parallel.place_module` does that, by `config.mesh.rules`).
-
-    The initialisation is compiled as one program: eagerly, each random op would compile on
-    its own, which costs over a second at start-up.
-    """
+    """The model (or ensemble) `config.model` names, initialised from `seed` (default
+    `config.seed`), its arrays not yet laid out on a mesh (`model_build.create_model`)."""
     check_config(config.model, image_shape)
-    seed = config.seed if seed is None else seed
-    static = static_args(config, image_shape, num_classes)
-    size = config.ensemble.size
-    try:
-        if size == 1:
-            return _build(*static, np.uint32(seed))  # a NumPy scalar: no eager conversion
-        members = [_build(*static, np.uint32(seed + k)) for k in range(size)]
-        return Ensemble(stack(members), size)
-    except (TypeError, ValueError) as exc:  # a model without its own check_config
-        message = errors.reason(exc)
-        raise UserError(
-            f"model {static[0]!r} cannot be built from --config.model: {message}"
-        ) from None
-
-
-def static_args(
-    config: ml_collections.ConfigDict, image_shape: tuple[int, int, int], num_classes: int
-) -> tuple[str, tuple, tuple, str, tuple]:
-    """What the init program is compiled for (hashable): the model's name, its fields, the
-    data's shape and classes, the compute dtype, the logical axis rules."""
-    fields = config.model.to_dict()
-    name = fields.pop("name", "mlp")
-    kwargs = tuple((k, tuple(v) if isinstance(v, list | tuple) else v) for k, v in fields.items())
-    rules = parallel.check_rules(config.mesh.rules)
-    return name, kwargs, (tuple(image_shape), int(num_classes)), config.compute_dtype, rules
-
-
-# The initialisation runs once, so LLVM's lighter optimisation is enough: its compile takes
-# about half the time, with the same values to the bit (a test checks).
-INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
-
-
-def _construct(
-    name: str, kwargs: tuple, shape: tuple, compute_dtype: str, rules: tuple, seed: jax.Array
-) -> nnx.Module:
-    """The model, its annotated Variables unplaced (no mesh is needed to build one: Flax's
-    eager sharding is off) and carrying `rules` as their `sharding_rules`, which
-    `parallel.place` reads."""
-    key = jax.random.key(seed)
-    rngs = nnx.Rngs(params=key, dropout=jax.random.fold_in(key, 1))
-    image_shape, num_classes = shape
-    with nnx.use_eager_sharding(False):
-        model = MODELS[name](
-            **dict(kwargs),
-            image_shape=image_shape,
-            num_classes=num_classes,
-            compute_dtype=COMPUTE_DTYPES[compute_dtype],
-            rngs=rngs,
-        )
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Variable) and node.get_metadata("out_sharding", None):
-            node.set_metadata("sharding_rules", rules)
-    return model
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), compiler_options=INIT_COMPILER_OPTIONS)
-def _initial_state(*args) -> nnx.State:
-    return nnx.state(_construct(*args))
-
-
-def _build(*args) -> nnx.Module:
-    """The model `_construct(*args)` makes, its arrays computed by one compiled program."""
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: _construct(*args)))
-    return nnx.merge(graphdef, _initial_state(*args))
+    static = model_build.static_args(MODELS, COMPUTE_DTYPES, config, image_shape, num_classes)
+    return model_build.create_model(static, config, seed)
 
 
 def abstract_model(
     config: ml_collections.ConfigDict, image_shape: tuple[int, int, int], num_classes: int
 ) -> nnx.Module:
-    """One model of the config (not an ensemble) as shapes and dtypes only (`nnx.eval_shape`):
-    what it would hold, with nothing allocated; `experiment.check_memory` sizes runs by it."""
-    static = static_args(config, image_shape, num_classes)
-    return nnx.eval_shape(lambda: _construct(*static, jnp.uint32(0)))
+    """One model of the config as shapes and dtypes only; `experiment.member_bytes` sizes runs
+    by it."""
+    static = model_build.static_args(MODELS, COMPUTE_DTYPES, config, image_shape, num_classes)
+    return model_build.abstract_model(static)

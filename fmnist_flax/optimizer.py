@@ -11,8 +11,7 @@ makes one update, so a step is always one update.
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from fmnist_flax.runtime import ensemble
+from fmnist_flax.runtime import ensemble, param_groups
 from fmnist_flax.runtime.errors import UserError
 
 # Every field of config.optimizer that is not one optimizer's or one schedule's own.
@@ -191,58 +190,11 @@ def over_steps(name: Any) -> bool:
     return name not in SCHEDULES or SCHEDULES[name].over_steps
 
 
-# --- Parameter groups ------------------------------------------------------------------------
-
-
-def parameter_name(path: Sequence[Any]) -> str:
-    """A parameter's tree path as `layers/0/kernel` (an nnx Variable's `.value` left out): what
-    `lr_multipliers` patterns and decay masks see."""
-    return "/".join(
-        str(getattr(key, "key", getattr(key, "idx", "")))
-        for key in path
-        if not isinstance(key, jax.tree_util.GetAttrKey)
-    )
-
-
-def kernels(params: Any) -> Any:
-    """True for each kernel (a dense or convolution layer's weights), False for biases,
-    normalisation scales and the rest, as big_vision and MaxText decay them."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: parameter_name(path).rsplit("/", 1)[-1] == "kernel", params
-    )
-
+# --- Decay masks (parameter groups by name: runtime/param_groups.py) ------------------------
 
 # config.optimizer.decay_mask -> the mask (params -> a tree of bools) handed to the optimizer;
 # None: every parameter is decayed.
-DECAY_MASKS: dict[str, Callable[[Any], Any] | None] = {"all": None, "kernels": kernels}
-
-
-def scale_groups(multipliers: Sequence[Sequence[Any]]) -> optax.GradientTransformation:
-    """Each parameter's update times the multiplier of the first (pattern, multiplier) whose
-    pattern `re.search` finds in its name (1 when none does). A pattern matching no parameter
-    is refused when the optimizer is made."""
-    compiled = [(re.compile(pattern), multiplier) for pattern, multiplier in multipliers]
-
-    def factor(path: Sequence[Any]) -> float:
-        name = parameter_name(path)
-        return next((m for pattern, m in compiled if pattern.search(name)), 1.0)
-
-    def init(params: Any) -> optax.EmptyState:
-        names = [parameter_name(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
-        for pattern, _ in compiled:
-            if not any(pattern.search(name) for name in names):
-                raise UserError(
-                    f"--config.optimizer.lr_multipliers: {pattern.pattern!r} matches no "
-                    f"parameter; their names are {', '.join(names)}"
-                )
-        return optax.EmptyState()
-
-    def update(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple[Any, Any]:
-        del params
-        scaled = jax.tree_util.tree_map_with_path(lambda path, u: u * factor(path), updates)
-        return scaled, state
-
-    return optax.GradientTransformation(init, update)
+DECAY_MASKS: dict[str, Callable[[Any], Any] | None] = {"all": None, "kernels": param_groups.kernels}
 
 
 # --- The optimizer of a config ---------------------------------------------------------------
@@ -286,7 +238,7 @@ def create(
 
         tx = optax.inject_hyperparams(member_tx)(**values)
     if opt.lr_multipliers:
-        tx = optax.chain(tx, scale_groups(opt.lr_multipliers))
+        tx = optax.chain(tx, param_groups.scale_groups(opt.lr_multipliers))
     if opt.clip_norm:
         tx = optax.chain(optax.clip_by_global_norm(opt.clip_norm), tx)
     return tx
@@ -300,27 +252,6 @@ def _number(field: str, value: Any, low: float, high: float = math.inf) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value < high:
         bounds = f"in [{low}, {high})" if high < math.inf else f">= {low}"
         raise UserError(f"--config.optimizer.{field}={value!r} must be {bounds}")
-
-
-def _check_multipliers(value: Any) -> None:
-    """`lr_multipliers`: (pattern, multiplier) pairs, each pattern a regular expression."""
-    flag = f"--config.optimizer.lr_multipliers={value!r}"
-    pairs = value if isinstance(value, tuple | list) else None
-    if pairs is None or not all(isinstance(p, tuple | list) and len(p) == 2 for p in pairs):
-        raise UserError(
-            f"{flag} must be (pattern, multiplier) pairs, e.g. '((\"head\", 0.1),)': the first "
-            "pattern found in a parameter's name (layers/0/kernel) gives its multiplier"
-        )
-    for pattern, multiplier in pairs:
-        if not isinstance(pattern, str):
-            raise UserError(f"{flag}: the pattern {pattern!r} must be a string")
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise UserError(f"{flag}: {pattern!r} is not a regular expression ({exc})") from None
-        number = isinstance(multiplier, int | float) and not isinstance(multiplier, bool)
-        if not number or not 0 <= multiplier < math.inf:
-            raise UserError(f"{flag}: the multiplier of {pattern!r} must be a number >= 0")
 
 
 def check_config(opt: ml_collections.ConfigDict, steps: int) -> None:
@@ -381,4 +312,4 @@ def check_config(opt: ml_collections.ConfigDict, steps: int) -> None:
             f"--config.optimizer.decay_mask={opt.decay_mask!r} is not one of "
             f"{', '.join(DECAY_MASKS)} (the parameters weight decay applies to)"
         )
-    _check_multipliers(opt.lr_multipliers)
+    param_groups.check_multipliers(opt.lr_multipliers)

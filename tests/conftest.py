@@ -226,10 +226,10 @@ def load_config(name: str):
 
 def idx_bytes(array: np.ndarray, magic: int | None = None) -> bytes:
     """An IDX payload for uint8 images (N, H, W) or labels (N,)."""
-    from fmnist_flax import datasets
+    from fmnist_flax.runtime import data_files
 
     if magic is None:
-        magic = datasets.IMAGES_MAGIC if array.ndim == 3 else datasets.LABELS_MAGIC
+        magic = data_files.IMAGES_MAGIC if array.ndim == 3 else data_files.LABELS_MAGIC
     header = struct.pack(f">I{array.ndim}I", magic, *array.shape)
     return header + array.astype(np.uint8).tobytes()
 

@@ -24,6 +24,7 @@ from flax import nnx
 from fmnist_flax import datasets, evaluate, experiment, input_pipeline, train
 from fmnist_flax.runtime import (
     checkpoint,
+    device_batches,
     export,
     inference,
     library_workarounds,
@@ -67,7 +68,7 @@ def run(dataset, config, devices, param_sharding: str, workdir: pathlib.Path) ->
         restored = restore.restore(checkpoints, {"model": nnx.state(model)})["model"]
     finally:
         checkpoints.close()
-    order = input_pipeline.epoch_order(config.seed, 0, len(device_data.train_labels))
+    order = device_batches.epoch_order(config.seed, 0, len(device_data.train_labels))
     x, _ = input_pipeline.batch_at(
         device_data.train_images,
         device_data.train_labels,
@@ -79,7 +80,7 @@ def run(dataset, config, devices, param_sharding: str, workdir: pathlib.Path) ->
     )
     params = nnx.state(model, nnx.Param)
     some = input_pipeline.padded_batches(dataset.test_images[:300], dataset.test_labels[:300], 128)
-    test_batches = input_pipeline.shard_batches(some, mesh)[0]  # as evaluate places them
+    test_batches = device_batches.shard_batches(some, mesh)[0]  # as evaluate places them
     full = evaluate.evaluate(model, dataset.test_images, dataset.test_labels, config, mesh)
     return {
         "devices": mesh.size,

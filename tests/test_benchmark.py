@@ -12,8 +12,8 @@ import pytest
 from conftest import REPO, load_config
 from test_docs import BENCHMARK_FLAGS, COMMAND_PAGES, main_commands, unknown_flags
 
-from fmnist_flax import datasets
 from fmnist_flax.codelab import benchmark, profiling
+from fmnist_flax.runtime import records
 from fmnist_flax.runtime.errors import UserError
 
 PATHS = {
@@ -175,7 +175,7 @@ def test_benchmark_refuses_an_ensemble_config():
 def test_the_benchmark_times_the_reader_alone_by_thread_count(fmnist_records):
     """`--mode=benchmark`'s reader rows: one a thread count, rates against one thread's, and
     the SHA-256 and bare-gather controls' ratios beside them."""
-    source = datasets.load_records(fmnist_records).train_images.source
+    source = records.load_dataset(fmnist_records).train_images.source
     rows = benchmark.record_reads(source, block=256, repeats=2)
     assert [r["threads"] for r in rows] == [1, 2] and rows[0]["ratio_to_one"] == 1.0
     assert rows[0]["control_ratio"] == 1.0 and rows[1]["control_ratio"] > 0

@@ -19,7 +19,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 from fmnist_flax import cli, experiment
-from fmnist_flax.runtime import ensemble, errors
+from fmnist_flax.runtime import command_line, ensemble, errors
 from fmnist_flax.runtime.errors import UserError
 
 
@@ -269,11 +269,13 @@ def test_config_mistakes_are_explained_in_process(tmp_path):
     """The fast tier's check of the explanations the slow tests above see as a user does."""
     (tmp_path / "bad.py").write_text("x = 1\n")
     bad = f"--config={tmp_path / 'bad.py'}"
-    assert "defines no get_config()" in cli.explain_config_error(["m", bad], ValueError())
-    assert "its fields are hidden, name" in cli.explain_config_error(
-        ["m", "--config.model.hiden=1"], ValueError()
+    default = cli.DEFAULT_CONFIG
+    explain = command_line.explain_config_error
+    assert "defines no get_config()" in explain(["m", bad], ValueError(), default)
+    assert "its fields are hidden, name" in explain(
+        ["m", "--config.model.hiden=1"], ValueError(), default
     )
-    assert cli.explain_config_error(["m", "--config.steps=x"], ValueError()).startswith(
+    assert explain(["m", "--config.steps=x"], ValueError(), default).startswith(
         "--config.steps=x: not a valid int"
     )
 
@@ -304,7 +306,7 @@ def config_mistake(*overrides: str) -> str:
         values(argv)
         holder.value.to_dict()
     except Exception as exc:  # what cli.define_config_flag and cli.parse_flags catch
-        return cli.explain_config_error(argv, exc)
+        return command_line.explain_config_error(argv, exc, cli.DEFAULT_CONFIG)
     pytest.fail(f"{overrides} were accepted")
 
 

@@ -16,6 +16,7 @@ from conftest import idx_bytes, offline, small_arrays, within, write_idx
 
 from fmnist_flax import config as config_lib
 from fmnist_flax import datasets
+from fmnist_flax.runtime import data_files
 from fmnist_flax.runtime.errors import UserError
 
 
@@ -38,9 +39,9 @@ def test_debian_recompressed_gz_is_accepted_by_its_payload_md5():
     fashion = datasets.IDX_DATASETS["fashion_mnist"]
     test_labels = fashion.files[3]
     path = fashion.system_dir / test_labels.gz_name
-    assert datasets.md5_hex(path.read_bytes()) != test_labels.gz_md5  # Debian re-compressed it
-    payload = datasets.verified_payload(path, test_labels)
-    assert datasets.md5_hex(payload) == test_labels.raw_md5
+    assert data_files.md5_hex(path.read_bytes()) != test_labels.gz_md5  # Debian re-compressed it
+    payload = data_files.verified_payload(path, test_labels)
+    assert data_files.md5_hex(payload) == test_labels.raw_md5
 
 
 @pytest.mark.parametrize("compress", [True, False])
@@ -48,10 +49,10 @@ def test_small_gz_and_raw_files_load(tmp_path, compress):
     images, labels = small_arrays(7)
     name = "x-images-idx3-ubyte" + (".gz" if compress else "")
     spec = write_idx(tmp_path / name, idx_bytes(images), compress=compress)
-    payload = datasets.verified_payload(tmp_path / name, spec)
+    payload = data_files.verified_payload(tmp_path / name, spec)
     np.testing.assert_array_equal(datasets.parse_idx(payload, name, images=True), images)
     label_spec = write_idx(tmp_path / "y", idx_bytes(labels), compress=compress)
-    payload = datasets.verified_payload(tmp_path / "y", label_spec)
+    payload = data_files.verified_payload(tmp_path / "y", label_spec)
     np.testing.assert_array_equal(datasets.parse_idx(payload, "y", images=False), labels)
 
 
@@ -122,7 +123,7 @@ def test_label_out_of_range_is_refused():
     labels = np.array([0, 9, 10, 3], np.uint8)
     parsed = datasets.parse_idx(idx_bytes(labels), "labels", images=False)
     with pytest.raises(UserError, match=r"labels: label 10 at index 2 is outside 0\.\.9"):
-        datasets.check_labels(parsed, "labels", 10)
+        data_files.check_labels(parsed, "labels", 10)
 
 
 def test_image_and_label_counts_must_agree(small_dataset_dir, tmp_path_factory):
@@ -143,7 +144,7 @@ def test_md5_mismatch_is_refused(tmp_path, compress):
     tampered[-1] ^= 1
     (tmp_path / "f").write_bytes(gzip.compress(bytes(tampered)) if compress else bytes(tampered))
     with pytest.raises(UserError, match="MD5 mismatch") as exc:
-        datasets.verified_payload(tmp_path / "f", spec)
+        data_files.verified_payload(tmp_path / "f", spec)
     assert str(tmp_path / "f") in one_line(exc)
 
 
@@ -208,7 +209,7 @@ def test_download_with_wrong_md5_is_deleted_and_fetched_once_more(tmp_path):
     _, labels = small_arrays(5)
     good = gzip.compress(idx_bytes(labels))
     spec = write_idx(tmp_path / "src", idx_bytes(labels), compress=False)
-    spec = datasets.IdxFile("y-labels", datasets.md5_hex(good), spec.raw_md5)
+    spec = datasets.IdxFile("y-labels", data_files.md5_hex(good), spec.raw_md5)
     server = _Server({"y-labels.gz": [b"\x1f\x8b garbage", good]})
     dataset = web_spec(tmp_path, server.url)
     cache = dataset.cache_dir
@@ -430,7 +431,7 @@ def test_a_header_declaring_more_than_a_compressed_member_holds_is_refused(tmp_p
 def test_more_class_names_than_supported_are_one_line(tmp_path):
     """Millions of names trained, wrote gigabytes and failed in the confusion matrix."""
     directory = write_arrays(tmp_path / "d")
-    names = "\n".join(f"c{k}" for k in range(datasets.MAX_CLASSES + 1))
+    names = "\n".join(f"c{k}" for k in range(data_files.MAX_CLASSES + 1))
     (directory / "classes.txt").write_text(names)
     with pytest.raises(UserError, match=r"classes.txt: 10,001 classes; at most 10,000") as exc:
         load_arrays(directory)
@@ -512,10 +513,10 @@ def test_identity_compares_only_what_a_checkpoint_recorded():
         "examples": [8, 2],
         "fingerprint": "abc",
     }
-    assert datasets.identity_changes({}, now) == []  # a checkpoint without a dataset item
+    assert data_files.identity_changes({}, now) == []  # a checkpoint without a dataset item
     older = {"name": "idx", "image_shape": [4, 4], "class_names": ["a"]}  # before colour
-    assert datasets.identity_changes(older, now) == []
-    assert datasets.identity_changes({**older, "fingerprint": "abd"}, now) == [
+    assert data_files.identity_changes(older, now) == []
+    assert data_files.identity_changes({**older, "fingerprint": "abd"}, now) == [
         {"field": "dataset.fingerprint", "saved": "abd", "now": "abc"}
     ]
 
@@ -525,26 +526,26 @@ def test_a_gz_is_decompressed_once_and_a_damaged_cache_entry_is_written_again(
 ):
     """The payload of a .gz is kept by the .gz's MD5 (in the process and on disk): a damaged
     entry is never returned but written again whole, and a spec is checked on every read."""
-    monkeypatch.setattr(datasets, "CACHE_ROOT", tmp_path / "cache")
-    monkeypatch.setattr(datasets, "_PAYLOADS", {})
+    monkeypatch.setattr(data_files, "CACHE_ROOT", tmp_path / "cache")
+    monkeypatch.setattr(data_files, "_PAYLOADS", {})
     payload = idx_bytes(np.arange(100, dtype=np.uint8) % 10)
     path = tmp_path / "y.gz"
     path.write_bytes(gzip.compress(payload))
-    spec = datasets.IdxFile("y", None, datasets.md5_hex(payload))
-    assert datasets.verified_payload(path, spec) == payload
-    [entry] = (tmp_path / "cache" / datasets.PAYLOAD_DIR).glob("*.idx")
-    assert entry.name.startswith(datasets.md5_hex(path.read_bytes()))
+    spec = datasets.IdxFile("y", None, data_files.md5_hex(payload))
+    assert data_files.verified_payload(path, spec) == payload
+    [entry] = (tmp_path / "cache" / data_files.PAYLOAD_DIR).glob("*.idx")
+    assert entry.name.startswith(data_files.md5_hex(path.read_bytes()))
     assert entry.read_bytes() == payload
-    monkeypatch.setattr(datasets, "_PAYLOADS", {})  # as a new process finds it
+    monkeypatch.setattr(data_files, "_PAYLOADS", {})  # as a new process finds it
     entry.write_bytes(b"\x07" + payload[1:])
-    assert datasets.verified_payload(path, spec) == payload
-    [again] = (tmp_path / "cache" / datasets.PAYLOAD_DIR).glob("*.idx")
+    assert data_files.verified_payload(path, spec) == payload
+    [again] = (tmp_path / "cache" / data_files.PAYLOAD_DIR).glob("*.idx")
     assert again.read_bytes() == payload
     other = datasets.IdxFile("y", None, "0" * 32)  # cached or not, another payload is refused
     with pytest.raises(UserError, match="MD5 mismatch"):
-        datasets.verified_payload(path, other)
-    monkeypatch.setattr(datasets, "_PAYLOADS", {})
+        data_files.verified_payload(path, other)
+    monkeypatch.setattr(data_files, "_PAYLOADS", {})
     blocked = tmp_path / "file"  # a cache that cannot be made (a file in its place): still loads
     blocked.write_text("")
-    monkeypatch.setattr(datasets, "CACHE_ROOT", blocked)
-    assert datasets.verified_payload(path, spec) == payload
+    monkeypatch.setattr(data_files, "CACHE_ROOT", blocked)
+    assert data_files.verified_payload(path, spec) == payload

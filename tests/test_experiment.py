@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import shutil
@@ -19,6 +20,7 @@ from fmnist_flax import experiment, load_model, train
 from fmnist_flax import model as model_lib
 from fmnist_flax.model import create_model
 from fmnist_flax.runtime import checkpoint, grain_pipeline, parallel
+from fmnist_flax.runtime import memory as memory_lib
 from fmnist_flax.runtime.errors import UserError
 
 
@@ -253,7 +255,7 @@ def fake_host(root, cgroup_lines, files):
     for name, text in files.items():
         (root / "cg" / name).parent.mkdir(parents=True, exist_ok=True)
         (root / "cg" / name).write_text(text)
-    return experiment.host_memory(root / "proc", root / "cg")
+    return memory_lib.host_memory(root / "proc", root / "cg")
 
 
 def test_host_memory_is_the_least_of_meminfo_and_every_enclosing_cgroup(tmp_path):
@@ -265,13 +267,13 @@ def test_host_memory_is_the_least_of_meminfo_and_every_enclosing_cgroup(tmp_path
         "memory/jobs/memory.usage_in_bytes": f"{gib}",
     }
     memory = fake_host(tmp_path / "v1", ["7:cpu:/jobs/a", "4:memory:/jobs/a"], v1)
-    assert memory == experiment.Memory(3 * gib // 2, "the memory limit of cgroup /jobs less use")
+    assert memory == memory_lib.Memory(3 * gib // 2, "the memory limit of cgroup /jobs less use")
     v2 = {"jobs/a/memory.max": "max", "jobs/a/memory.current": "5", "memory.max": f"{gib}"}
     v2["memory.current"] = f"{gib // 4}"
     memory = fake_host(tmp_path / "v2", ["0::/jobs/a"], v2)
-    assert memory == experiment.Memory(3 * gib // 4, "the memory limit of cgroup / less use")
+    assert memory == memory_lib.Memory(3 * gib // 4, "the memory limit of cgroup / less use")
     memory = fake_host(tmp_path / "none", ["0::/"], {})  # no limits: MemAvailable
-    assert memory == experiment.Memory(8 * gib, "MemAvailable in /proc/meminfo")
+    assert memory == memory_lib.Memory(8 * gib, "MemAvailable in /proc/meminfo")
     assert str(memory) == "8.00 GiB available (MemAvailable in /proc/meminfo)"
 
 
@@ -292,13 +294,13 @@ def test_a_fresh_run_that_fails_before_writing_leaves_no_directory(
 def test_grain_read_threads_beyond_the_cores_are_refused(quick_config):
     cores = grain_pipeline.usable_cores()
     quick_config.grain.workers = cores + 1
-    experiment.check_threads(quick_config)  # the device pipeline starts no read threads
+    memory_lib.check_threads(quick_config)  # the device pipeline starts no read threads
     quick_config.input_pipeline = "grain"
     with pytest.raises(UserError, match=rf"--config.grain.workers={cores + 1} is more read") as exc:
-        experiment.check_threads(quick_config)
+        memory_lib.check_threads(quick_config)
     assert f"use at most {cores}, or 0" in str(exc.value) and "\n" not in str(exc.value)
     quick_config.grain.workers = cores
-    experiment.check_threads(quick_config)
+    memory_lib.check_threads(quick_config)
 
 
 def test_the_abstract_size_of_a_model_is_what_the_real_one_holds(quick_config):
@@ -306,10 +308,10 @@ def test_the_abstract_size_of_a_model_is_what_the_real_one_holds(quick_config):
     its optimizer's state to the byte; an ensemble member adds its share of an evaluation."""
     model = create_model(quick_config, (28, 28, 1), 10)
     optimizer = train.create_optimizer(model, quick_config)
-    real = experiment.tree_bytes(nnx.state(model)) + experiment.tree_bytes(
+    real = memory_lib.tree_bytes(nnx.state(model)) + memory_lib.tree_bytes(
         nnx.state(optimizer, nnx.OptState)
     )
-    params = experiment.tree_bytes(nnx.state(model, nnx.Param))
+    params = memory_lib.tree_bytes(nnx.state(model, nnx.Param))
     one = experiment.member_bytes(quick_config, (28, 28, 1), 10, saved_copy=False)
     assert one == real + params
     assert experiment.member_bytes(quick_config, (28, 28, 1), 10) == 2 * real + params
@@ -329,14 +331,19 @@ def test_a_training_step_whose_activations_cannot_fit_is_one_line_naming_the_bat
     11.5 GB when the step first ran. Its compiled (never run) step's memory is now checked
     besides the models', before anything of that size is allocated."""
     gib = 2**30
-    memory = experiment.Memory(4 * gib, "a test's figure")
+    memory = memory_lib.Memory(4 * gib, "a test's figure")
     mesh = parallel.mesh_for(quick_config)
-    small = experiment.check_step(quick_config, _Fashion, mesh, memory, 0, train.train_step)
+    step = functools.partial(
+        memory_lib.step_bytes,
+        train_step=train.train_step,
+        abstract_state=experiment.abstract_state,
+    )
+    small = memory_lib.check_step(quick_config, _Fashion, mesh, memory, 0, step)
     assert 128 * 784 * 4 < small < 64 * 2**20  # the batch and more, not gigabytes
     quick_config.batch_size = 60_000
     quick_config.model.hidden = (16_000,)
     with pytest.raises(UserError) as exc:
-        experiment.check_step(quick_config, _Fashion, mesh, memory, 300 * 2**20, train.train_step)
+        memory_lib.check_step(quick_config, _Fashion, mesh, memory, 300 * 2**20, step)
     line = str(exc.value)
     assert re.match(r"--batch_size=60000: a training step needs about 1\d\.\d\d GiB ", line), line
     assert "besides 300.0 MiB for the model, on the host, which has 4.00 GiB available (a " in line
@@ -348,33 +355,42 @@ def test_a_training_step_whose_activations_cannot_fit_is_one_line_naming_the_bat
 def test_every_config_passes_the_step_check(name):
     config = load_config(name)
     mesh = parallel.mesh_for(config)
-    held = experiment.check_step(
-        config, _Fashion, mesh, experiment.host_memory(), 0, train.train_step
+    step = functools.partial(
+        memory_lib.step_bytes,
+        train_step=train.train_step,
+        abstract_state=experiment.abstract_state,
     )
+    held = memory_lib.check_step(config, _Fashion, mesh, memory_lib.host_memory(), 0, step)
     assert held >= config.batch_size * 784 * 4
 
 
 def test_sizes_that_cannot_fit_are_one_line_naming_the_field(quick_config):
     mib = 2**20
-    memory = experiment.Memory(400 * mib, "a test's figure")
+    memory = memory_lib.Memory(400 * mib, "a test's figure")
     quick_config.ensemble.size = 8
     with pytest.raises(UserError, match=r"--config.ensemble.size=8: 8 members need about") as exc:
-        experiment.check_models(quick_config, (28, 28, 1), 10, memory, on_host=True)
+        memory_lib.check_models(
+            quick_config, (28, 28, 1), 10, memory, True, experiment.member_bytes
+        )
     assert "400.0 MiB available (a test's figure)" in str(exc.value)
     assert re.search(r"use at most about [1-7] members$", str(exc.value)), str(exc.value)
     quick_config.ensemble.size = 1
-    held = experiment.check_models(quick_config, (28, 28, 1), 10, memory, on_host=True)
+    held = memory_lib.check_models(
+        quick_config, (28, 28, 1), 10, memory, True, experiment.member_bytes
+    )
     quick_config.model.hidden = (16_384, 16_384)  # 1.1 GB of parameters, shapes only
     with pytest.raises(UserError, match=r"--config.model: the model needs about 7\.\d\d GiB"):
-        experiment.check_models(quick_config, (28, 28, 1), 10, memory, on_host=True)
+        memory_lib.check_models(
+            quick_config, (28, 28, 1), 10, memory, True, experiment.member_bytes
+        )
     quick_config.grain.block_examples = 2**31 - 1
     with pytest.raises(UserError, match=r"block_examples=2147483647 with .* 4,194,303 steps"):
-        experiment.check_grain(quick_config, (28, 28, 1), memory, held)
+        memory_lib.check_grain(quick_config, (28, 28, 1), memory, held)
     quick_config.grain.block_examples = 16_384
-    experiment.check_grain(quick_config, (28, 28, 1), memory, held)
+    memory_lib.check_grain(quick_config, (28, 28, 1), memory, held)
     quick_config.grain.prefetch = 10_000
     with pytest.raises(UserError, match=r"prefetch=10000 .* keeps 10,002 blocks of 32 steps"):
-        experiment.check_grain(quick_config, (28, 28, 1), memory, held)
+        memory_lib.check_grain(quick_config, (28, 28, 1), memory, held)
 
 
 CLAMPING_HOOK = """

@@ -8,17 +8,17 @@ import pytest
 from conftest import offline
 
 from fmnist_flax import datasets, input_pipeline
-from fmnist_flax.runtime import parallel
+from fmnist_flax.runtime import device_batches, parallel
 from fmnist_flax.runtime.errors import UserError
 
 
 def test_device_data_keeps_uint8_train_images_flat_and_no_test_set(real_dataset):
-    device_data = input_pipeline.to_device(real_dataset, 512, parallel.make_mesh())
+    device_data = device_batches.to_device(real_dataset, 512, parallel.make_mesh())
     assert device_data.train_images.shape == (60_000, 784)  # one row gather per batch
     assert device_data.train_images.dtype == np.uint8  # normalised inside the step
     assert device_data.batches_per_epoch == 117 and device_data.image_shape == (28, 28, 1)
     assert not any(name.startswith("test") for name in vars(device_data))  # streamed instead
-    accumulating = input_pipeline.to_device(real_dataset, 128, parallel.make_mesh(), False, 4)
+    accumulating = device_batches.to_device(real_dataset, 128, parallel.make_mesh(), False, 4)
     assert accumulating.train_images is None  # Grain feeds it
     assert accumulating.examples_per_step == 512 and accumulating.batches_per_epoch == 117
 
@@ -33,8 +33,8 @@ def test_the_host_sorted_order_is_jax_random_permutation(seed, epoch, n):
     results depend on it (a JAX upgrade that changes its shuffle fails here)."""
     key = jax.random.fold_in(jax.random.key(seed), epoch)
     expected = np.asarray(jax.random.permutation(key, n))
-    np.testing.assert_array_equal(np.asarray(input_pipeline.epoch_order(seed, epoch, n)), expected)
-    drawn = input_pipeline._permutation(np.uint32(seed), epoch, n)  # an accelerator's path
+    np.testing.assert_array_equal(np.asarray(device_batches.epoch_order(seed, epoch, n)), expected)
+    drawn = device_batches._permutation(np.uint32(seed), epoch, n)  # an accelerator's path
     np.testing.assert_array_equal(np.asarray(drawn), expected)
 
 
@@ -44,19 +44,19 @@ def test_another_prng_setting_gets_its_own_jax_random_permutation():
     with jax.threefry_partitionable(False):
         key = jax.random.fold_in(jax.random.key(5), 2)
         expected = np.asarray(jax.random.permutation(key, 1000))
-        drawn = np.asarray(input_pipeline.epoch_order(5, 2, 1000))
+        drawn = np.asarray(device_batches.epoch_order(5, 2, 1000))
     np.testing.assert_array_equal(drawn, expected)
     default = jax.random.permutation(jax.random.fold_in(jax.random.key(5), 2), 1000)
     assert not np.array_equal(expected, np.asarray(default))  # the setting changes the order
 
 
 def test_each_epoch_gets_a_fresh_seeded_permutation(real_dataset):
-    device_data = input_pipeline.to_device(real_dataset, 512, parallel.make_mesh())
-    first = np.asarray(input_pipeline.epoch_order(0, 0, 60_000))
+    device_data = device_batches.to_device(real_dataset, 512, parallel.make_mesh())
+    first = np.asarray(device_batches.epoch_order(0, 0, 60_000))
     np.testing.assert_array_equal(np.sort(first), np.arange(60_000))
-    np.testing.assert_array_equal(first, np.asarray(input_pipeline.epoch_order(0, 0, 60_000)))
-    assert not np.array_equal(first, np.asarray(input_pipeline.epoch_order(0, 1, 60_000)))
-    assert not np.array_equal(first, np.asarray(input_pipeline.epoch_order(1, 0, 60_000)))
+    np.testing.assert_array_equal(first, np.asarray(device_batches.epoch_order(0, 0, 60_000)))
+    assert not np.array_equal(first, np.asarray(device_batches.epoch_order(0, 1, 60_000)))
+    assert not np.array_equal(first, np.asarray(device_batches.epoch_order(1, 0, 60_000)))
     x, y = input_pipeline.batch_at(
         device_data.train_images,
         device_data.train_labels,
@@ -88,7 +88,7 @@ def test_device_batches_stop_at_an_epoch_and_pass_kept_device_ints(real_dataset,
     """Steps 101..130 are two calls, split at the epoch's end (117). Each call's first batch
     index and count are int32s replicated on the mesh and made once per value: a Python int
     would be copied to the device at every call."""
-    device_data = input_pipeline.to_device(real_dataset, 512, parallel.make_mesh())
+    device_data = device_batches.to_device(real_dataset, 512, parallel.make_mesh())
     batches = input_pipeline.DeviceBatches(device_data, quick_config)
     calls = [*batches.chunks(100, 117), *batches.chunks(117, 130)]
     assert [(int(c[3]), int(c[4]), c[5]) for c in calls] == [(100, 17, 100), (0, 13, 117)]
@@ -111,9 +111,9 @@ def test_batch_larger_than_the_train_set_is_refused(small_dataset_dir, tmp_path_
     directory, spec = small_dataset_dir
     dataset = datasets.load_dataset(offline(spec, tmp_path_factory.mktemp("empty")), directory)
     with pytest.raises(UserError, match="--batch_size=65 is larger than the 64 training"):
-        input_pipeline.to_device(dataset, 65, parallel.make_mesh())
+        device_batches.to_device(dataset, 65, parallel.make_mesh())
     with pytest.raises(UserError, match="--batch_size=32 x accumulate=3 is larger than the 64"):
-        input_pipeline.to_device(dataset, 32, parallel.make_mesh(), accumulate=3)
+        device_batches.to_device(dataset, 32, parallel.make_mesh(), accumulate=3)
 
 
 def test_padded_batches_mask_only_the_padding():

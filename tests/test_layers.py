@@ -11,6 +11,8 @@ from conftest import REPO
 
 PACKAGE = REPO / "fmnist_flax"
 RUNTIME, CODELAB = "fmnist_flax.runtime", "fmnist_flax.codelab"
+# The most lines the template's top-level modules other than the loop (train.py) hold together.
+TEMPLATE_BESIDES_LOOP_LINES = 2_400
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -80,6 +82,14 @@ def test_nothing_outside_the_codelab_imports_it():
         if layer(name) == CODELAB
     }
     assert not found, sorted(found)
+
+
+def test_the_template_besides_the_loop_stays_short_enough_to_read_in_one_sitting():
+    """The template's modules other than train.py hold at most TEMPLATE_BESIDES_LOOP_LINES
+    lines together: generic machinery belongs in runtime/, behind a small API."""
+    sizes = {path.name: len(path.read_text().splitlines()) for path in PACKAGE.glob("*.py")}
+    besides_loop = sum(lines for name, lines in sizes.items() if name != "train.py")
+    assert besides_loop <= TEMPLATE_BESIDES_LOOP_LINES, sorted(sizes.items())
 
 
 def test_no_module_of_the_package_imports_itself_through_a_cycle():

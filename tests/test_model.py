@@ -14,7 +14,7 @@ from conftest import forward, load_config
 from flax import nnx
 
 from fmnist_flax import model as model_lib
-from fmnist_flax.runtime import parallel, tables
+from fmnist_flax.runtime import model_build, parallel, tables
 from fmnist_flax.runtime.errors import UserError
 
 
@@ -64,12 +64,13 @@ def test_create_model_follows_the_config_and_seed():
 
 @pytest.mark.parametrize("name", ["default", "cnn"])
 def test_the_init_compiled_for_speed_of_compiling_gives_the_same_bits(name):
-    """create_model compiles the init with model_lib.INIT_COMPILER_OPTIONS; a compile with
+    """create_model compiles the init with model_build.INIT_COMPILER_OPTIONS; a compile with
     XLA's default options must give the same values."""
     config = load_config(name)
     model = model_lib.create_model(config, (28, 28, 1), 10, seed=5)
-    static = model_lib.static_args(config, (28, 28, 1), 10)
-    default = jax.jit(lambda seed: nnx.state(model_lib._construct(*static, seed)))
+    models, dtypes = model_lib.MODELS, model_lib.COMPUTE_DTYPES
+    static = model_build.static_args(models, dtypes, config, (28, 28, 1), 10)
+    default = jax.jit(lambda seed: nnx.state(model_build._construct(*static, seed)))
     expected = default(jnp.asarray(5, jnp.uint32))
     for got, want in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(expected), strict=True):
         if jnp.issubdtype(got.dtype, jax.dtypes.prng_key):  # the CNN's dropout stream

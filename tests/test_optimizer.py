@@ -19,6 +19,7 @@ from conftest import load_config
 from fmnist_flax import optimizer
 from fmnist_flax.config import get_config, training_changes
 from fmnist_flax.model import create_model
+from fmnist_flax.runtime import param_groups
 from fmnist_flax.runtime.errors import UserError
 
 
@@ -171,7 +172,7 @@ def step_with(model: nnx.Module, config: ml_collections.ConfigDict, grad: float)
     of `model`, every gradient `grad`."""
     model = nnx.clone(model)
     params = nnx.state(model, nnx.Param)
-    names = [optimizer.parameter_name(path) for path, _ in jax.tree.leaves_with_path(params)]
+    names = [param_groups.parameter_name(path) for path, _ in jax.tree.leaves_with_path(params)]
     before = jax.tree.leaves(params)  # the arrays: the Variables are updated in place
     tx = nnx.Optimizer(model, optimizer.create(config), wrt=nnx.Param)
     grads = jax.tree.map(lambda p: jnp.full_like(p, grad), params)

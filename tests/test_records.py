@@ -58,7 +58,7 @@ def small_set(tmp_path: pathlib.Path, shards: int = 2, name: str = "small") -> p
 
 
 def test_prepared_records_read_back_as_the_dataset_they_came_from(real_dataset, fmnist_records):
-    loaded = datasets.load_records(fmnist_records)
+    loaded = records.load_dataset(fmnist_records)
     assert loaded.info() == {**real_dataset.info(), "name": "records"}  # same fingerprint
     assert sorted(p.name for p in fmnist_records.iterdir())[:2] == ["info.json", "labels.npz"]
     info = json.loads((fmnist_records / "info.json").read_text())
@@ -74,7 +74,7 @@ def test_prepared_records_read_back_as_the_dataset_they_came_from(real_dataset, 
 
 
 def test_record_images_slice_lazily_and_index_like_numpy(real_dataset, fmnist_records):
-    images, expected = datasets.load_records(fmnist_records).test_images, real_dataset.test_images
+    images, expected = records.load_dataset(fmnist_records).test_images, real_dataset.test_images
     view = images[100:200:3]
     assert isinstance(view, records.RecordImages) and view.shape == (34, 28, 28, 1)
     np.testing.assert_array_equal(np.asarray(view), expected[100:200:3])
@@ -88,7 +88,7 @@ def test_evaluation_streams_records_to_the_same_result_as_arrays(
 ):
     config = quick_config
     model, _ = train.create_train_state(config, (28, 28, 1), 10, parallel.make_mesh())
-    loaded = datasets.load_records(fmnist_records)
+    loaded = records.load_dataset(fmnist_records)
     streamed = evaluate.evaluate(
         model, loaded.test_images[:3000], loaded.test_labels[:3000], config
     )
@@ -100,7 +100,7 @@ def test_evaluation_streams_records_to_the_same_result_as_arrays(
 
 
 def test_grain_reads_the_same_batches_from_records_as_from_arrays(real_dataset, fmnist_records):
-    from_records = grain_pipeline.train_source(datasets.load_records(fmnist_records))
+    from_records = grain_pipeline.train_source(records.load_dataset(fmnist_records))
     assert isinstance(from_records, records.RecordSource)
     blocks = [
         grain_pipeline.process_batches(source, 64, 0, steps_per_block=3, first_block=5)[1]
@@ -163,7 +163,7 @@ def test_damaged_record_sets_are_refused_in_one_line_naming_the_file(tmp_path, d
     directory = small_set(tmp_path)
     damage(directory)
     with pytest.raises(UserError, match=expected) as raised:
-        datasets.load_records(directory)
+        records.load_dataset(directory)
     assert "\n" not in str(raised.value) and "--mode=prepare" in str(raised.value)
 
 
@@ -191,7 +191,7 @@ def test_a_shard_of_another_prepared_set_is_refused_naming_it(tmp_path):
     shard = "train-00001-of-00002.records"
     shutil.copyfile(tmp_path / "other" / shard, directory / shard)
     with pytest.raises(UserError, match=rf"{shard} is a shard of another record set") as raised:
-        datasets.load_records(directory)
+        records.load_dataset(directory)
     assert "\n" not in str(raised.value) and "--mode=prepare" in str(raised.value)
 
 
@@ -205,11 +205,11 @@ def test_labels_edited_in_the_middle_are_refused_naming_labels_npz(tmp_path):
     np.savez(directory / "labels.npz", **saved)
     assert (directory / "labels.npz").stat().st_size == size
     with pytest.raises(UserError, match=r"labels\.npz does not match its SHA-256 in info\.json"):
-        datasets.load_records(directory)
+        records.load_dataset(directory)
     info = json.loads((directory / "info.json").read_text())
     info["files"]["labels.npz"]["sha256"] = records._sha256(directory / "labels.npz")
     (directory / "info.json").write_text(json.dumps(info))
-    loaded = datasets.load_records(directory)
+    loaded = records.load_dataset(directory)
     with pytest.raises(
         UserError, match=r"test-00001-of-00002\.records: record 6's label"
     ) as raised:
@@ -246,7 +246,7 @@ def test_edited_labels_are_checked_as_they_are_before_any_cast(tmp_path, label, 
     info["files"]["labels.npz"]["bytes"] = (directory / "labels.npz").stat().st_size
     (directory / "info.json").write_text(json.dumps(info))
     with pytest.raises(UserError, match=message) as raised:
-        datasets.load_records(directory)
+        records.load_dataset(directory)
     assert "\n" not in str(raised.value) and "labels.npz[train]" in str(raised.value)
 
 
@@ -268,7 +268,7 @@ def test_a_record_file_that_is_a_fifo_or_a_device_is_one_line_naming_it(tmp_path
     else:
         os.symlink(kind, directory / name)
     with within(10), pytest.raises(UserError) as raised:
-        datasets.load_records(directory)
+        records.load_dataset(directory)
     what = "a FIFO" if kind == "fifo" else f"a character device (a symbolic link to {kind})"
     assert str(raised.value).startswith(f"{directory / name} is {what}, not a regular file")
     assert "\n" not in str(raised.value)
@@ -358,7 +358,7 @@ def test_more_shards_than_examples_are_refused_and_nothing_written(tmp_path):
     with pytest.raises(UserError, match=r"--shards=13 is more than the 12 examples of the test "):
         small_set(tmp_path, shards=13)
     assert list(tmp_path.iterdir()) == []
-    assert datasets.load_records(small_set(tmp_path, shards=12)).num_classes == 10
+    assert records.load_dataset(small_set(tmp_path, shards=12)).num_classes == 10
 
 
 def test_a_set_with_no_test_examples_is_refused_when_written_or_loaded(tmp_path):
@@ -374,7 +374,7 @@ def test_a_set_with_no_test_examples_is_refused_when_written_or_loaded(tmp_path)
     directory.mkdir()
     records._write_files(empty, directory, 1)
     with pytest.raises(UserError) as refused:
-        datasets.load_records(directory)
+        records.load_dataset(directory)
     assert str(refused.value) == (
         f"{directory / 'info.json'}: the test split holds no examples; each split needs at "
         "least one: write the records again with --mode=prepare from a dataset that has test "
@@ -407,12 +407,12 @@ def test_a_set_with_more_shards_than_open_files_is_not_called_damaged(tmp_path):
     resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 6, limits[1]))
     try:
         with pytest.raises(UserError) as raised:
-            datasets.load_records(directory)
+            records.load_dataset(directory)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, limits)
     assert "cannot be opened: too many open files (12 shards a split" in str(raised.value)
     assert "damaged" not in str(raised.value)
-    assert datasets.load_records(directory).num_classes == 10  # every reader it opened closed
+    assert records.load_dataset(directory).num_classes == 10  # every reader it opened closed
 
 
 def test_prepare_into_a_training_runs_checkpoints_is_refused(tmp_path):
@@ -425,7 +425,7 @@ def test_prepare_into_a_training_runs_checkpoints_is_refused(tmp_path):
 
 def test_a_prepare_output_named_with_glob_characters_is_written(tmp_path):
     """Its leftovers were looked for with glob: `**` in the name was a ValueError traceback."""
-    assert datasets.load_records(small_set(tmp_path, name="a**b[1]")).num_classes == 10
+    assert records.load_dataset(small_set(tmp_path, name="a**b[1]")).num_classes == 10
 
 
 def _rewrite_counts(directory: pathlib.Path, counts: list[int]) -> None:
@@ -447,7 +447,7 @@ def test_a_corrupted_record_is_refused_when_read_naming_its_file(tmp_path, shard
     data[at + 300 : at + 364] = bytes(64)  # zeros over the middle of the picture
     shard.write_bytes(bytes(data))
     _rewrite_info(directory)  # sizes unchanged: only reading can tell (Riegeli's hashes)
-    loaded = datasets.load_records(directory)
+    loaded = records.load_dataset(directory)
     expected = (
         f"{shard} cannot be read (record 33 fails its check); the file is damaged: write the "
         "records again with --mode=prepare"
@@ -465,7 +465,7 @@ def test_a_corrupted_record_is_refused_when_read_naming_its_file(tmp_path, shard
 def test_a_read_fills_the_buffer_it_is_given_contiguous_or_not(tmp_path):
     """Keys in any order, repeated, across both shards: the pixels land in `out` in the keys'
     order, a contiguous buffer or every other column of a wider one."""
-    source = datasets.load_records(small_set(tmp_path)).train_images.source
+    source = records.load_dataset(small_set(tmp_path)).train_images.source
     images, classes = small_arrays(40, 1)
     images = images.reshape(40, -1)
     keys = np.array([39, 0, 21, 0, 5, 20, 19, 38])
@@ -503,7 +503,7 @@ def test_reading_holds_at_most_the_mapped_budget_whatever_is_read(
     default budget the same set stays mapped: read again without unmapping anything."""
     for budget in (8 << 20, records.RESIDENT_BYTES):
         monkeypatch.setattr(records, "RESIDENT_BYTES", budget)
-        source = datasets.load_records(fmnist_records).train_images.source
+        source = records.load_dataset(fmnist_records).train_images.source
         size = sum(p.stat().st_size for p in source.paths)
         rng = np.random.default_rng(0)
         for _ in range(8):
@@ -526,7 +526,7 @@ def test_prepare_writes_a_new_directory_or_nothing(tmp_path):
         small_set(tmp_path, name="notes")
     assert (tmp_path / "notes").read_text() == "mine"
     (tmp_path / "empty").mkdir()
-    assert datasets.load_records(small_set(tmp_path, name="empty")).num_classes == 10
+    assert records.load_dataset(small_set(tmp_path, name="empty")).num_classes == 10
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
 
 
@@ -707,7 +707,7 @@ def test_a_shard_cut_short_under_a_live_reader_is_one_line_at_its_next_read(tmp_
     """A shard truncated after it was mapped (a copy over it caught half way): the next read
     says so in one line, naming the file, before touching pages the file no longer holds (a
     bus error would kill the process); the other shard still reads."""
-    source = datasets.load_records(small_set(tmp_path)).train_images.source
+    source = records.load_dataset(small_set(tmp_path)).train_images.source
     assert source.read(np.arange(40))[0].shape == (40, 784)  # both shards mapped and read
     shard = source.paths[1]
     was = shard.stat().st_size

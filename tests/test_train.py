@@ -13,14 +13,14 @@ from flax import nnx
 
 from fmnist_flax import input_pipeline, train
 from fmnist_flax.model import MLP, create_model
-from fmnist_flax.runtime import ensemble, metrics_writer, parallel, stopping
+from fmnist_flax.runtime import device_batches, ensemble, metrics_writer, parallel, stopping
 from fmnist_flax.runtime.errors import UserError
 from fmnist_flax.runtime.schedule import Schedule
 
 
 def first_batches(real_dataset, count, batch_size=512):
-    device_data = input_pipeline.to_device(real_dataset, batch_size, parallel.make_mesh())
-    order = input_pipeline.epoch_order(0, 0, 60_000)
+    device_data = device_batches.to_device(real_dataset, batch_size, parallel.make_mesh())
+    order = device_batches.epoch_order(0, 0, 60_000)
     batches = [
         input_pipeline.batch_at(
             device_data.train_images, device_data.train_labels, order, i, batch_size, (28, 28, 1)
@@ -113,13 +113,13 @@ def trained_members(quick_config, real_dataset, per_pass: int) -> tuple[list, di
     quick_config.ensemble.size, quick_config.ensemble.same_data = 4, False
     quick_config.ensemble.members_per_pass = per_pass
     task = train.Config(quick_config)
-    device_data = input_pipeline.to_device(real_dataset, 64, parallel.make_mesh())
+    device_data = device_batches.to_device(real_dataset, 64, parallel.make_mesh())
     model, optimizer = train.create_train_state(task, (28, 28, 1), 10, device_data.mesh)
     graphdef, state = train.split_state(model, optimizer)
     chunk = train.make_train_chunk(graphdef, task, (28, 28, 1), device_data.mesh)
     sums = train.zero_sums(model, task, (28, 28, 1), device_data.mesh)  # one compile
     key = input_pipeline.augment_key(task)
-    orders = input_pipeline.epoch_orders(ensemble.data_seeds(task), 0, 60_000)
+    orders = device_batches.epoch_orders(ensemble.data_seeds(task), 0, 60_000)
     data = device_data.train_images, device_data.train_labels, orders
     calls = [(0, 4), (4, 2)] if quick_config.fused_steps else [(i, 1) for i in range(6)]
     for start, count in calls:

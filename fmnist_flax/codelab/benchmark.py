@@ -34,6 +34,7 @@ from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax.codelab import profiling, reference
 from fmnist_flax.runtime import (
     checkpoint,
+    device_batches,
     ensemble,
     errors,
     grain_pipeline,
@@ -149,7 +150,7 @@ def fused_runner(
     )
     chunk, sums = chunk_for(config, device_data, graphdef, model)
     seeds = [COMPARISON_SEED + k for k in range(len(ensemble.data_seeds(config)))]
-    order = input_pipeline.epoch_orders(seeds, 0, len(device_data.train_labels))
+    order = device_batches.epoch_orders(seeds, 0, len(device_data.train_labels))
     per_epoch = device_data.batches_per_epoch
     schedule = Schedule(config, per_epoch)
     carry = [state, 0]
@@ -513,8 +514,8 @@ def run_suite(
     rows = []
     profiles = []
     for batch_size in batch_sizes:
-        device_data = input_pipeline.to_device(dataset, batch_size, mesh)
-        split_data = None if split is None else input_pipeline.to_device(dataset, batch_size, split)
+        device_data = device_batches.to_device(dataset, batch_size, mesh)
+        split_data = None if split is None else device_batches.to_device(dataset, batch_size, split)
         x, y = input_pipeline.shuffle(dataset.train_images, dataset.train_labels, seed=0)
         flat = reference.flat_images(x)
         fixed = jax.device_put(input_pipeline.fixed_batches(flat, y, batch_size), device)
@@ -813,7 +814,7 @@ def run_benchmark(
     dataset = datasets.load(config)
     with tempfile.TemporaryDirectory(prefix="bench-records-") as tmp:
         records.write_dataset(dataset, pathlib.Path(tmp) / "records")
-        record_set = datasets.load_records(pathlib.Path(tmp) / "records")
+        record_set = records.load_dataset(pathlib.Path(tmp) / "records")
         result = run_suite(
             config,
             dataset,
@@ -831,7 +832,7 @@ def run_benchmark(
         print(record_reads_table(result["record_reads"]))
     if whole_run_steps:
         mesh = parallel.mesh_for(config, jax.devices()[:1])
-        device_data = input_pipeline.to_device(dataset, config.batch_size, mesh)
+        device_data = device_batches.to_device(dataset, config.batch_size, mesh)
         before = fused_reference(config, device_data, whole_run_steps)
         with tempfile.TemporaryDirectory() as tmp:
             whole = whole_run(whole_run_steps, pathlib.Path(tmp), config.data_dir)

@@ -21,10 +21,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-from fmnist_flax import config as config_lib
 from fmnist_flax import input_pipeline, train
 from fmnist_flax.experiment import Extension, Run
-from fmnist_flax.runtime import compilation_cache, parallel, report, tables
+from fmnist_flax.runtime import (
+    compilation_cache,
+    device_batches,
+    ensemble,
+    parallel,
+    report,
+    tables,
+)
 from fmnist_flax.runtime.tables import Table
 
 EAGER_STEPS = 20  # the codelab's sizes
@@ -56,7 +62,7 @@ class Codelab(Extension):
         d = run.device_data
         images = run.dataset.train_images
         labels = run.dataset.train_labels
-        order = input_pipeline.epoch_order(run.config.seed, 0, len(labels))
+        order = device_batches.epoch_order(run.config.seed, 0, len(labels))
         picks = np.asarray(order)[: d.batch_size]  # sliced on the host: nothing to compile
         first_batch = [
             parallel.shard_host_array(a, parallel.batch_sharding(d.mesh))
@@ -167,7 +173,7 @@ def time_steps(
     """
     d = device_data
     frozen = ml_collections.FrozenConfigDict(config)
-    order = input_pipeline.epoch_order(COMPARISON_SEED, 0, len(d.train_labels))
+    order = device_batches.epoch_order(COMPARISON_SEED, 0, len(d.train_labels))
     shape = (d.batch_size, d.image_shape, d.mesh, d.accumulate)
     batches = (
         input_pipeline.batch_at(d.train_images, d.train_labels, order, i, *shape)
@@ -200,7 +206,7 @@ def fresh_state(
     """A new model and optimizer from COMPARISON_SEED (never the trained one): one model, as
     the codelab's comparisons time it, also for an ensemble run."""
     config = ml_collections.ConfigDict(config.to_dict())
-    config.ensemble = config_lib.ensemble_config()
+    config.ensemble = ensemble.default_config()
     if compute_dtype:
         config.compute_dtype = compute_dtype
     return train.create_train_state(
@@ -212,7 +218,7 @@ def with_train_set(run: Run) -> input_pipeline.DeviceData:
     """The run's device data with the train set on the device, where the timing demonstrations
     (--report=full) pick their batches; a run fed by Grain gets it placed here, for them only."""
     if run.device_data.train_images is None:
-        run.device_data = input_pipeline.to_device(
+        run.device_data = device_batches.to_device(
             run.dataset,
             run.config.batch_size,
             run.device_data.mesh,

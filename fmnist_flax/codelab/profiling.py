@@ -21,6 +21,7 @@ import ml_collections
 from flax import nnx
 
 from fmnist_flax import input_pipeline, train
+from fmnist_flax.runtime import device_batches
 from fmnist_flax.runtime.tables import Table
 
 OP_KINDS = ("matmul", "elementwise over kernels", "everything else")
@@ -82,7 +83,7 @@ def profile_fused(
     frozen = ml_collections.FrozenConfigDict(config)
     chunk = train.make_train_chunk(graphdef, frozen, device_data.image_shape, device_data.mesh)
     sums = train.zero_sums(model, frozen, device_data.image_shape, device_data.mesh)
-    order = input_pipeline.epoch_order(0, 0, len(device_data.train_labels))
+    order = device_batches.epoch_order(0, 0, len(device_data.train_labels))
     steps = min(steps, device_data.batches_per_epoch)
     args = (sums, device_data.train_images, device_data.train_labels, order, 0, steps)
     # Run the very executable whose text names the ops, so every event maps onto it.

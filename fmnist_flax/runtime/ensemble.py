@@ -6,13 +6,14 @@ at a time. Each metric has one value per member: metrics.jsonl gets their mean a
 member k's as `name/k`. Everything here is what differs from one model: the rest of the
 template sees a model (`Ensemble` gives the ensemble's logits) and a step function.
 
-API: `Ensemble`, `stack`, `member_optimizers`, `train_members`, `select_member`,
-`member_column`, `members_table_rows`.
+API: `check_config`, `Ensemble`, `stack`, `member_optimizers`, `train_members`, `select_member`,
+`member_column`, `members_table_rows`, `default_config` (config.ensemble's fields).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ MEMBER_SEPARATOR = "/"  # the column of member k's metric `name` (metrics.jsonl,
 # passes run in turn: two members' weights, gradients and Adam moments stay in the CPU's cache
 # where eight members' overflow it (docs/performance.md). Accelerators run every member at once.
 CPU_MEMBERS_PER_PASS = 2
+MAX_MEMBERS = 1024
 
 
 def stack(objects: Sequence[Any]) -> Any:
@@ -321,3 +323,88 @@ def select_member(restored: tuple, member: int | str | None, checkpoints, flag: 
     if not 0 <= member < model.size:
         raise UserError(f"--member={member}: {where} has members 0..{model.size - 1}")
     return model.member(member), step, config, {**info, "member": member}
+
+
+def check_config(config: ml_collections.ConfigDict, max_seed: int) -> None:
+    """`config.ensemble`: a size, per-member values of that length, a data rule that the input
+    pipeline can follow; members' seeds run from `config.seed` and stay <= `max_seed`."""
+    ens = config.ensemble
+    flag = "--config.ensemble"
+    if isinstance(ens.size, bool) or not isinstance(ens.size, int) or ens.size < 1:
+        raise UserError(f"{flag}.size={ens.size!r} must be a whole number of members >= 1")
+    if (
+        isinstance(ens.shards, bool)
+        or not isinstance(ens.shards, int)
+        or ens.shards < 1
+        or (ens.size % ens.shards)
+    ):
+        raise UserError(
+            f"{flag}.shards={ens.shards!r} must be a whole number >= 1 that divides "
+            f"{flag}.size={ens.size} (the members are split over that many devices)"
+        )
+    per_pass = ens.members_per_pass
+    if (
+        isinstance(per_pass, bool)
+        or not isinstance(per_pass, int)
+        or per_pass < 0
+        or (per_pass and (ens.size % per_pass or per_pass % ens.shards))
+    ):
+        raise UserError(
+            f"{flag}.members_per_pass={per_pass!r} must be 0 (chosen for the device) or a whole "
+            f"number that divides {flag}.size={ens.size} and is a multiple of "
+            f"{flag}.shards={ens.shards}"
+        )
+    if ens.size > MAX_MEMBERS or config.seed + ens.size - 1 > max_seed:
+        raise UserError(
+            f"{flag}.size={ens.size} is too large: at most {MAX_MEMBERS} members, and "
+            f"--seed + size - 1 must stay <= {max_seed:,}"
+        )
+    for field, low in (("learning_rate", 0.0), ("weight_decay", 0.0)):
+        values = ens[field]
+        if not isinstance(values, tuple | list) or len(values) not in (0, ens.size):
+            raise UserError(
+                f"{flag}.{field}={values!r} must be a tuple of {ens.size} values, one per member "
+                f"(--config.ensemble.size={ens.size}), or () for config.optimizer's"
+            )
+        for value in values:
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if (
+                not number
+                or not low <= value < math.inf
+                or (field == "learning_rate" and not value)
+            ):
+                bound = "positive" if field == "learning_rate" else ">= 0"
+                raise UserError(f"{flag}.{field}: {value!r} must be a finite number {bound}")
+    if ens.learning_rate and config.optimizer.schedule != "constant":
+        raise UserError(
+            f"{flag}.learning_rate sets per-member rates, which need "
+            "--config.optimizer.schedule=constant (a schedule's peak is config.optimizer's)"
+        )
+    if ens.size > 1 and not ens.same_data and config.input_pipeline == "grain":
+        raise UserError(
+            f"{flag}.same_data=False gives each member its own batches, which only "
+            "--config.input_pipeline=device can gather; use it, or same_data=True"
+        )
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Several members of the model trained at once, as one program (`nnx.vmap` over the
+    stacked members and their optimizers); member k is initialised from seed + k."""
+    ensemble = ml_collections.ConfigDict()
+    ensemble.size = 1  # 1: a single model, no member axis
+    # Per-member values, a tuple of `size` (empty: every member uses config.optimizer's).
+    ensemble.learning_rate = ()
+    ensemble.weight_decay = ()
+    # True: every member sees the same batches; False: member k the data order (and
+    # augmentation) of a single run with --seed=seed+k.
+    ensemble.same_data = True
+    # Split the members over this many devices (a `member` mesh axis; the devices of each
+    # part split every batch over `data`). It must divide `size` and the device count. On a
+    # CPU, main.py makes the devices: set it to the number of cores (faster than one device).
+    ensemble.shards = 1
+    # Members trained side by side (one vmap) in each pass over a chunk's steps; the passes run
+    # in turn. A multiple of `shards` that divides `size`; 0: every member on a GPU or TPU, 2 per
+    # device on a CPU, whose cache eight members' optimizer state overflows. The rounding of
+    # a member's batched arithmetic may differ with it in the last bit.
+    ensemble.members_per_pass = 0
+    return ensemble

@@ -9,7 +9,7 @@ steps' batches travel as one block and train in one compiled call. The iterator'
 travels in the Orbax checkpoint, so a killed run resumes mid-epoch exactly. Augmentation stays
 on the device, in the compiled step, as in the device pipeline.
 
-API: `from_config`, `train_source`.
+API: `from_config`, `train_source`, `default_config` (config.grain's fields).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
+import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
@@ -199,3 +200,14 @@ def from_config(
         prefetch=config.grain.prefetch,
         fused=config.fused_steps,
     )
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """How the Grain pipeline reads (input_pipeline=grain); none of it changes the batches."""
+    grain = ml_collections.ConfigDict()
+    grain.workers = 0  # host threads reading batches (0: one per core, at most 8)
+    # Examples read in one bulk read, as a block of whole steps that trains in compiled calls
+    # of up to that many steps: larger blocks spread the reader's fixed cost per call.
+    grain.block_examples = 16_384
+    grain.prefetch = 2  # such blocks read ahead of the step that needs them (>= 1 per worker)
+    return grain

@@ -16,7 +16,7 @@ back). Each record's check and label is compared with what was written, once for
 damaged record, a shard of another set or edited labels: one line naming the file). The mapped
 pages a source holds stay within RESIDENT_BYTES: past it, all are let go at once.
 
-API: `write_dataset`, `read_splits`, `RecordSource`.
+API: `write_dataset`, `read_splits`, `load_dataset`, `RecordSource`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import functools
 import hashlib
 import itertools
 import json
-import math
 import mmap
 import os
 import pathlib
@@ -43,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from fmnist_flax.runtime import errors
+from fmnist_flax.runtime.data_files import Dataset, check_class_count, check_labels, npz_headers
 from fmnist_flax.runtime.errors import UserError
 
 INFO_FILE = "info.json"
@@ -59,7 +59,6 @@ HEADER_BYTES = 4096  # the magic, then the header's JSON, zero-padded: records s
 LABEL_BYTES = 4
 WORD = np.dtype("<u8")  # a record's check folds its 8-byte words
 SPLITS = ("train", "test")
-DEFLATE_MAX_RATIO = 1100  # deflate never packs more than ~1032 bytes into one
 READ_CHUNK = 8192  # records read or written at once when a whole split is asked for
 # Records gathered, placed and folded at once. Each NumPy call hands the GIL back and forth, so
 # on a many-core host smaller pieces make more threads read less than one.
@@ -338,46 +337,6 @@ def _images(images: Any, start: int, stop: int) -> np.ndarray:
     if isinstance(images, np.ndarray):
         return images[start:stop].reshape(stop - start, -1)
     return np.stack([np.asarray(images[i]) for i in range(start, stop)]).reshape(stop - start, -1)
-
-
-def npz_headers(path: pathlib.Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Each array of an .npz archive, by name: its shape and dtype as its .npy header declares
-    them, read without loading the array. A header declaring more bytes than the file can hold
-    is refused before np.load allocates them: one declaring (1e11, 28, 28) asked for 71.3 TiB.
-    A file that is no archive raises OSError, ValueError, EOFError or zipfile.BadZipFile."""
-    with zipfile.ZipFile(path) as archive:
-        return {
-            member.filename[:-4]: _declared(archive, member, path)
-            for member in archive.infolist()
-            if member.filename.endswith(".npy")
-        }
-
-
-def _declared(
-    archive: zipfile.ZipFile, member: zipfile.ZipInfo, path: pathlib.Path
-) -> tuple[tuple[int, ...], np.dtype]:
-    """An .npz member's declared (shape, dtype), no more bytes than the member can hold."""
-    with archive.open(member) as f:
-        version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
-        elif version == (2, 0):
-            shape, _, dtype = np.lib.format.read_array_header_2_0(f)
-        else:
-            raise ValueError(f"{member.filename}: .npy format {version}; save it with np.savez")
-        header = f.tell()
-    if dtype.hasobject:  # pickled: its size says nothing, and it is never loaded
-        raise ValueError(f"{member.filename[:-4]} holds Python objects, which are never loaded")
-    declared = math.prod(shape) * dtype.itemsize
-    held = member.file_size - header  # the member's size once unpacked, as the zip records it
-    if member.compress_type != zipfile.ZIP_STORED:  # deflate packs at most ~1032:1
-        held = min(held, member.compress_size * DEFLATE_MAX_RATIO)
-    if declared > held:
-        raise UserError(
-            f"{path}: {member.filename[:-4]} declares shape {shape} of {dtype} ({declared:,} "
-            f"bytes) but the file holds {max(held, 0):,}; the file is damaged or cut short"
-        )
-    return shape, dtype
 
 
 def read_info(directory: pathlib.Path) -> dict[str, Any]:
@@ -901,3 +860,35 @@ def _read_labels(directory: pathlib.Path, info: dict[str, Any]) -> dict[str, np.
             f"replaced); {again}"
         )
     return {split: labels[split].astype(np.int32) for split in SPLITS}
+
+
+def load_dataset(data_dir: pathlib.Path) -> Dataset:
+    """The `records` dataset: record shards that `--mode=prepare` wrote, checked; images stay
+    in the files and are read a batch at a time; labels are read whole (4 bytes each)."""
+    info, images, labels = read_splits(data_dir)
+    for split in SPLITS:  # training would end at its first evaluation
+        if not len(labels[split]):
+            raise UserError(
+                f"{data_dir / INFO_FILE}: the {split} split holds no examples; each split "
+                "needs at least one: write the records again with --mode=prepare from a dataset "
+                f"that has {split} examples"
+            )
+    check_class_count(
+        len(info["class_names"]),
+        f"{data_dir / INFO_FILE}:",
+        "write the records again with --mode=prepare",
+    )
+    for split in SPLITS:
+        check_labels(labels[split], f"{data_dir / LABELS_FILE}[{split}]", len(info["class_names"]))
+    return Dataset(
+        name="records",
+        title=info["title"],
+        class_names=tuple(info["class_names"]),
+        train_images=images["train"],
+        train_labels=labels["train"],
+        test_images=images["test"],
+        test_labels=labels["test"],
+        sources=tuple(str(data_dir / f"{split}-*{SHARD_SUFFIX}") for split in SPLITS),
+        origin=f"record files (prepared from {info['source']['dataset']})",
+        checked=bool(info["source"]["checked"]),
+    )

@@ -1,0 +1,203 @@
+"""The command line's generic parts: one line and an exit status for every mistake, and the
+explanation of a bad `--config` file or `--config.FIELD=VALUE` override (which field is
+missing, which value its type refuses), for any ml_collections config.
+
+API: `fail`, `explain_config_error`, `exists`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import runpy
+import sys
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import ml_collections
+from absl import flags
+from ml_collections.config_flags import config_path as config_fields
+from ml_collections.config_flags import tuple_parser
+
+from fmnist_flax.runtime import errors, library_workarounds
+from fmnist_flax.runtime.errors import UserError, error_line
+
+# The parsers of a --config.FIELD's value by the field's type, as ml_collections parses them.
+FIELD_LIST_CHARS = 300  # how much of a group's field names a missing field's line lists
+VALUE_PARSERS = {
+    int: flags.IntegerParser,
+    float: flags.FloatParser,
+    bool: flags.BooleanParser,
+    tuple: tuple_parser.TupleParser,
+}
+
+
+def exists(name: str) -> bool:
+    """Whether module `name` can be imported; False when it or its package was deleted."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # its package is gone
+        return False
+
+
+def fail(message: str, code: int, together: bool = False) -> None:
+    """Say `message` in one line and exit with `code`. `together`: every process of a
+    multi-process run stops here at once (a signal stops all at the same saved step).
+    With --debug (or FMNIST_FLAX_DEBUG=1) the exception being handled comes first, whole."""
+    errors.print_traceback(sys.exc_info()[1])
+    error_line(message)
+    # Leave at once (1) in a multi-process run: the other processes may be waiting in a
+    # collective this one will never join, and a normal exit would wait for them at JAX's
+    # shutdown barrier (is_initialized: process_count() would start the backends); (2) after
+    # a failed save: Orbax's threads may still be inside tensorstore finishing its abandoned
+    # writes, and the interpreter's shutdown would kill them mid-call (an abort, exit -6).
+    if jax.distributed.is_initialized() or library_workarounds.abandoned_writes():
+        if together and jax.distributed.is_initialized():
+            # Leave through JAX's shutdown barrier: process 0 hosts the coordination service,
+            # and a peer still leaving when it goes aborts with a C++ stack trace (exit -6).
+            jax.distributed.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def config_path(argv: Sequence[str], default: str) -> str:
+    """The --config file named on the command line, or `default`."""
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    return given[-1] if given else default
+
+
+def explain_config_error(argv: Sequence[str], exc: Exception, default_config: str) -> str:
+    """One line for a --config mistake: a file that does not load, or a field it lacks;
+    `default_config` is the file --config names when it is not given."""
+    path = config_path(argv, default_config)
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError("it is a directory")
+        config = runpy.run_path(path)["get_config"]()
+    except Exception as load_error:  # any error in the user's file is reported, not raised
+        lines = str(load_error).strip().splitlines()
+        reason = lines[-1] if lines else type(load_error).__name__
+        if isinstance(load_error, KeyError):
+            reason = "it defines no get_config()"
+        return (
+            f"--config={path} cannot be loaded ({reason}); pass a Python file whose "
+            "get_config() returns a config, e.g. configs/bf16.py"
+        )
+    overrides = [arg.lstrip("-").partition("=")[::2] for arg in argv]
+    overrides = [(name, value) for name, value in overrides if name.startswith("config.")]
+    for name, _ in overrides:  # an unknown field first: no value of it can be checked
+        missing = missing_field(config, name)
+        if missing:
+            return missing
+    said = str(exc)
+    for name, value in overrides:  # absl names the flag whose value failed to parse
+        if said.startswith(f"flag --{name}={value}: "):
+            return bad_value(config, name, value)
+    for name, value in overrides:  # else the first value its field's type refuses
+        if value and refuses(config, name.removeprefix("config."), value):
+            return bad_value(config, name, value)
+    return f"{errors.shorten(said.splitlines()[0] if said else type(exc).__name__)} (see --help)"
+
+
+def missing_field(config: ml_collections.ConfigDict, name: str) -> str | None:
+    """The line for `--config.A.B` naming a field the config lacks, or None."""
+    node, *parents = config, "config"
+    for key in name.split(".")[1:]:
+        if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+            fields = ", ".join(node.keys()) if isinstance(node, ml_collections.ConfigDict) else ""
+            fields = errors.clip(fields, FIELD_LIST_CHARS)  # one line, however many there are
+            return f"--{name}: {'.'.join(parents)} has no field {key!r}" + (
+                f"; its fields are {fields}" if fields else ""
+            )
+        node, parents = node[key], [*parents, key]
+    return None
+
+
+def refuses(config: ml_collections.ConfigDict, field: str, value: str) -> bool:
+    """Whether `value` cannot be parsed as `field`'s type (a group of fields takes none)."""
+    kind = config_fields.get_type(field, config)
+    if isinstance(kind, type) and issubclass(kind, ml_collections.ConfigDict):
+        return True
+    if kind not in VALUE_PARSERS:
+        return False
+    try:
+        VALUE_PARSERS[kind]().parse(value)
+    except ValueError:
+        return True
+    return False
+
+
+def bad_value(config: ml_collections.ConfigDict, name: str, value: str) -> str:
+    """The line for `--config.FIELD=VALUE` whose value its field cannot take."""
+    field = name.removeprefix("config.")
+    now = config_fields.get_value(field, config)
+    if isinstance(now, ml_collections.ConfigDict):
+        return (
+            f"--{name}={value}: config.{field} is a group of fields, not a value; set them one "
+            f"by one, --{name}.FIELD=VALUE; its fields are {', '.join(now.keys())}"
+        )
+    kind = config_fields.get_type(field, config)
+    shown = errors.clip(repr(now), errors.QUOTE_CHARS)
+    return f"--{name}={value}: not a valid {kind.__name__} for this field ({shown} now)"
+
+
+def check_mode_flags(
+    argv: Sequence[str],
+    mode: str,
+    given: Sequence[str],
+    mode_flags: dict[str, Sequence[str]],
+    every_mode: Sequence[str],
+    config_fields_too: bool,
+) -> None:
+    """Refuse, in one line, a flag among `given` (those on the command line) that `mode` does
+    not read (`every_mode`'s and `mode_flags[mode]`), with "did you mean" where one of its own
+    is close, and, unless `config_fields_too`, a --config.FIELD other than --config.imports: it
+    would be accepted and do nothing."""
+    own = {*every_mode, *mode_flags[mode]}
+    for name in given:
+        if name not in own:
+            close = difflib.get_close_matches(name, sorted(own), n=1, cutoff=0.75)
+            users = [m for m, names in mode_flags.items() if name in names]
+            hint = f"did you mean --{close[0]}?" if close else "remove it."
+            raise UserError(
+                f"--{name} is not used by --mode={mode} (it is for --mode={'/'.join(users)}); "
+                f"{hint} Nothing was run"
+            )
+    fields = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
+    unread = [field for field in fields if field != "--config.imports"]
+    if unread and not config_fields_too:
+        raise UserError(
+            f"{unread[0]} is not used by --mode={mode}: it reads the run's saved config (only "
+            "--config.imports, the modules it needs, may be given); remove it. Nothing was run"
+        )
+
+
+def help_text(
+    usage: str,
+    examples: Sequence[str],
+    sections: dict[str, Sequence[str]],
+    defaults: dict[str, Any],
+) -> str:
+    """A usage line, examples, then each section's flags (those absl defines) with their help
+    and default (`defaults` first, else the flag's), wrapped to 100 columns."""
+    lines = [f"usage: {usage}", "", "Examples:", *(f"  {example}" for example in examples)]
+    for title, names in sections.items():
+        lines += ["", f"{title}:"]
+        for name in (name for name in names if name in flags.FLAGS):  # --config: once defined
+            flag = flags.FLAGS[name]
+            default = defaults.get(name, flag.default)
+            if isinstance(default, list):
+                default = ",".join(default)
+            shown = "" if default in (None, "") else f" (default: {default})"
+            text = " ".join(f"{flag.help}{shown}".split())
+            lines += textwrap.wrap(
+                text, 100, initial_indent=f"  --{name:<22}", subsequent_indent=" " * 26
+            )
+    example = "--config.model.hidden='(512, 128)'"
+    lines += ["", f"Any config field: --config.FIELD=VALUE (e.g. {example})."]
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""One run as the stages of the template see it (`Run`), what an extension adds to it
+(`Extension`), the thread drawing its report's figures, and `--init_from`'s value parsed.
+
+API: `Run`, `Extension`, `start_painter`, `parse_init_from`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import ml_collections
+from flax import nnx
+
+from fmnist_flax.runtime import checkpoint as checkpoint_lib
+from fmnist_flax.runtime import ensemble, parallel, report
+from fmnist_flax.runtime.data_files import Dataset
+from fmnist_flax.runtime.device_batches import DeviceData
+from fmnist_flax.runtime.errors import is_digits
+from fmnist_flax.runtime.tables import Table
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything one run holds, handed from stage to stage and to the extensions."""
+
+    config: ml_collections.ConfigDict
+    workdir: pathlib.Path
+    dataset: Dataset
+    device_data: DeviceData
+    checkpoints: checkpoint_lib.Checkpoints
+    model: nnx.Module
+    optimizer: nnx.Optimizer
+    start_step: int
+    sections: dict[str, list[report.Item]] = dataclasses.field(default_factory=dict)
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)  # extensions' entries
+    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    examples_per_sec: float = float("nan")
+    evaluation: tuple[int, dict[str, Any]] | None = None  # the newest (step, full evaluation)
+    eval_seconds: float = 0.0  # spent evaluating during training, outside examples_per_sec
+    painter: report.Painter | None = None  # draws the figures where this process reports
+
+    @property
+    def reporting(self) -> bool:
+        """Whether this process writes report/ (`start_painter`)."""
+        return self.painter is not None
+
+    def figures_drawn(self) -> None:
+        """Wait for the figures being drawn: before a timing that needs the CPU alone."""
+        if self.painter:
+            self.painter.wait()
+
+    def show(self, heading: str, table: Table) -> None:
+        """Print a table once (process 0) and keep it for the report's section `heading`."""
+        self.sections.setdefault(heading, []).append(table)
+        parallel.say(table.format())
+
+    def figure(self, heading: str, name: str, make: Callable[[], report.Figure]) -> None:
+        """Add the figure `make()` builds as `name` (a PNG) to a section, only when reporting.
+        `make` runs later, on the painter's thread: give it values that stay as they are."""
+        if self.painter:
+            self.sections.setdefault(heading, []).append((name, self.painter.draw(make)))
+
+    def note(self, heading: str, text: str) -> None:
+        self.sections.setdefault(heading, []).append(text)
+
+
+class Extension:
+    """Something a run does besides training; override either hook."""
+
+    def before_training(self, run: Run) -> None:
+        """After the set-up tables, before the first step."""
+
+    def after_training(self, run: Run) -> None:
+        """After the evaluation, before the summary and report are written."""
+
+
+def start_painter(
+    config: ml_collections.ConfigDict, cleanup: contextlib.ExitStack
+) -> report.Painter | None:
+    """The thread drawing the report's figures (closed on `cleanup`), where this process
+    writes report/: process 0, unless --report=none."""
+    if config.report == "none" or not parallel.is_primary():
+        return None
+    painter = report.Painter()
+    cleanup.callback(painter.close)
+    return painter
+
+
+def parse_init_from(value: str) -> tuple[str, int | str | None, int | str | None]:
+    """'runs/a' -> ('runs/a', None, None); 'runs/a:200' -> ('runs/a', 200, None);
+    'runs/a:best'; an ensemble's member after '@': 'runs/a@3', 'runs/a:200@best'."""
+    value, at, member = value.rpartition("@") if "@" in value else (value, "", "")
+    if not at or not (is_digits(member) or member in (ensemble.BEST_MEMBER, ensemble.ENSEMBLE)):
+        value, member = value + at + member, None
+    workdir, _, step = value.rpartition(":")
+    member = ensemble.parse_member(member)
+    if workdir and (is_digits(step) or step == checkpoint_lib.BEST):
+        return workdir, int(step) if is_digits(step) else step, member
+    return value, None, member
