@@ -186,8 +186,10 @@ import sys
 
 import jax
 
-from fmnist_flax import benchmark, datasets, input_pipeline, parallel
 from fmnist_flax import config as config_lib
+from fmnist_flax import datasets
+from fmnist_flax.codelab import benchmark
+from fmnist_flax.runtime import device_batches, parallel
 
 
 def count(path: pathlib.Path, steps: int) -> dict:
@@ -216,7 +218,7 @@ config = config_lib.get_config()
 config.data_dir = sys.argv[2]
 dataset, mesh = datasets.load(config), parallel.make_mesh(jax.devices()[:1])
 for batch in map(int, sys.argv[4].split(",")):
-    data = input_pipeline.to_device(dataset, batch, mesh)
+    data = device_batches.to_device(dataset, batch, mesh)
     for dtype in sys.argv[5].split(","):
         config.batch_size, config.compute_dtype = batch, dtype
         run, trace_dir = benchmark.fused_runner(config, data), out / f"b{batch}-{dtype}"

@@ -15,9 +15,9 @@ import json
 import jax
 
 from fmnist_flax import config as config_lib
-from fmnist_flax import datasets, input_pipeline
+from fmnist_flax import datasets
 from fmnist_flax.codelab import benchmark
-from fmnist_flax.runtime import parallel, workdir
+from fmnist_flax.runtime import device_batches, parallel, workdir
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     config.update(batch_size=args.batch_size, data_dir=args.data_dir)
     dataset = datasets.load(config)
     mesh = parallel.mesh_for(config, jax.devices()[:1])
-    device_data = input_pipeline.to_device(dataset, config.batch_size, mesh)
+    device_data = device_batches.to_device(dataset, config.batch_size, mesh)
     result = benchmark.whole_loop(config, device_data, args.steps, args.repeats)
     result |= {"device": str(jax.devices()[0]), "versions": workdir.versions()}
     print(json.dumps(result, indent=2))

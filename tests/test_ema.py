@@ -254,7 +254,8 @@ FSDP_CHECK = """
 import json, sys
 from conftest import load_config
 from flax import nnx
-from fmnist_flax import ema, experiment, parallel, train
+from fmnist_flax import experiment, train
+from fmnist_flax.runtime import ema, parallel
 
 class Shardings(experiment.Extension):
     def after_training(self, run):

@@ -591,11 +591,9 @@ def test_readers_of_a_fast_rotating_run_retry_and_never_print_orbax_tracebacks(t
     images = tmp_path / "x.npy"
     np.save(images, np.zeros((2, 28, 28), np.uint8))
     for mode in ("eval", "predict", "export"):
+        given = [f"--images={images}"] if mode == "predict" else []
         read = run_main(
-            f"--mode={mode}",
-            f"--workdir={workdir}",
-            f"--images={images}",
-            f"--output={tmp_path / mode}",
+            f"--mode={mode}", f"--workdir={workdir}", *given, f"--output={tmp_path / mode}"
         )
         assert read.returncode == 0, read.stderr
         assert not [line for line in read.stderr.splitlines() if "No GPU found" not in line]

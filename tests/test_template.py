@@ -407,7 +407,7 @@ def test_deleting_the_demonstrations_leaves_a_working_trainer_and_a_passing_fast
     # --mode=benchmark is no longer offered: not in --help, one line if asked for.
     shown = run(root, "--help").stdout
     assert (
-        re.search(r"--mode: <train\|eval\|predict\|export\|prepare>:", shown)
+        re.search(r"--mode +<train\|eval\|predict\|export\|prepare>:", shown)
         and "--bench_" not in shown
     )
     refused = run(root, "--mode=benchmark", check=False)

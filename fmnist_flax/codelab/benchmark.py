@@ -594,7 +594,7 @@ def whole_run(steps: int, tmp: pathlib.Path, data_dir: str = "") -> dict[str, An
     An untimed run goes first (one step, no compilation cache): the first process after a
     pause reads the libraries and the data from disk again, which would otherwise fall on
     whichever command is timed first."""
-    main_py = pathlib.Path(__file__).resolve().parents[1] / "main.py"
+    main_py = pathlib.Path(__file__).resolve().parents[2] / "main.py"
 
     def main_command(name: str, cache: pathlib.Path | str = tmp / "cache") -> list[str]:
         return [
