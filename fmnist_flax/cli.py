@@ -250,7 +250,7 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
         if str(exc).startswith("flag --mode=benchmark:"):  # only while it is not a mode
             fail("--mode=benchmark: the benchmark was removed with fmnist_flax/codelab/", 2)
         fail(f"{str(exc).splitlines()[0]} (see --help)", 2)
-    except Exception as exc:  # the config file failed to load
+    except (Exception, SystemExit) as exc:  # the config file failed to load, or exited
         fail(explain_config_error(argv, exc, DEFAULT_CONFIG), 2)
     try:
         check_mode_flags(argv, _MODE.value)
@@ -445,7 +445,7 @@ def define_config_flag() -> None:
         _CONFIG = config_flags.DEFINE_config_file(
             "config", DEFAULT_CONFIG, "Config file; override fields with --config.FIELD=VALUE."
         )
-    except Exception as exc:  # an unknown --config.FIELD, a file that does not load
+    except (Exception, SystemExit) as exc:  # an unknown --config.FIELD, a file that fails
         fail(explain_config_error(sys.argv, exc, DEFAULT_CONFIG), 2)
 
 

@@ -73,6 +73,7 @@ def prepare(
             cleanup.callback(workdir_lib.remove_if_unused, workdir)
     dataset = datasets.load(config)
     model_lib.check_config(config.model, dataset.image_shape)
+    input_pipeline.check_augment(config.augment, dataset.image_shape)
     mesh = parallel.mesh_for(config, devices)
     on_host = config.input_pipeline == "grain"
     device_data = device_batches.to_device(

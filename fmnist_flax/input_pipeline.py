@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from fmnist_flax.runtime import ensemble, parallel
 from fmnist_flax.runtime.device_batches import DeviceBatches as DeviceBatches
 from fmnist_flax.runtime.device_batches import DeviceData as DeviceData
+from fmnist_flax.runtime.errors import UserError
 from fmnist_flax.runtime.inference import PIXEL_SCALE
 
 
@@ -117,3 +118,15 @@ def augment_key(config: ml_collections.ConfigDict) -> jax.Array | None:
     seeds = ensemble.data_seeds(config)
     keys = [jax.random.fold_in(jax.random.key(s), AUGMENT_STREAM) for s in seeds]
     return jnp.stack(keys) if len(keys) > 1 else keys[0]
+
+
+def check_augment(augment: ml_collections.ConfigDict, image_shape: tuple[int, int, int]) -> None:
+    """A shift must leave most of an image in its frame: under half its shorter side (a shift
+    of 100 pixels on 28 moved every image out, and the run trained to chance)."""
+    most = min(image_shape[:2]) // 2 - 1
+    if augment.max_shift > most:
+        raise UserError(
+            f"--config.augment.max_shift={augment.max_shift} can move a {image_shape[0]}x"
+            f"{image_shape[1]} image half or more out of its frame; use at most {most} (a few "
+            "pixels, e.g. 2)"
+        )

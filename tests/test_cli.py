@@ -473,3 +473,22 @@ def test_demonstrations_asked_for_once_the_codelab_is_deleted_are_none(quick_con
     """config.demonstrations=True with fmnist_flax/codelab/ gone: the run has no extension."""
     monkeypatch.setattr(cli, "EXTENSIONS", ("fmnist_flax.codelab_deleted.demonstrations",))
     assert quick_config.demonstrations is True and cli.extensions(quick_config) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("def get_config():\n    raise SystemExit(3)\n", "loading it called sys.exit(3)"),
+        ("def get_config():\n    raise ValueError('bad')\n", "cannot be loaded (bad)"),
+    ],
+)
+def test_a_config_file_that_exits_or_fails_is_one_line_and_runs_once(body, expected, tmp_path):
+    """A config calling sys.exit ended the run silently with its status; one that raised ran
+    its top level a second time to explain the error."""
+    path = tmp_path / "config.py"
+    path.write_text(f"print('top level ran')\n{body}")
+    result = run_main(f"--config={path}", "--steps=1")
+    assert_one_line_error(result, f"--config={path}")
+    assert expected in result.stderr and result.returncode == 2
+    assert result.stdout.count("top level ran") == 1

@@ -150,3 +150,19 @@ def test_augmentation_flips_and_shifts_any_channel_count(channels):
     np.testing.assert_array_equal(
         np.asarray(stacked).reshape(x.shape), np.asarray(input_pipeline.augment(x, key, 1, True))
     )
+
+
+def test_a_shift_that_moves_half_an_image_out_is_one_line():
+    """max_shift=100 on 28-pixel images trained to chance in silence; 13 still leaves most of
+    each image in its frame."""
+    import ml_collections
+
+    from fmnist_flax.runtime.errors import UserError
+
+    input_pipeline.check_augment(ml_collections.ConfigDict({"max_shift": 13}), (28, 28, 1))
+    with pytest.raises(UserError) as exc:
+        input_pipeline.check_augment(ml_collections.ConfigDict({"max_shift": 100}), (28, 28, 1))
+    assert str(exc.value) == (
+        "--config.augment.max_shift=100 can move a 28x28 image half or more out of its frame; "
+        "use at most 13 (a few pixels, e.g. 2)"
+    )

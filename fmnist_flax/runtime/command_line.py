@@ -71,10 +71,25 @@ def config_path(argv: Sequence[str], default: str) -> str:
     return given[-1] if given else default
 
 
-def explain_config_error(argv: Sequence[str], exc: Exception, default_config: str) -> str:
+def explain_config_error(argv: Sequence[str], exc: BaseException, default_config: str) -> str:
     """One line for a --config mistake: a file that does not load, or a field it lacks;
     `default_config` is the file --config names when it is not given."""
     path = config_path(argv, default_config)
+    said = str(exc)
+    if isinstance(exc, SystemExit):
+        return (
+            f"--config={path}: loading it called sys.exit({exc.code!r}); a config file's "
+            "get_config() must return a config"
+        )
+    if said.startswith(f"flag --config={path}: ") and "Traceback" in said:
+        # The file raised as absl loaded it: said from its traceback, not run a second time.
+        last = said.strip().splitlines()[-1]
+        kind, _, message = last.partition(": ")
+        reason = message if kind.isidentifier() and message else last
+        return (
+            f"--config={path} cannot be loaded ({reason}); pass a Python file whose "
+            "get_config() returns a config, e.g. configs/bf16.py"
+        )
     try:
         if os.path.isdir(path):
             raise IsADirectoryError("it is a directory")
@@ -94,7 +109,6 @@ def explain_config_error(argv: Sequence[str], exc: Exception, default_config: st
         missing = missing_field(config, name)
         if missing:
             return missing
-    said = str(exc)
     for name, value in overrides:  # absl names the flag whose value failed to parse
         if said.startswith(f"flag --{name}={value}: "):
             return bad_value(config, name, value)
