@@ -748,3 +748,24 @@ def test_a_checkpoint_that_records_no_dataset_is_read_as_fashion_mnist(tmp_path,
     assert inference.class_names(tmp_path) == tuple(real_dataset.class_names) == CLASS_NAMES
     probabilities = predict(load_model(tmp_path), real_dataset.test_images[:2])
     assert probabilities.shape == (2, 10)
+
+
+@pytest.mark.slow
+def test_load_model_in_a_notebook_prints_nothing_when_nothing_is_wrong(workdir):
+    """A fresh interpreter (no command line, so no log filters installed): load_model and
+    predict print no line, Orbax's notices that a reader is read-only included."""
+    script = (
+        "import numpy as np\nfrom fmnist_flax import load_model, predict\n"
+        f"model = load_model({str(workdir)!r})\n"
+        "print(predict(model, np.zeros((2, 28, 28), np.uint8)).shape)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0 and done.stdout == "(2, 10)\n", done.stderr
+    assert done.stderr == ""

@@ -542,7 +542,8 @@ def open_reader(workdir: str | os.PathLike) -> Checkpoints:
     every step as it opens, and a step removed meanwhile is listed again."""
     for attempt in range(READ_ATTEMPTS):
         try:
-            return Checkpoints(workdir, read_only=True)
+            with library_workarounds.orbax_notices_dropped():
+                return Checkpoints(workdir, read_only=True)
         except PermissionError:
             raise UserError(
                 f"{checkpoint_dir(workdir)} cannot be read (permission denied); fix its "

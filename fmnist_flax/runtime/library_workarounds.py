@@ -87,6 +87,23 @@ _ORBAX_NOTICES = (
 )
 
 
+class _Notices(std_logging.Filter):
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        return not any(notice in str(record.msg) for notice in _ORBAX_NOTICES)
+
+
+@contextlib.contextmanager
+def orbax_notices_dropped() -> Any:
+    """_ORBAX_NOTICES dropped while the block runs, where `quiet_orbax` is not installed (a
+    notebook's `load_model`): a reader opening a run read-only asked for just that."""
+    notices, logger = _Notices(), logging.get_absl_logger()
+    logger.addFilter(notices)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notices)
+
+
 # Orbax 0.12.8 logs at ERROR, without an exception, when a save's own metadata file in its
 # unfinished step directory cannot be read: a full disk left it empty. That save's failure is
 # reported in one line (checkpoint.py); the step directory is never used.
