@@ -53,9 +53,14 @@ def workdir(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_eval_mode_writes_accuracy_loss_and_confusion_counts(workdir, real_dataset, tmp_path):
+def test_eval_mode_writes_accuracy_loss_and_confusion_counts(
+    workdir, real_dataset, tmp_path, capsys
+):
     before = sorted(str(p) for p in workdir.rglob("*"))
     report = inference.run_eval(workdir, compute_dtype="bfloat16", output=tmp_path / "e.json")
+    printed = capsys.readouterr().out.splitlines()
+    assert "9 Ankle boot" in "\n".join(printed)  # class names in full, columns by number
+    assert max(len(line) for line in printed) <= 100
     assert json.loads((tmp_path / "e.json").read_text()) == report
     assert sorted(str(p) for p in workdir.rglob("*")) == before  # a reader changes nothing
     counts = np.array(report["confusion_matrix"])

@@ -377,9 +377,12 @@ def run_eval(
             {f"test, checkpoint {step}{' EMA' if ema else ''} ({config.compute_dtype})": metrics}
         ).format(),
         tables.Table.of(
-            "Confusion matrix (rows: true class, columns: predicted)",
-            ("", *(tables.printable(name)[:7] for name in names)),
-            [(name, *row) for name, row in zip(names, counts, strict=True)],
+            "Confusion matrix (rows: true class, columns: predicted, by the rows' numbers)",
+            ("", *(str(k) for k in range(len(names)))),
+            [
+                (f"{k} {tables.printable(name)}", *row)
+                for k, (name, row) in enumerate(zip(names, counts, strict=True))
+            ],
         ).format(),
         sep="\n",
     )
