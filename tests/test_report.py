@@ -134,3 +134,32 @@ def test_progress_bar_redraws_only_when_told(tmp_path):
     lines = (tmp_path / "log").read_text().splitlines()
     assert len(lines) == 3
     assert lines[1].startswith("[" + "#" * 15 + "." * 15 + "] 200/400")
+
+
+def test_progress_on_a_terminal_fits_its_width_and_keeps_the_newest_test_metrics(monkeypatch):
+    """One line redrawn in place, never wider than the terminal: the bar and then the least
+    telling fields go first; step, elapsed time, rate and ETA stay, and the test metrics of
+    the last evaluation stay shown on the rows after it."""
+    import io
+
+    from fmnist_flax.runtime.tables import ProgressBar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    row = {"step": 200, "loss": 0.41, "accuracy": 0.85, "grad_norm": 1.5}
+    tested = {"test_loss": 0.45, "test_accuracy": 0.84}
+    for columns in (80, 100, 200):
+        monkeypatch.setenv("COLUMNS", str(columns))
+        stream = Terminal()
+        bar = ProgressBar(400, stream, examples_per_step=512)
+        bar.update(row | tested, 15_000.0)
+        bar.update(row | {"step": 225}, 15_000.0)
+        bar.close()
+        drawn = [line.replace("\x1b[K", "") for line in stream.getvalue().split("\r")[1:]]
+        assert all(len(line.strip()) < columns for line in drawn), drawn
+        assert drawn[1].startswith(("225/400", "[")) and "elapsed 0:00" in drawn[1]
+        assert "15k ex/s" in drawn[1] and "eta 0:05" in drawn[1]  # 175 steps of 512
+        assert "test_accuracy 84.0%" in drawn[1]  # the evaluation's, one row later
+    assert drawn[1].startswith("[" + "#" * 16)  # 200 columns: room for the bar too

@@ -120,7 +120,7 @@ class MetricsWriter:
         if self.primary:
             path = workdir / workdir_lib.METRICS_FILE
             self.metrics = workdir_lib.MetricsLog(path, keep_until=start_step)
-            self.progress = tables.ProgressBar(config.steps)
+            self.progress = tables.ProgressBar(config.steps, examples_per_step=per_step)
             self.board = summaries.Summaries(workdir, config, start_step, learning_rate)
         self.queue: queue.Queue | None = None
         if background and jax.process_count() == 1:
@@ -251,7 +251,7 @@ class MetricsWriter:
         if self.primary:
             self.metrics.write(row)
             self.board.write(row, None if first else rate)
-            self.progress.update(row)
+            self.progress.update(row, None if first else rate)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint's progress item keeps of the running row."""

@@ -6,7 +6,9 @@ API: `Table`, `ProgressBar` and the `*_table` builders.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -236,27 +238,47 @@ def placement_table(trees: dict[str, Any]) -> Table:
 
 
 class ProgressBar:
-    """A training progress bar redrawn only at logging points (no host sync of its own).
+    """Training progress, redrawn only at logging points (no host sync of its own): the step
+    out of the total, elapsed time, examples/s and ETA, then the latest metrics.
 
-    On a terminal it redraws one line in place; in a log file each update is its own line.
+    On a terminal one line is redrawn in place, fitted to the terminal's width: the bar and
+    then the least telling fields are dropped rather than wrapped, and the newest test metrics
+    stay shown between evaluations. In a log file each update is one whole line of its own.
     """
 
     WIDTH = 30
+    # Kept longest when the terminal is narrow, most telling first (the rest after them).
+    FIRST = ("step", "eta", "elapsed", "rate", "loss", "test_accuracy", "accuracy", "test_loss")
 
-    def __init__(self, total: int, stream=None):
+    def __init__(self, total: int, stream=None, examples_per_step: int = 0):
         self.total = total
         self.stream = stream or sys.stdout
         self.in_place = self.stream.isatty()
+        self.examples_per_step = examples_per_step
+        self.started = time.perf_counter()
+        self.tested: dict[str, float] = {}  # the newest evaluation's metrics, on a terminal
         self._drawn = False
 
-    def update(self, row: dict[str, float]) -> None:
-        done = int(self.WIDTH * row["step"] / self.total)
-        values = "  ".join(f"{n} {spread_cell(row, n)}" for n in metric_names(row))
-        line = (
-            f"[{'#' * done}{'.' * (self.WIDTH - done)}] {row['step']:>{len(str(self.total))}}"
-            f"/{self.total}  {values}"
-        )
-        self.stream.write(("\r" + line) if self.in_place else line + "\n")
+    def update(self, row: dict[str, float], examples_per_sec: float | None = None) -> None:
+        """Show `row`; `examples_per_sec`: the rate since the row before (None: not known)."""
+        if self.in_place:
+            self.tested = {k: v for k, v in row.items() if k.startswith("test_")} or self.tested
+            row = {**row, **self.tested}
+        step = row["step"]
+        fields = {"step": f"{step:>{len(str(self.total))}}/{self.total}"}
+        fields["elapsed"] = f"elapsed {_clock(time.perf_counter() - self.started)}"
+        if examples_per_sec:
+            fields["rate"] = f"{_count(examples_per_sec)} ex/s"
+            if self.examples_per_step and step < self.total:
+                left = (self.total - step) * self.examples_per_step / examples_per_sec
+                fields["eta"] = f"eta {_clock(left)}"
+        fields |= {n: f"{n} {spread_cell(row, n)}" for n in metric_names(row)}
+        done = int(self.WIDTH * step / self.total)
+        bar = f"[{'#' * done}{'.' * (self.WIDTH - done)}]"
+        if not self.in_place:
+            self.stream.write(f"{bar} {'  '.join(fields.values())}\n")
+        else:
+            self.stream.write(f"\r{_fitted(bar, fields, self.FIRST)}\x1b[K")
         self.stream.flush()
         self._drawn = True
 
@@ -264,3 +286,36 @@ class ProgressBar:
         if self.in_place and self._drawn:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def _fitted(bar: str, fields: dict[str, str], first: Sequence[str]) -> str:
+    """`bar` and `fields` in order on one line narrower than the terminal: the bar goes first,
+    then the fields least telling (those after `first`, then `first` from its end)."""
+    width = shutil.get_terminal_size((80, 24)).columns - 1
+    keep = [name for name in first if name in fields]
+    keep += [name for name in fields if name not in keep]
+    while True:
+        line = "  ".join(fields[name] for name in fields if name in keep)
+        if bar and len(bar) + 1 + len(line) <= width:
+            return f"{bar} {line}"
+        if len(line) <= width or len(keep) == 1:
+            return line[:width]
+        if bar:
+            bar = ""
+        else:
+            keep.pop()
+
+
+def _clock(seconds: float) -> str:
+    """12:05 or 1:02:05."""
+    minutes, secs = divmod(int(max(seconds, 0)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def _count(value: float) -> str:
+    """1.23M, 45.6k, 789."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.0f}"
