@@ -569,12 +569,18 @@ def train_and_evaluate(
             saved_row=resumed.get("row"),
             stop=stop,
         )
+        # One step a call (and the device pipeline, whose data position is the step alone):
+        # the host looks for a signal between calls, not only at the next logged step.
+        paced = not config.fused_steps and config.input_pipeline != "grain"
         with writer:
             while step < end:
                 next_stop = schedule.next_stop(step)
                 # Each call: images, labels, order, first batch index, count, first step.
                 for call in batches.chunks(step, next_stop):
                     state, writer.sums, metrics = train_chunk(state, writer.sums, *call, aug_key)
+                    if (early := stop.early_step(call, metrics, paced)) is not None:
+                        next_stop = early  # a signal: saved at this step, a row's sums too
+                        break
                 step = next_stop
                 if clock is None:  # the first call compiled: the clock starts once it is done
                     jax.block_until_ready(metrics)

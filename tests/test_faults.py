@@ -888,3 +888,40 @@ def test_metrics_jsonl_removed_under_a_live_run_is_written_again_whole(tmp_path)
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == sorted({1, *range(5, 1001, 5), *range(117, 1001, 117)})  # evaluations too
     assert f"warning: {metrics} was removed while this run trained" in stderr
+
+
+def test_a_signal_between_one_step_calls_saves_that_step_and_resumes_exactly(tmp_path):
+    """With one step a call (the CNN's way), the loop looked for a signal only at the next
+    logged step, minutes away for the CNN. It now stops within a call or two, saves that step
+    with its row's running sums, and the resumed run logs what an uninterrupted one does."""
+    flags = ("--config.fused_steps=False", "--steps=1500", "--report=none", EVERY_DUE_SAVE)
+    whole = run_main(f"--workdir={tmp_path / 'whole'}", *flags)
+    assert whole.returncode == 0, whole.stderr
+    process = start(tmp_path / "cut", *flags)
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 3)
+    signalled = time.monotonic()
+    cut = finish(process, signal.SIGINT)
+    assert time.monotonic() - signalled < 5
+    line = the_error(cut, "SIGINT at step ", code=130)
+    step = int(line.split("SIGINT at step ")[1].split(":")[0])
+    assert step in saved_steps(tmp_path / "cut")
+    resumed = run_main(f"--workdir={tmp_path / 'cut'}", *flags)
+    assert resumed.returncode == 0, resumed.stderr
+    assert metrics.read_bytes() == (tmp_path / "whole" / "metrics.jsonl").read_bytes()
+
+
+def test_the_cnn_stops_within_seconds_of_a_signal_mid_epoch(tmp_path):
+    """configs/cnn.py trains one step a call and logs every 468 steps: a SIGINT a few seconds
+    into training waited for step 468 (minutes on a CPU), printing nothing. It now exits within
+    5 s, with the step it reached saved."""
+    process = start(tmp_path / "w", "--config=configs/cnn.py", "--report=none")
+    metrics = tmp_path / "w" / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, timeout=300)
+    time.sleep(3)  # mid-epoch: the next logged step is hundreds of steps away
+    signalled = time.monotonic()
+    stopped = finish(process, signal.SIGINT)
+    assert time.monotonic() - signalled < 5
+    line = the_error(stopped, "SIGINT at step ", code=130)
+    step = int(line.split("SIGINT at step ")[1].split(":")[0])
+    assert 1 < step < 468 and saved_steps(tmp_path / "w") == [step]

@@ -34,6 +34,7 @@ class Stop:
     def __init__(self):
         self.signum = 0  # the signal this process got (0: none)
         self._previous = {}
+        self._in_flight: Any = None  # the newest paced call's output (`early_step`)
 
     def __enter__(self) -> Stop:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -48,6 +49,18 @@ class Stop:
         """The signal any process got (0: none): every process reads it at the same step, so
         all of them stop there together (saving is collective)."""
         return max(parallel.from_every_process(self.signum))
+
+    def early_step(self, call: tuple[Any, ...], output: Any, paced: bool) -> int | None:
+        """Between calls of one step each (`paced`) in one process: wait for the call before
+        this one, so at most two are queued and a signal is acted on within a step or two
+        rather than at the next logged step, and on a signal return the step this call ends
+        at (its last item is its first step), where the loop stops to save. Else None."""
+        if not paced or jax.process_count() > 1:
+            return None
+        if self._in_flight is not None:
+            jax.block_until_ready(self._in_flight)
+        self._in_flight = output
+        return call[-1] + 1 if self.signum else None
 
     def before_training(self) -> None:
         """Before the loop a signal stops the run at once: nothing is trained yet, so nothing
