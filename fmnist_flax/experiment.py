@@ -11,6 +11,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import pathlib
+import shlex
+import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -335,16 +338,25 @@ def prefixed(prefix: str, metrics: dict[str, Any]) -> dict[str, Any]:
     return {f"{prefix}{k}": v for k, v in metrics.items()}
 
 
-def write_report(run: Run) -> pathlib.Path | None:
-    """report/ with every section; a write that fails is one warning line, and the run's
-    summary is written without it."""
+def write_report(run: Run, test_accuracy: float) -> pathlib.Path | None:
+    """report/ with every section, headed by what run it is; a write that fails is one warning
+    line, and the run's summary is written without it."""
     directory = run.workdir / "report"
+    steps = run.summary.get("stopped_at", run.config.steps)
+    about = {
+        "workdir": str(run.workdir),
+        "written": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": shlex.join(sys.argv),
+        "test accuracy": f"{test_accuracy:.4f} after {steps:,} steps",
+        "backend": f"{jax.default_backend()} ({jax.devices()[0].device_kind})",
+    }
     try:
         return report.write_report(
             directory,
-            title=f"fmnist-flax: {run.dataset.title} with Flax NNX",
+            title=f"fmnist-flax: {run.dataset.title} with Flax NNX, {run.workdir.name}",
             sections=run.sections,
             config=run.config.to_dict(),
+            about=about,
         )
     except OSError as exc:
         warning_line(
@@ -362,7 +374,7 @@ def write_outputs(run: Run, evaluation: dict[str, Any], wall_seconds: float) -> 
         return {"test_accuracy": full["accuracy"], "process_index": jax.process_index()}
     config = run.config
     mesh = run.device_data.mesh
-    report_path = write_report(run) if run.reporting else None
+    report_path = write_report(run, full["accuracy"]) if run.reporting else None
     last = run.history[-1] if run.history else {}
     summary = {
         **prefixed("test_", full),

@@ -163,3 +163,17 @@ def test_progress_on_a_terminal_fits_its_width_and_keeps_the_newest_test_metrics
         assert "15k ex/s" in drawn[1] and "eta 0:05" in drawn[1]  # 175 steps of 512
         assert "test_accuracy 84.0%" in drawn[1]  # the evaluation's, one row later
     assert drawn[1].startswith("[" + "#" * 16)  # 200 columns: room for the bar too
+
+
+def test_the_report_names_its_run_and_right_aligns_numbers(tmp_path):
+    """Every run's report had the same title and nothing said which run it was from."""
+    from fmnist_flax.runtime.tables import Table
+
+    table = Table.of("Scores", ("split", "accuracy", "examples"), [("test", "87.28%", "10,000")])
+    about = {"workdir": "runs/w", "test accuracy": "0.8728 after 400 steps", "backend": "cpu"}
+    page = report.write_html(
+        tmp_path / "r.html", title="t", sections=[("1. S", [table])], config={}, about=about
+    ).read_text()
+    assert "<tr><th>workdir</th><td>runs/w</td></tr>" in page
+    assert "<td>0.8728 after 400 steps</td>" in page  # said, not a column of numbers
+    assert "<td>test</td><td class='num'>87.28%</td><td class='num'>10,000</td>" in page

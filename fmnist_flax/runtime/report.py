@@ -15,6 +15,7 @@ import html
 import io
 import json
 import pathlib
+import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -300,10 +301,17 @@ def _write(path: pathlib.Path, data: bytes) -> pathlib.Path:
 
 def _table_html(table: Table) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in table.headers)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table.rows
-    )
+    body = "".join("<tr>" + "".join(_cell_html(c) for c in row) + "</tr>" for row in table.rows)
     return f"<h3>{html.escape(table.title)}</h3><table><tr>{head}</tr>{body}</table>"
+
+
+NUMBER = re.compile(r"^[-+]?[\d,]*\.?\d+(e[-+]?\d+)?%?$")  # 87.28%, 10,000, 0.3528, 1e-05
+
+
+def _cell_html(cell: str) -> str:
+    """A table cell; a number is right-aligned, so a column's digits line up."""
+    numeric = " class='num'" if NUMBER.match(cell.strip()) else ""
+    return f"<td{numeric}>{html.escape(cell)}</td>"
 
 
 STYLE = """
@@ -311,6 +319,7 @@ body { font-family: system-ui, sans-serif; max-width: 1000px; margin: 2em auto; 
 table { border-collapse: collapse; margin-bottom: 1.5em; font-size: 13px; }
 th, td { border-bottom: 1px solid #d0d7de; padding: 4px 10px; text-align: left; }
 td { font-variant-numeric: tabular-nums; }
+td.num { text-align: right; }
 img { max-width: 100%; display: block; margin: 0.5em 0 1.5em; }
 pre { background: #f6f8fa; padding: 1em; overflow-x: auto; }
 .note { color: #57606a; }
@@ -323,12 +332,19 @@ def write_html(
     title: str,
     sections: Sequence[tuple[str, Sequence[Table | pathlib.Path | str]]],
     config: dict[str, Any],
+    about: dict[str, str] | None = None,
 ) -> pathlib.Path:
-    """One page with no network resources: tables, figures inlined as data URIs, prose, config."""
+    """One page with no network resources: what run it is (`about`: workdir, date, ...),
+    tables, figures inlined as data URIs, prose, config."""
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
         f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
     ]
+    if about:
+        rows = "".join(
+            f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in about.items()
+        )
+        parts.append(f"<table class='about'>{rows}</table>")
     for heading, items in sections:
         parts.append(f"<h2>{html.escape(heading)}</h2>")
         for item in items:
@@ -352,9 +368,10 @@ def write_report(
     title: str,
     sections: dict[str, Sequence[Item]],
     config: dict[str, Any],
+    about: dict[str, str] | None = None,
 ) -> pathlib.Path:
-    """Every figure as a PNG and report.html with every section, known ones in SECTION_ORDER;
-    waits for the figures still being drawn."""
+    """Every figure as a PNG and report.html with every section, known ones in SECTION_ORDER,
+    under `about` (what run it is); waits for the figures still being drawn."""
     report_dir.mkdir(exist_ok=True)
 
     def section_rank(heading: str) -> int:
@@ -367,4 +384,6 @@ def write_report(
             for item in sections[heading]
         ]
         numbered.append((f"{number}. {heading}", items))
-    return write_html(report_dir / "report.html", title=title, sections=numbered, config=config)
+    return write_html(
+        report_dir / "report.html", title=title, sections=numbered, config=config, about=about
+    )
