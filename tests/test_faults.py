@@ -728,23 +728,33 @@ TOO_LARGE = {
 }
 
 
-@pytest.mark.parametrize("flag", list(TOO_LARGE))
-def test_sizes_the_machine_cannot_hold_are_one_line_before_anything_grows(flag, tmp_path):
+def run_capped(
+    workdir: pathlib.Path, *flags: str
+) -> tuple[subprocess.CompletedProcess, int, float]:
+    """main.py with its data capped at DATA_LIMIT: the result, the child's own peak RSS in
+    bytes and its seconds."""
+
     def cap_data() -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (DATA_LIMIT, DATA_LIMIT))
 
-    pipeline = [] if "ensemble" in flag else ["--config.input_pipeline=grain"]
     began = time.monotonic()
-    process = start(tmp_path / "w", "--steps=1", *QUICK, *pipeline, flag, preexec_fn=cap_data)
+    process = start(workdir, *flags, preexec_fn=cap_data)
     stderr = process.stderr.read()
     _, status, usage = os.wait4(process.pid, 0)  # this child's own peak RSS
     seconds = time.monotonic() - began
     process.returncode = os.waitstatus_to_exitcode(status)  # reaped: Popen must not wait
     process.stderr.close()
     result = subprocess.CompletedProcess(process.args, process.returncode, "", stderr)
+    return result, usage.ru_maxrss * 1024, seconds
+
+
+@pytest.mark.parametrize("flag", list(TOO_LARGE))
+def test_sizes_the_machine_cannot_hold_are_one_line_before_anything_grows(flag, tmp_path):
+    pipeline = [] if "ensemble" in flag else ["--config.input_pipeline=grain"]
+    result, peak, seconds = run_capped(tmp_path / "w", "--steps=1", *QUICK, *pipeline, flag)
     line = the_error(result, TOO_LARGE[flag])
     assert "ulimit -d" in line or "cores" in line, line  # the memory figure it was held to
-    assert usage.ru_maxrss * 1024 < 2 * 2**30, usage.ru_maxrss
+    assert peak < 2 * 2**30, peak
     assert seconds < 30, seconds
 
 
@@ -753,23 +763,12 @@ def test_a_batch_whose_training_step_cannot_fit_is_one_line_before_it_runs(hidde
     """Batch 60,000 through 16,000 (40,000) units passed the check of the models, then XLA
     asked for 11.5 GB (28.8 GB) when the step ran. Under `ulimit -d` the step's memory is now
     refused from its compiled program, before anything of that size is allocated."""
-
-    def cap_data() -> None:
-        resource.setrlimit(resource.RLIMIT_DATA, (DATA_LIMIT, DATA_LIMIT))
-
     flags = ("--steps=1", *QUICK, "--batch_size=60000", f"--config.model.hidden=({hidden},)")
-    began = time.monotonic()
-    process = start(tmp_path / "w", *flags, preexec_fn=cap_data)
-    stderr = process.stderr.read()
-    _, status, usage = os.wait4(process.pid, 0)  # this child's own peak RSS
-    seconds = time.monotonic() - began
-    process.returncode = os.waitstatus_to_exitcode(status)  # reaped: Popen must not wait
-    process.stderr.close()
-    result = subprocess.CompletedProcess(process.args, process.returncode, "", stderr)
+    result, peak, seconds = run_capped(tmp_path / "w", *flags)
     line = the_error(result, "--batch_size=60000: a training step needs about ")
     assert "by XLA's memory analysis" in line and "ulimit -d" in line, line
     assert "use at most about --batch_size=" in line, line
-    assert usage.ru_maxrss * 1024 < 2 * 2**30, usage.ru_maxrss
+    assert peak < 2 * 2**30, peak
     assert seconds < 30, seconds
     assert saved_steps(tmp_path / "w") == []
 
