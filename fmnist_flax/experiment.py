@@ -20,7 +20,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-from absl import logging
 from flax import nnx
 
 from fmnist_flax import config as config_lib
@@ -198,9 +197,9 @@ def show_setup(run: Run) -> None:
     versions = {name.capitalize(): v for name, v in workdir_lib.versions().items()}
     run.show("Set-up", tables.setup_table(versions, layout))
     if parallel.is_primary() and jax.default_backend() == "cpu":  # a GPU or a TPU is fine
-        logging.warning(
-            "No GPU found: running on %s. Install '.[cuda12]' on a GPU host ('.[tpu]' on a TPU).",
-            jax.devices()[0],
+        warning_line(
+            f"No GPU found: training on {jax.devices()[0]}; install '.[cuda12]' on a GPU host, "
+            "'.[tpu]' on a TPU VM"
         )
     run.show("Data", tables.splits_table(d))
     run.figure(

@@ -177,3 +177,16 @@ def test_the_report_names_its_run_and_right_aligns_numbers(tmp_path):
     assert "<tr><th>workdir</th><td>runs/w</td></tr>" in page
     assert "<td>0.8728 after 400 steps</td>" in page  # said, not a column of numbers
     assert "<td>test</td><td class='num'>87.28%</td><td class='num'>10,000</td>" in page
+
+
+def test_a_table_wider_than_100_columns_wraps_its_widest_text_column():
+    """The set-up table's layout cell (129 columns) made the terminal wrap every line; now
+    the long cell wraps onto lines of its own under its column, numbers untouched."""
+    from fmnist_flax.runtime.tables import Table
+
+    long = "mesh {'data': 1} over 1 cpu device(s); batch 512 split 512 per device; " * 2
+    text = Table.of("A title " * 20, ("Item", "Value", "Count"), [("Layout", long, "512")])
+    lines = text.format().splitlines()
+    assert max(map(len, lines)) <= 100
+    assert " ".join(" ".join(lines).split()).count("512 per device") == 2  # nothing lost
+    assert lines[-1].startswith(" " * len("Layout"))  # a continuation, under its column

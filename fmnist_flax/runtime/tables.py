@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,9 @@ import jax
 from flax import nnx
 
 from fmnist_flax.runtime.ensemble import MEMBER_SEPARATOR, member_values
+
+MAX_WIDTH = 100  # a table's widest line, in columns: it fits a terminal as it is
+MIN_WRAPPED = 20  # a wrapped column keeps at least this width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,18 +40,35 @@ class Table:
         )
 
     def format(self) -> str:
+        """The table as text at most MAX_WIDTH columns wide: the widest text columns' cells
+        wrap onto lines of their own rather than the terminal wrapping every line."""
         columns = list(zip(self.headers, *self.rows, strict=True))
         widths = [max(len(c) for c in col) for col in columns]
         right = [bool(self.rows) and all(map(_numeric, col[1:])) for col in columns]
+        while sum(widths) + 2 * (len(widths) - 1) > MAX_WIDTH:
+            text = [k for k, r in enumerate(right) if not r and widths[k] > MIN_WRAPPED]
+            if not text:
+                break
+            widest = max(text, key=lambda k: widths[k])
+            over = sum(widths) + 2 * (len(widths) - 1) - MAX_WIDTH
+            widths[widest] = max(MIN_WRAPPED, widths[widest] - over)
 
-        def line(cells: Sequence[str]) -> str:
-            return "  ".join(
-                c.rjust(w) if r else c.ljust(w)
-                for c, w, r in zip(cells, widths, right, strict=True)
-            ).rstrip()
+        def lines(cells: Sequence[str]) -> list[str]:
+            parts = [textwrap.wrap(c, w) or [""] for c, w in zip(cells, widths, strict=True)]
+            return [
+                "  ".join(
+                    (p[i] if i < len(p) else "").rjust(w)
+                    if r
+                    else (p[i] if i < len(p) else "").ljust(w)
+                    for p, w, r in zip(parts, widths, right, strict=True)
+                ).rstrip()
+                for i in range(max(map(len, parts)))
+            ]
 
         rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
-        return "\n".join([self.title, rule, line(self.headers), rule, *map(line, self.rows), ""])
+        body = [line for row in self.rows for line in lines(row)]
+        title = textwrap.fill(self.title, MAX_WIDTH)
+        return "\n".join([title, rule, *lines(self.headers), rule, *body, ""])
 
 
 def printable(text: Any) -> str:
