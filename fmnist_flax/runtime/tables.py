@@ -45,13 +45,17 @@ class Table:
         columns = list(zip(self.headers, *self.rows, strict=True))
         widths = [max(len(c) for c in col) for col in columns]
         right = [bool(self.rows) and all(map(_numeric, col[1:])) for col in columns]
+        # Only prose wraps: a column of text (not numbers, blanks among them) above its floor,
+        # its header's width or MIN_WRAPPED, whichever is more; headers never wrap.
+        floors = [max(MIN_WRAPPED, len(col[0])) for col in columns]
+        prose = [not all(_numeric(c) or not c for c in col[1:]) for col in columns]
         while sum(widths) + 2 * (len(widths) - 1) > MAX_WIDTH:
-            text = [k for k, r in enumerate(right) if not r and widths[k] > MIN_WRAPPED]
+            text = [k for k, w in enumerate(widths) if prose[k] and w > floors[k]]
             if not text:
                 break
             widest = max(text, key=lambda k: widths[k])
             over = sum(widths) + 2 * (len(widths) - 1) - MAX_WIDTH
-            widths[widest] = max(MIN_WRAPPED, widths[widest] - over)
+            widths[widest] = max(floors[widest], widths[widest] - over)
 
         def lines(cells: Sequence[str]) -> list[str]:
             parts = [textwrap.wrap(c, w) or [""] for c, w in zip(cells, widths, strict=True)]
