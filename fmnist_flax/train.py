@@ -228,23 +228,29 @@ def chunk_steps(
     config: Config,
     image_shape: tuple[int, int, int],
     mesh: jax.sharding.Mesh | None = None,
+    schedule: Schedule | None = None,
 ) -> Callable[..., tuple[Any, Metrics, Metrics]]:
     """`steps(state, sums, order, aug_key, *, images, labels, start, count, first_step)`:
     `count` steps of the model whose state is `state` (`split_state`'s dicts) in a
     `fori_loop` (with `config.fused_steps=False`, exactly one step). Batches are picked from
     the epoch's order (no order: steps start.. of a host-fed block), normalised (and augmented,
     when asked) on the device. Augmentation draws from `fold_in(aug_key, step)`, so a resumed
-    run repeats it."""
+    run repeats it.
+
+    Each step where `schedule` writes a row ends one: its sums and gradient norm go to the
+    next slot of the returned rows (a last axis of `schedule.rows_per_call`) and the sums
+    start again from zero. With no schedule, a row ends at the call's last step."""
     batch_size = config.batch_size
     accumulate = config.optimizer.accumulate
     max_shift = config.augment.max_shift
     flip = config.augment.flip
     fused = config.fused_steps
     step_fn = ensemble.step_for(train_step, config)
+    slots = schedule.rows_per_call if schedule is not None else 1
 
     def steps(state, sums, order, aug_key, *, images, labels, start, count, first_step):
         def body(i, carry):
-            state, sums, _ = carry
+            state, sums, rows, slot = carry
             model, opt = nnx.merge(graphdef, state)
 
             def batch(order, aug_key):
@@ -268,18 +274,29 @@ def chunk_steps(
                 return x, y
 
             x, y = ensemble.batch_for(batch, order, aug_key)
-            # Only the last step's metrics leave the chunk, so only it computes the gradient
-            # norm (a further pass over every gradient, which small batches feel).
-            log = i == count - 1 if fused else True
-            metrics = step_fn(model, opt, x, y, config, log)
+            ends_row = (
+                i == count - 1 if schedule is None else schedule.writes_row(first_step + i + 1)
+            )
+            # Only a row's last step computes the gradient norm (a further pass over every
+            # gradient, which small batches feel).
+            metrics = step_fn(model, opt, x, y, config, ends_row if fused else True)
             sums = {name: total + metrics[name] for name, total in sums.items()}
-            return nnx.to_pure_dict(nnx.state((model, opt))), sums, metrics
+            row = sums | {"grad_norm": metrics["grad_norm"]}
+            rows = jax.tree.map(
+                lambda kept, new: jnp.where(ends_row, kept.at[..., slot].set(new), kept), rows, row
+            )
+            sums = jax.tree.map(lambda total: jnp.where(ends_row, 0, total), sums)
+            state = nnx.to_pure_dict(nnx.state((model, opt)))
+            return state, sums, rows, slot + ends_row
 
-        if not fused:  # exactly one step, no loop around it
-            return body(0, (state, sums, None))
-        shapes = jax.eval_shape(lambda s: body(0, (s, sums, None))[2], state)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        return jax.lax.fori_loop(0, count, body, (state, sums, zeros))
+        shapes = sums | {"grad_norm": sums["loss"]}  # every row value has a metric's shape
+        rows = jax.tree.map(lambda s: jnp.zeros((*s.shape, slots), jnp.float32), shapes)
+        carry = (state, sums, rows, jnp.int32(0))
+        # Without config.fused_steps exactly one step, no loop around it.
+        state, sums, rows, _ = (
+            body(0, carry) if not fused else jax.lax.fori_loop(0, count, body, carry)
+        )
+        return state, sums, rows
 
     return steps
 
@@ -290,6 +307,7 @@ def make_train_chunk(
     config: Config,
     image_shape: tuple[int, int, int],
     mesh: jax.sharding.Mesh | None = None,
+    schedule: Schedule | None = None,
 ) -> Callable[..., tuple[Any, Metrics, Metrics]]:
     """Compile `count` steps (`chunk_steps`) into one call: the default, fastest training path.
 
@@ -297,12 +315,12 @@ def make_train_chunk(
     runs convolutions inside a loop body far slower than at top level, so the CNN uses it.
 
     The state buffers are donated (updated in place). `sums` (every metric summed since the
-    last logged row) goes in and comes out with this call's steps added, and so do the last
-    step's metrics. `count` is a traced loop bound, so chunks of any length share one
+    last logged row) goes in and comes out with this call's steps added; the rows its steps
+    ended come out too. `count` is a traced loop bound, so chunks of any length share one
     compilation. On a `mesh`, each batch is split along its `data` axis and XLA adds the
     collectives.
     """
-    steps = chunk_steps(graphdef, config, image_shape, mesh)
+    steps = chunk_steps(graphdef, config, image_shape, mesh, schedule)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
     @functools.partial(jax.jit, donate_argnums=0)
@@ -496,7 +514,7 @@ def train_and_evaluate(
         # The report's figures are drawn on a thread, which imports matplotlib now.
         painter = experiment.start_painter(config, cleanup)
         mesh = device_data.mesh
-        schedule = Schedule(config, device_data.batches_per_epoch)
+        schedule = Schedule(config, device_data.batches_per_epoch, mesh.devices.flat[0].platform)
 
         # The state: the newest intact checkpoint's, the model of --init_from's, or fresh.
         checkpoints = checkpoint_lib.Checkpoints(
@@ -538,7 +556,7 @@ def train_and_evaluate(
         model.train()  # dropout on, BatchNorm on batch statistics (no-ops for the MLP)
         graphdef, state = split_state(model, optimizer)
         frozen = Config(config)
-        train_chunk = make_train_chunk(graphdef, frozen, dataset.image_shape, mesh)
+        train_chunk = make_train_chunk(graphdef, frozen, dataset.image_shape, mesh, schedule)
         zeros = zero_sums(model, frozen, dataset.image_shape, mesh)
         aug_key = input_pipeline.augment_key(config)
         # Its first programs compile on a thread while the set-up tables and extensions run.
@@ -568,6 +586,7 @@ def train_and_evaluate(
             zeros=zeros,
             saved_row=resumed.get("row"),
             stop=stop,
+            schedule=schedule,
         )
         # One step a call (and the device pipeline, whose data position is the step alone):
         # the host looks for a signal between calls, not only at the next logged step.
@@ -577,13 +596,13 @@ def train_and_evaluate(
                 next_stop = schedule.next_stop(step)
                 # Each call: images, labels, order, first batch index, count, first step.
                 for call in batches.chunks(step, next_stop):
-                    state, writer.sums, metrics = train_chunk(state, writer.sums, *call, aug_key)
-                    if (early := stop.early_step(call, metrics, paced)) is not None:
+                    state, writer.sums, rows = train_chunk(state, writer.sums, *call, aug_key)
+                    if (early := stop.early_step(call, rows, paced)) is not None:
                         next_stop = early  # a signal: saved at this step, a row's sums too
                         break
                 step = next_stop
                 if clock is None:  # the first call compiled: the clock starts once it is done
-                    jax.block_until_ready(metrics)
+                    jax.block_until_ready(rows)
                     clock = (time.perf_counter(), step)
                 writer.check()  # a row written since the last stop had a non-finite loss
 
@@ -598,9 +617,8 @@ def train_and_evaluate(
                     tested, averaged = evaluate_during_training(run, model, optimizer, state, step)
                     if any([hook(step, tested, frozen) for hook in AFTER_EVALUATION]):
                         end = step  # an early stop: saved below, and kept on resume
-                if testing or schedule.logs(step):
-                    # Written by the writer's thread while the next chunks run.
-                    writer.write(step, metrics, run.eval_seconds, tested)
+                # Written by the writer's thread while the next chunks run.
+                writer.write(step, rows, run.eval_seconds, tested)
 
                 # Save: at the end, on a signal, when due; with keep_best, at each evaluation.
                 if (

@@ -46,12 +46,16 @@ def test_first_adamw_step_is_near_chance_and_returns_grad_norm(real_dataset, qui
 )
 def test_fused_chunks_equal_one_step_per_call(real_dataset, quick_config, compute_dtype):
     """The default path (K steps per compiled call, on-device batches, donated state) gives
-    the same parameters, optimizer state, loss and accuracy as calling the plain nnx.jit step
-    once per batch, bit for bit. The gradient norm, which the fused path computes only at a
-    chunk's last step (inside a conditional, so XLA may sum in another order), agrees to
-    float32 rounding: 1 part in 10^7 measured in bfloat16, asserted within 1e-6."""
-    quick_config.compute_dtype = compute_dtype
+    the same parameters, optimizer state and each step's loss and accuracy as calling the
+    plain nnx.jit step once per batch, bit for bit, with a row logged at every step (an
+    accelerator's schedule: several rows a call). The gradient norm, which the fused path
+    computes only at a row's last step (inside a conditional, so XLA may sum in another
+    order), agrees to float32 rounding: 1 part in 10^7 measured in bfloat16, asserted within
+    1e-6."""
+    quick_config.compute_dtype, quick_config.log_every = compute_dtype, 1
     task = train.Config(quick_config)
+    schedule = Schedule(quick_config, 117, platform="tpu")
+    assert schedule.rows_per_call == 8
     device_data, order, batches = first_batches(real_dataset, 12)
     plain_model = create_model(quick_config, (28, 28, 1), 10)
     plain_opt = train.create_optimizer(plain_model, quick_config)
@@ -63,13 +67,15 @@ def test_fused_chunks_equal_one_step_per_call(real_dataset, quick_config, comput
     # Laid out on the mesh as the loop lays it: each call then meets the types it compiled for.
     model, optimizer = train.create_train_state(quick_config, (28, 28, 1), 10, device_data.mesh)
     graphdef, state = train.split_state(model, optimizer)
-    chunk = train.make_train_chunk(graphdef, task, (28, 28, 1))
+    chunk = train.make_train_chunk(graphdef, task, (28, 28, 1), None, schedule)
     # The sums replicated as a chunk returns them: the three calls share one compilation.
     sums = train.zero_sums(model, task, (28, 28, 1), device_data.mesh)
     images, labels = device_data.train_images, device_data.train_labels
-    state, sums, _ = chunk(state, sums, images, labels, order, 0, 5)  # chunks of 5, 1, 6 steps
-    state, sums, _ = chunk(state, sums, images, labels, order, 5, 1)
-    state, sums, metrics = chunk(state, sums, images, labels, order, 6, 6)
+    rows = []
+    for start, count in [(0, 5), (5, 1), (6, 6)]:  # chunks of 5, 1, 6 steps
+        state, sums, ended = chunk(state, sums, images, labels, order, start, count, start)
+        ended = jax.device_get(ended)
+        rows += [{k: v[..., j] for k, v in ended.items()} for j in range(count)]
     variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     assert all(isinstance(x, jax.Array) for x in variables)  # plain dicts, no nnx.Variable
     nnx.update((model, optimizer), state)
@@ -79,14 +85,60 @@ def test_fused_chunks_equal_one_step_per_call(real_dataset, quick_config, comput
         strict=True,
     ):
         np.testing.assert_array_equal(a, b)
-    for name in ("loss", "accuracy"):
-        assert float(metrics[name]) == float(plain_metrics[name])
-    assert float(metrics["grad_norm"]) == pytest.approx(float(plain_metrics["grad_norm"]), rel=1e-6)
-    # The running sums carried across the three calls hold every one of the 12 steps.
+    assert len(rows) == len(plain_rows) == 12
+    for row, plain in zip(rows, plain_rows, strict=True):
+        for name in ("loss", "accuracy"):
+            assert float(row[name]) == plain[name]
+        assert float(row["grad_norm"]) == pytest.approx(plain["grad_norm"], rel=1e-6)
+    # Each row ended at its step: the running sums start again from zero.
     assert {"loss", "accuracy"} <= set(sums)
-    for name in sums:
-        total = sum(row[name] for row in plain_rows)
-        assert float(sums[name]) == pytest.approx(total, rel=1e-6)
+    assert all(float(v) == 0.0 for v in sums.values())
+
+
+def spans_logged(quick_config, real_dataset, tmp_path, platform: str) -> tuple[list, list]:
+    """Steps 0..130 as the loop runs them with `platform`'s schedule, each span's rows handed
+    to a metrics writer: the rows it wrote and the final state's arrays."""
+    from fmnist_flax.runtime import checkpoint
+
+    quick_config.steps, quick_config.log_every, quick_config.checkpoint_every = 130, 10, 1000
+    quick_config.batch_size, quick_config.model.hidden = 128, (32,)
+    task = train.Config(quick_config)
+    schedule = Schedule(quick_config, 60_000 // 128, platform)
+    device_data = device_batches.to_device(real_dataset, 128, parallel.make_mesh())
+    model, optimizer = train.create_train_state(task, (28, 28, 1), 10, device_data.mesh)
+    graphdef, state = train.split_state(model, optimizer)
+    chunk = train.make_train_chunk(graphdef, task, (28, 28, 1), device_data.mesh, schedule)
+    zeros = train.zero_sums(model, task, (28, 28, 1), device_data.mesh)
+    batches = device_batches.DeviceBatches(device_data, task)
+    checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
+    spans, step = 0, 0
+    with metrics_writer.MetricsWriter(
+        tmp_path, quick_config, 0, 128, checkpoints, 0.1, zeros=zeros, schedule=schedule
+    ) as writer:
+        while step < quick_config.steps:
+            stop = schedule.next_stop(step)
+            for call in batches.chunks(step, stop):
+                state, writer.sums, rows = chunk(state, writer.sums, *call)
+            writer.write(stop, rows, 0.0)
+            step, spans = stop, spans + 1
+        writer.flush()
+    checkpoints.close()
+    return rows_of(tmp_path), jax.tree.leaves(state), spans
+
+
+def test_an_accelerators_calls_past_logged_steps_log_the_same_rows(
+    quick_config, real_dataset, tmp_path
+):
+    """With an accelerator's schedule each call runs past up to 8 logged steps and returns
+    their rows: the rows written and the state trained are the ones of a call per row, bit
+    for bit, in fewer calls."""
+    one, one_state, one_spans = spans_logged(quick_config, real_dataset, tmp_path / "cpu", "cpu")
+    many, state, spans = spans_logged(quick_config, real_dataset, tmp_path / "tpu", "tpu")
+    assert [row["step"] for row in one] == [1, *range(10, 131, 10)]
+    assert many == one
+    for a, b in zip(one_state, state, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert spans < one_spans / 3
 
 
 @pytest.mark.parametrize(
@@ -119,12 +171,15 @@ def trained_members(quick_config, real_dataset, per_pass: int) -> tuple[list, di
     chunk = train.make_train_chunk(graphdef, task, (28, 28, 1), device_data.mesh)
     sums = train.zero_sums(model, task, (28, 28, 1), device_data.mesh)  # one compile
     key = input_pipeline.augment_key(task)
+    totals = None  # the rows each call ends summed: every step's metrics
     orders = device_batches.epoch_orders(ensemble.data_seeds(task), 0, 60_000)
     data = device_data.train_images, device_data.train_labels, orders
     calls = [(0, 4), (4, 2)] if quick_config.fused_steps else [(i, 1) for i in range(6)]
     for start, count in calls:
-        state, sums, metrics = chunk(state, sums, *data, start, count, start, key)
-    return jax.tree.leaves(state), sums, metrics
+        state, sums, rows = chunk(state, sums, *data, start, count, start, key)
+        ended = {k: v[..., 0] for k, v in rows.items()}
+        totals = ended if totals is None else jax.tree.map(np.add, totals, ended)
+    return jax.tree.leaves(state), totals, ended
 
 
 @pytest.mark.slow  # ensembles, like tests/test_ensemble.py's trained ones: compiles 4 programs
@@ -139,7 +194,7 @@ def test_members_in_passes_train_as_all_members_at_once(real_dataset, quick_conf
     at_once, at_once_sums, at_once_metrics = trained_members(quick_config, real_dataset, 4)
     for a, b in zip(state, at_once, strict=True):
         np.testing.assert_array_equal(a, b)
-    for name in sums:
+    for name in ("loss", "accuracy"):
         np.testing.assert_array_equal(sums[name], at_once_sums[name])
         np.testing.assert_array_equal(metrics[name], at_once_metrics[name])
     np.testing.assert_allclose(metrics["grad_norm"], at_once_metrics["grad_norm"], rtol=1e-6)
@@ -244,6 +299,13 @@ def test_accumulating_4_batches_of_128_trains_like_batches_of_512(quick_config, 
     assert accumulated["test_accuracy"] == pytest.approx(base["test_accuracy"], abs=1e-3)
 
 
+def parts(step: int, sums: dict, count: int) -> metrics_writer.Parts:
+    """The parts of one row logged at `step`, `count` steps after the row before, its
+    gradient norm 0.5."""
+    rows = {k: jax.numpy.asarray(v)[None] for k, v in sums.items()}
+    return [step], rows | {"grad_norm": jax.numpy.float32([0.5])}, step - count
+
+
 def test_the_metrics_writer_writes_rows_in_the_background_in_order_until_a_non_finite_loss(
     tmp_path, quick_config
 ):
@@ -257,13 +319,13 @@ def test_the_metrics_writer_writes_rows_in_the_background_in_order_until_a_non_f
     with metrics_writer.MetricsWriter(tmp_path, quick_config, 0, 512, checkpoints, 0.1) as log:
         assert log.queue is not None  # one process: rows go to the writer thread
         for step in (1, 25):
-            log.submit((step, sums, 2, jax.numpy.float32(0.5)), 0.0)
-        log.submit((50, sums, 2, jax.numpy.float32(0.5)), 0.3, {"test_accuracy": 0.75})
+            log.submit(parts(step, sums, 2), 0.0)
+        log.submit(parts(50, sums, 2), 0.3, {"test_accuracy": 0.75})
         log.flush()
         assert log.last_finite == 50
         nan = {"loss": jax.numpy.float32(np.nan), "accuracy": jax.numpy.float32(0.0)}
-        log.submit((75, nan, 25, jax.numpy.float32(0.5)), 0.0)
-        log.submit((100, sums, 25, jax.numpy.float32(0.5)), 0.0)
+        log.submit(parts(75, nan, 25), 0.0)
+        log.submit(parts(100, sums, 25), 0.0)
         with pytest.raises(UserError, match="loss became nan between steps 50 and 75"):
             log.flush()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -285,14 +347,14 @@ def test_an_evaluation_waits_for_the_rows_before_to_be_timed_not_written(tmp_pat
     with metrics_writer.MetricsWriter(tmp_path, quick_config, 0, 512, checkpoints, 0.1) as log:
         write = log._write_row
         log._write_row = lambda *args: (release.wait(), write(*args))  # a writer held up
-        log.submit((25, sums, 25, jax.numpy.float32(0.5)), 0.0)
+        log.submit(parts(25, sums, 25), 0.0)
         waiter = threading.Thread(target=log.wait_timed)
         waiter.start()
         waiter.join(60)
         assert not waiter.is_alive() and log.timed == 25
         assert not (tmp_path / "metrics.jsonl").read_text()  # timed, not yet written
         release.set()
-        log.submit((50, sums, 25, jax.numpy.float32(0.5)), 0.1, {"test_accuracy": 0.75})
+        log.submit(parts(50, sums, 25), 0.1, {"test_accuracy": 0.75})
         log.flush()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [25, 50]
@@ -316,9 +378,9 @@ def test_waits_for_rows_after_a_non_finite_one_end_and_stop_the_run(tmp_path, qu
             raised.append(str(exc))
 
     with metrics_writer.MetricsWriter(tmp_path, quick_config, 0, 512, checkpoints, 0.1) as log:
-        log.submit((25, nan, 25, jax.numpy.float32(0.5)), 0.0)
+        log.submit(parts(25, nan, 25), 0.0)
         for step in (50, 75, 100):
-            log.submit((step, sums, 25, jax.numpy.float32(0.5)), 0.0)
+            log.submit(parts(step, sums, 25), 0.0)
         for method in (log.wait_timed, log.flush):
             waiter = threading.Thread(target=wait, args=(method,), daemon=True)
             waiter.start()
@@ -343,18 +405,18 @@ def test_a_signal_ends_a_wait_for_rows_to_be_timed(tmp_path, quick_config, monke
     checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
     sums = {"loss": jax.numpy.float32(2.0), "accuracy": jax.numpy.float32(1.0)}
     release = threading.Event()
-    host_row = metrics_writer.host_row
+    host_rows = metrics_writer.host_rows
 
     def held(*parts):
         release.wait()
-        return host_row(*parts)
+        return host_rows(*parts)
 
-    monkeypatch.setattr(metrics_writer, "host_row", held)
+    monkeypatch.setattr(metrics_writer, "host_rows", held)
     stop = stopping.Stop()
     with metrics_writer.MetricsWriter(
         tmp_path, quick_config, 0, 512, checkpoints, 0.1, stop=stop
     ) as log:
-        log.submit((25, sums, 25, jax.numpy.float32(0.5)), 0.0)
+        log.submit(parts(25, sums, 25), 0.0)
         waiter = threading.Thread(target=log.wait_timed, daemon=True)
         waiter.start()
         waiter.join(0.5)
@@ -368,32 +430,44 @@ def test_a_signal_ends_a_wait_for_rows_to_be_timed(tmp_path, quick_config, monke
 
 
 def test_the_metrics_writer_logs_the_running_row_and_starts_the_next(tmp_path, quick_config):
-    """`write` logs the means of the sums the chunks added since the row before, over the steps
-    between them, and starts the next row at zero; a checkpoint keeps the running row
-    (`state`), and a writer given it goes on from there."""
+    """`write` logs the rows a call ended since the row before (each its sums' means over its
+    steps), as the schedule places them; a checkpoint keeps the running row (`state`), and a
+    writer given it goes on from there."""
     from fmnist_flax.runtime import checkpoint
 
+    quick_config.steps, quick_config.log_every = 30, 25
+    schedule = Schedule(quick_config, 117)
     checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
     zeros = {"loss": jax.numpy.float32(0.0), "accuracy": jax.numpy.float32(0.0)}
-    last = {"grad_norm": jax.numpy.float32(0.5)}
     with metrics_writer.MetricsWriter(
-        tmp_path, quick_config, 0, 512, checkpoints, 0.1, zeros=zeros
+        tmp_path, quick_config, 0, 512, checkpoints, 0.1, zeros=zeros, schedule=schedule
     ) as writer:
-        writer.sums = {"loss": jax.numpy.float32(50.0), "accuracy": jax.numpy.float32(20.0)}
-        writer.write(25, last, 0.0)
+        ended = {"loss": [3.0, 48.0], "accuracy": [0.0, 19.2], "grad_norm": [0.25, 0.5]}
+        writer.write(25, {k: np.float32(v) for k, v in ended.items()}, 0.0)  # rows 1 and 25
         writer.sums = {"loss": jax.numpy.float32(5.0), "accuracy": jax.numpy.float32(2.5)}
+        writer.write(27, {}, 0.0)  # no row ends at 26 or 27
         writer.flush()
         saved = writer.state()["row"]
     assert saved == {"start": 25, "sums": {"loss": 5.0, "accuracy": 2.5}}
     with metrics_writer.MetricsWriter(
-        tmp_path, quick_config, 25, 512, checkpoints, 0.1, zeros=zeros, saved_row=saved
+        tmp_path,
+        quick_config,
+        27,
+        512,
+        checkpoints,
+        0.1,
+        zeros=zeros,
+        saved_row=saved,
+        schedule=schedule,
     ) as writer:
-        writer.write(30, last, 0.0)
+        assert {k: float(v) for k, v in writer.sums.items()} == {"loss": 5.0, "accuracy": 2.5}
+        ended = {"loss": [10.0], "accuracy": [2.5], "grad_norm": [0.5]}
+        writer.write(30, {k: np.float32(v) for k, v in ended.items()}, 0.0)
         writer.flush()
-        assert {k: float(v) for k, v in writer.sums.items()} == {"loss": 0.0, "accuracy": 0.0}
     rows = rows_of(tmp_path)
     assert rows == [
-        {"step": 25, "loss": 2.0, "accuracy": 0.8, "grad_norm": 0.5},
-        {"step": 30, "loss": 1.0, "accuracy": 0.5, "grad_norm": 0.5},
+        {"step": 1, "loss": 3.0, "accuracy": 0.0, "grad_norm": 0.25},
+        {"step": 25, "loss": 2.0, "accuracy": pytest.approx(0.8), "grad_norm": 0.5},
+        {"step": 30, "loss": 2.0, "accuracy": 0.5, "grad_norm": 0.5},
     ]
     checkpoints.close()

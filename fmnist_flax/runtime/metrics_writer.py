@@ -4,8 +4,8 @@ row's values to reach the host; a non-finite loss among them stops the run.
 
 API: `MetricsWriter(workdir, config, start_step, per_step, checkpoints, learning_rate, ...)`,
 a context manager, with `sums` (the running row's sums, which each compiled chunk adds to),
-`write(step, metrics, eval_seconds, tested)`, `wait_timed()`, `flush()`, `check()` and
-`state()`; `RunningRow`; `host_row`.
+`write(step, rows, eval_seconds, tested)`, `wait_timed()`, `flush()`, `check()` and
+`state()`; `RunningRow`; `host_rows`.
 """
 
 from __future__ import annotations
@@ -25,18 +25,23 @@ import optax
 from fmnist_flax.runtime import checkpoint as checkpoint_lib
 from fmnist_flax.runtime import ensemble, parallel, summaries, tables
 from fmnist_flax.runtime import workdir as workdir_lib
+from fmnist_flax.runtime.schedule import Schedule
 from fmnist_flax.runtime.stopping import Stop, diverged
 
 Metrics = dict[str, jax.Array]
+# The rows one compiled call ended: the steps, the rows' values (each metric's sum over its
+# row's steps and the row's last `grad_norm`, slot j on their last axis), the step before the
+# first row.
+Parts = tuple[list[int], Metrics, int]
 
 
 class RunningRow:
     """The metrics of the steps since the last logged row: their sums (on the device, added
-    to by each chunk) and the step the row started after. A checkpoint keeps both, so a
-    resumed run logs the same rows as an uninterrupted one."""
+    to by each chunk, which starts them again at each row it ends) and the step the row
+    started after. A checkpoint keeps both, so a resumed run logs the same rows as an
+    uninterrupted one."""
 
     def __init__(self, zeros: Metrics, start: int, saved: dict[str, Any] | None = None):
-        self.zeros = zeros
         self.start = start
         self.sums = zeros
         if saved:  # from a checkpoint's progress item: float32 sums, exact through JSON
@@ -44,11 +49,11 @@ class RunningRow:
             sums = {k: np.asarray(saved["sums"].get(k, 0.0), np.float32) for k in zeros}
             self.sums = jax.device_put(sums, {k: zero.sharding for k, zero in zeros.items()})
 
-    def take(self, step: int, metrics: Metrics) -> tuple[int, Metrics, int, jax.Array]:
-        """The parts of the row logged at `step`; the next row starts here."""
-        parts = (step, self.sums, step - self.start, metrics["grad_norm"])
-        self.sums = self.zeros
-        self.start = step
+    def take(self, steps: list[int], rows: Metrics) -> Parts:
+        """The parts of the rows logged at `steps` (their values `rows`); the next row starts
+        after the last of them."""
+        parts = (steps, rows, self.start)
+        self.start = steps[-1]
         return parts
 
     def state(self) -> dict[str, Any]:
@@ -58,15 +63,21 @@ class RunningRow:
         return {"row": {"start": self.start, "sums": sums}}
 
 
-def host_row(step: int, sums: Metrics, count: int, grad_norm: jax.Array) -> dict[str, float]:
-    """The row logged at `step`, on the host and JSON-ready: every metric's mean over the
-    `count` steps since the row before (their `sums`), and the last step's `grad_norm`."""
-    values = parallel.to_host({"sums": sums, "grad_norm": grad_norm})
-    means = {k: np.asarray(v, np.float64) / count for k, v in values["sums"].items()}
-    row = {"step": step}
-    for name, value in {**means, "grad_norm": values["grad_norm"]}.items():
-        row |= ensemble.columns(name, value)
-    return row
+def host_rows(steps: list[int], rows: Metrics, start: int) -> list[dict[str, float]]:
+    """The rows logged at `steps`, on the host and JSON-ready: every metric's mean over the
+    steps since the row before (slot j of `rows` holds row j's sums), and the row's last
+    `grad_norm`."""
+    values = parallel.to_host(rows)
+    written = []
+    for j, step in enumerate(steps):
+        count, start = step - start, step
+        row = {"step": step}
+        for name in [*(k for k in values if k != "grad_norm"), "grad_norm"]:
+            value = values[name][..., j]  # the grad_norm as it is, a sum as its mean
+            mean = value if name == "grad_norm" else np.asarray(value, np.float64) / count
+            row |= ensemble.columns(name, mean)
+        written.append(row)
+    return written
 
 
 WAIT_SLICE = 0.1  # seconds between looks of a wait for the metrics writer
@@ -97,12 +108,15 @@ class MetricsWriter:
         saved_row: dict[str, Any] | None = None,
         background: bool = True,
         stop: Stop | None = None,
+        schedule: Schedule | None = None,
     ):
         """`per_step`: examples a step trains on; `learning_rate`: what TensorBoard plots;
         `zeros`: a zero for each metric, where the running row's sums start (a checkpoint's
-        `saved_row` restores them); `stop`: a signal ends a wait for rows to be timed."""
+        `saved_row` restores them); `stop`: a signal ends a wait for rows to be timed;
+        `schedule`: the steps whose rows `write` logs."""
         self.primary = parallel.is_primary()
         self.stop = stop
+        self.schedule = schedule
         self.row = RunningRow(zeros or {}, start_step, saved_row)
         self.checkpoints = checkpoints
         self.start_step = start_step
@@ -140,26 +154,28 @@ class MetricsWriter:
     def write(
         self,
         step: int,
-        metrics: Metrics,
+        rows: Metrics,
         eval_seconds: float,
         tested: dict[str, float] | None = None,
     ) -> None:
-        """Log the row of the steps up to `step` (the running row's means and the last step's
-        `metrics["grad_norm"]`) with the test metrics evaluated at `step` (`tested`), without
-        waiting for its values; `eval_seconds`: the run's time spent evaluating so far."""
-        self.submit(self.row.take(step, metrics), eval_seconds, tested)
+        """Log the rows that training up to `step` ended since the last one written (the last
+        call's `rows`: none, or several on an accelerator), the last with the test metrics
+        evaluated at `step` (`tested`), without waiting for their values; `eval_seconds`: the
+        run's time spent evaluating so far."""
+        if steps := self.schedule.row_steps(self.row.start, step):
+            self.submit(self.row.take(steps, rows), eval_seconds, tested)
 
     def submit(
         self,
-        parts: tuple[int, Metrics, int, jax.Array],
+        parts: Parts,
         eval_seconds: float,
         tested: dict[str, float] | None = None,
     ) -> None:
-        """Log the row of `parts` (`RunningRow.take`) without waiting for its values, with the
-        test metrics evaluated at its step (`tested`); `eval_seconds`: the run's time spent
-        evaluating so far."""
+        """Log the rows of `parts` (`RunningRow.take`) without waiting for their values, the
+        last with the test metrics evaluated at its step (`tested`); `eval_seconds`: the run's
+        time spent evaluating so far."""
         began = time.perf_counter()
-        self.submitted = parts[0]
+        self.submitted = parts[0][-1]
         if self.queue is None:
             self._handle(parts, eval_seconds, tested)
         else:
@@ -167,12 +183,25 @@ class MetricsWriter:
         self.host_seconds += time.perf_counter() - began
 
     def _write_submitted(self) -> None:
-        while (item := self.queue.get()) is not None:
-            self._handle(*item)
+        """The writer thread. The rows handed over while it wrote the ones before are fetched
+        together, one wait for all of them: on an accelerator a call's rows come every few
+        milliseconds, and each fetch takes the GIL that the loop dispatches with."""
+        items = []
+        while None not in items:
+            items = [self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            waiting = items[: items.index(None)] if None in items else items
+            try:
+                fetched = parallel.to_host([parts[1] for parts, *_ in waiting])
+            except Exception:  # each row's own fetch then reports it
+                fetched = [parts[1] for parts, *_ in waiting]
+            for ((steps, _, start), *rest), rows in zip(waiting, fetched, strict=True):
+                self._handle((steps, rows, start), *rest)
 
     def _handle(
         self,
-        parts: tuple[int, Metrics, int, jax.Array],
+        parts: Parts,
         eval_seconds: float,
         tested: dict[str, float] | None,
     ) -> None:
@@ -187,25 +216,33 @@ class MetricsWriter:
             self.error = exc  # raised in the loop by `check`
         finally:
             with self.timing:
-                self.timed = max(self.timed, parts[0])
-                self.handled = parts[0]
+                self.timed = max(self.timed, parts[0][-1])
+                self.handled = parts[0][-1]
                 self.timing.notify_all()
 
     def _write_parts(
         self,
-        parts: tuple[int, Metrics, int, jax.Array],
+        parts: Parts,
         eval_seconds: float,
         tested: dict[str, float] | None,
     ) -> None:
-        row = host_row(*parts)
-        now = time.perf_counter()  # its values are on the host: the row's time
+        rows = host_rows(*parts)
+        now = time.perf_counter()  # their values are on the host: the rows' time
         with self.timing:
-            self.timed = row["step"]
+            self.timed = rows[-1]["step"]
             self.timing.notify_all()
-        if np.isfinite(row["loss"]):
-            self._write_row(row | (tested or {}), eval_seconds, now)
-        else:
-            self.failure = (row["loss"], row["step"])
+        rows[-1] |= tested or {}
+        # Rows that reach the host together share their rate: their steps over the time since
+        # the rows before, evaluations left out.
+        seconds = now - self.last_time - (eval_seconds - self.last_eval)
+        rate = (rows[-1]["step"] - self.last_step) * self.per_step / seconds
+        first = self.last_step == self.start_step  # its interval includes the compilation
+        self.last_time, self.last_eval = now, eval_seconds
+        for row in rows:
+            if not np.isfinite(row["loss"]):
+                self.failure = (row["loss"], row["step"])
+                return
+            self._write_row(row, None if first else rate)
 
     def check(self) -> None:
         """Stop the run if a row written so far had a non-finite loss (or could not be
@@ -239,19 +276,13 @@ class MetricsWriter:
                     return
                 self.timing.wait(WAIT_SLICE)
 
-    def _write_row(self, row: dict[str, float], eval_seconds: float, now: float) -> None:
-        """Log a finite `row` whose values reached the host at `now`; `eval_seconds`: the
-        run's time spent evaluating so far."""
-        seconds = now - self.last_time - (eval_seconds - self.last_eval)
-        rate = (row["step"] - self.last_step) * self.per_step / seconds
-        first = self.last_step == self.start_step  # its interval includes the compilation
+    def _write_row(self, row: dict[str, float], rate: float | None) -> None:
+        """Log a finite `row` trained at `rate` examples/s (None: unknown)."""
         self.last_step = self.last_finite = row["step"]
-        self.last_time = now
-        self.last_eval = eval_seconds
         if self.primary:
             self.metrics.write(row)
-            self.board.write(row, None if first else rate)
-            self.progress.update(row, None if first else rate)
+            self.board.write(row, rate)
+            self.progress.update(row, rate)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint's progress item keeps of the running row."""

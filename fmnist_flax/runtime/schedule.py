@@ -1,40 +1,78 @@
 """When the training loop's host looks between compiled chunks, and what it does there: log a
 row, evaluate on the test set, save a checkpoint; and where the data order stands at a step.
 
-API: `Schedule(config, batches_per_epoch)` with `next_stop(step)`, `logs(step)`,
-`evaluates(step)`, `saves(step, signum, checkpoints)`, `eval_period` and `progress(step)`.
+API: `Schedule(config, batches_per_epoch, platform)` with `next_stop(step)`, `logs(step)`,
+`evaluates(step)`, `writes_row(step)`, `row_steps(after, step)`, `saves(step, signum,
+checkpoints)`, `eval_period`, `rows_per_call` and `progress(step)`.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import ml_collections
 
 from fmnist_flax.runtime import checkpoint as checkpoint_lib
 
+ROWS_PER_CALL = 8  # logged rows one accelerator call may run past (see `Schedule`)
+
 
 class Schedule:
     """The steps of a run of `config.steps` where the loop stops, from `config`'s `log_every`,
-    `eval_every` and `checkpoint_every` and the epoch's length."""
+    `eval_every` and `checkpoint_every` and the epoch's length.
 
-    def __init__(self, config: ml_collections.ConfigDict, batches_per_epoch: int):
+    On an accelerator (`platform` not "cpu") the device pipeline's calls run past logged steps,
+    up to `ROWS_PER_CALL` of them, returning each one's row: its steps take microseconds, and
+    a host stop at each logged step would leave the chip idle. Elsewhere the host stops at
+    each one. Equal schedules compile to one training chunk (they are hashable)."""
+
+    def __init__(
+        self, config: ml_collections.ConfigDict, batches_per_epoch: int, platform: str = "cpu"
+    ):
         self.config = config
         self.batches_per_epoch = batches_per_epoch
         # Steps between test-set evaluations: `eval_every`, or an epoch when it is 0.
         self.eval_period = config.eval_every or batches_per_epoch
+        fused_device = config.fused_steps and config.input_pipeline == "device"
+        self.rows_per_call = ROWS_PER_CALL if platform != "cpu" and fused_device else 1
+
+    def _key(self) -> tuple[int, ...]:
+        c = self.config
+        return (c.steps, c.log_every, self.eval_period, self.rows_per_call)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Schedule) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     def next_stop(self, step: int) -> int:
-        """The next step where the host must look: a log, checkpoint or evaluation step, an
-        epoch's end, the end."""
+        """The next step where the host must look: a logged step (on an accelerator, the
+        `rows_per_call`-th after `step`), a checkpoint or evaluation step, an epoch's end, the
+        end."""
         if step == 0:
             return 1  # step 1 is logged (and compiles the chunk)
         config = self.config
-        periods = (
-            config.log_every,
-            config.checkpoint_every,
-            self.batches_per_epoch,
-            self.eval_period,
-        )
-        return min(*[(step // every + 1) * every for every in periods], config.steps)
+        periods = (config.checkpoint_every, self.batches_per_epoch, self.eval_period)
+        stops = [(step // every + 1) * every for every in periods]
+        # The `rows_per_call`-th logged step: at most that many rows end in one call.
+        rows = (step // config.log_every + self.rows_per_call) * config.log_every
+        return min(*stops, rows, config.steps)
+
+    def writes_row(self, step: Any) -> Any:
+        """Whether a row is logged at `step` (a logged or evaluated step): a Python int, or a
+        traced one inside a compiled chunk."""
+        c = self.config
+        every = (step % c.log_every == 0) | (step % self.eval_period == 0)
+        return every | (step == 1) | (step == c.steps)
+
+    def row_steps(self, after: int, step: int) -> list[int]:
+        """The steps after `after`, up to `step`, at which rows are logged."""
+        c = self.config
+        found = {1, c.steps}
+        for every in (c.log_every, self.eval_period):
+            found.update(range((after // every + 1) * every, step + 1, every))
+        return sorted(s for s in found if after < s <= step)
 
     def logs(self, step: int) -> bool:
         return step == 1 or step % self.config.log_every == 0 or step == self.config.steps
