@@ -24,8 +24,7 @@ from fmnist_flax import datasets, evaluate, input_pipeline
 from fmnist_flax import model as model_lib
 from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax.runtime import checkpoint as checkpoint_lib
-from fmnist_flax.runtime import data_files, memory, stages
-from fmnist_flax.runtime.errors import UserError
+from fmnist_flax.runtime import memory, run_config, stages
 
 # What a project's extensions and the loop use, under the names they had here.
 from fmnist_flax.runtime.run import Extension as Extension
@@ -80,25 +79,7 @@ def check_config_changes(
     dataset: datasets.Dataset,
     accept: bool,
 ) -> list[dict[str, Any]]:
-    """Refuse to resume with values (or data) that change what the run computes, in one line
-    naming each; with `accept`, return them (with the earlier accepted ones) for the record.
-    Values that move the data position (the batch, the seed, the train set's size) cannot be
-    accepted: the saved position would not mean the same examples."""
-    step, saved = checkpoints.saved("config")
-    if saved is None:
-        return []
-    earlier = checkpoints.saved("changes", step)[1] or {"changes": []}
-    changes = config_lib.training_changes(saved, config.to_dict())
-    changes += data_files.identity_changes(
-        checkpoints.saved("dataset", step)[1] or {}, dataset.info()
-    )
-    fixed = [c for c in changes if config_lib.fixed_on_resume(c)]
-    if changes and (fixed or not accept):
-        listed = ", ".join(f"{c['field']} {c['saved']!r} -> {c['now']!r}" for c in fixed or changes)
-        way = "" if fixed else ", or pass --accept_config_change to go on with the new ones"
-        raise UserError(
-            f"{checkpoints.directory} holds step {step} trained with other values: {listed}; "
-            f"resume with the saved values (and data) or pass a new --workdir{way}"
-            + (" (summary.json records them)" if way else "")
-        )
-    return earlier["changes"] + [{"step": step, **c} for c in changes]
+    """Refuse to resume with values (or data) that change what the run computes, unless
+    `accept`; returns the changes for the record (`run_config.check_changes`)."""
+    defaults = config_lib.get_config().to_dict()
+    return run_config.check_changes(checkpoints, config, dataset.info(), accept, defaults)
