@@ -117,13 +117,13 @@ def get_config() -> ml_collections.ConfigDict:
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-    """Raise UserError naming the first field whose value cannot work: the modules of
-    `config.imports` imported first, then the generic fields (`run_config.check_fields`), the
-    optimizer's and the test-set metrics."""
+    """Raise UserError naming the first field whose value cannot work, once the modules of
+    `config.imports` are imported: the generic fields are `runtime/run_config.py`'s."""
     import_modules(config.imports)
     run_config.check_fields(config, tuple(COMPUTE_DTYPES))
     optimizer.check_config(config.optimizer, config.steps)
     task.check_test_set_metrics(config.test_set_metrics)
+    run_config.check_parts(config)
 
 
 def with_defaults(saved: dict[str, Any]) -> ml_collections.ConfigDict:

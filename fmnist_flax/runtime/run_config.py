@@ -1,8 +1,9 @@
-"""The generic fields of a run's config: their checks (`check_fields`), a saved config
-completed with today's defaults (`with_defaults`), and which changes a resume may make
+"""The generic fields of a run's config: their checks (`check_fields`, `check_parts`), a saved
+config completed with today's defaults (`with_defaults`), and which changes a resume may make
 (`training_changes`, `check_changes`).
 
-API: `check_fields`, `with_defaults`, `training_changes`, `check_changes`, `OPTIMIZER_FIELDS`.
+API: `check_fields`, `check_parts`, `with_defaults`, `training_changes`, `check_changes`,
+`OPTIMIZER_FIELDS`.
 """
 
 from __future__ import annotations
@@ -37,9 +38,8 @@ def _whole(value: object, least: int, most: int) -> bool:
 
 
 def check_fields(config: ml_collections.ConfigDict, compute_dtypes: tuple[str, ...]) -> None:
-    """Raise UserError naming the first generic field whose value cannot work (the run's, the
-    data pipeline's, the ensemble's, the EMA's); `compute_dtypes`: what --compute_dtype may
-    name."""
+    """Raise UserError naming the first of the run's own fields whose value cannot work;
+    `compute_dtypes`: what --compute_dtype may name."""
     _one_of("--compute_dtype", config.compute_dtype, compute_dtypes)
     _one_of("--report", config.report, REPORT_CHOICES)
     _one_of("--config.param_sharding", config.param_sharding, PARAM_SHARDINGS)
@@ -64,6 +64,12 @@ def check_fields(config: ml_collections.ConfigDict, compute_dtypes: tuple[str, .
         )
     if not _whole(config.seed, 0, MAX_SEED):
         raise UserError(f"--seed={config.seed} must be a whole number in 0..{MAX_SEED:,}")
+
+
+def check_parts(config: ml_collections.ConfigDict) -> None:
+    """Raise UserError naming the first field of the loss, the Grain pipeline, augmentation,
+    the ensemble or the EMA whose value cannot work; after the optimizer's check (an
+    ensemble's rates need a valid schedule)."""
     if not 0 <= config.label_smoothing < 1:
         raise UserError(f"--config.label_smoothing={config.label_smoothing} must be in [0, 1)")
     for name, least in (("workers", 0), ("block_examples", 1), ("prefetch", 1)):
