@@ -5,22 +5,18 @@ Every user mistake, `--config` ones included, exits non-zero with one line.
 
 from __future__ import annotations
 
-import errno
+import functools
 import importlib
-import os
-import signal
 import sys
 from collections.abc import Sequence
 
 import ml_collections
 from absl import app, flags, logging
-from ml_collections import config_flags
 from ml_collections.config_flags import config_path as config_fields
 
 from fmnist_flax import config as config_lib
 from fmnist_flax import datasets, experiment, train
 from fmnist_flax.runtime import (
-    checkpoint,
     command_line,
     compilation_cache,
     data_files,
@@ -31,13 +27,11 @@ from fmnist_flax.runtime import (
     library_workarounds,
     parallel,
     records,
-    stopping,
 )
-from fmnist_flax.runtime.command_line import exists, explain_config_error, fail
+from fmnist_flax.runtime.command_line import exists, fail
 from fmnist_flax.runtime.errors import UserError, error_line
 
 DEFAULT_CONFIG = config_lib.__file__  # its get_config(): the codelab's values
-PIPE_CLOSED_STATUS = 128 + 13  # what a shell reports for a writer stopped by SIGPIPE
 # Added to a run whose config.demonstrations is True, while present (delete fmnist_flax/codelab/).
 EXTENSIONS = ("fmnist_flax.codelab.demonstrations",)
 BENCHMARK_MODULE = "fmnist_flax.codelab.benchmark"  # --mode=benchmark, offered while it exists
@@ -227,36 +221,17 @@ def help_text() -> str:
 
 def parse_flags(argv: Sequence[str]) -> list[str]:
     """absl's parser, with --help listing this project's flags and every mistake in one line."""
-    asked = {"-h", "--help", "-help", "--helpshort", "--helpfull"} & set(argv[1:])
-    if asked:
-        text = help_text()
-        if "--helpfull" in asked:  # absl's own flags too (absl's --helpfull exits 1)
-            text += f"\n\nEvery flag, absl's included:\n{FLAGS.get_help()}"
-        try:
-            print(text, flush=True)
-        except BrokenPipeError:  # `--help | head`: the reader has what it wanted
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
-    try:
-        remaining = flags.FLAGS(argv)
-        _CONFIG.value.to_dict()  # a file that failed to load raises only when used
-    except flags.UnrecognizedFlagError as exc:
-        if exc.flagname.startswith("config."):
-            fail(explain_config_error(argv, exc, DEFAULT_CONFIG), 2)
-        fail(f"{exc} (see --help)", 2)
-    except flags.Error as exc:
-        if str(exc).startswith("flag --config"):
-            fail(explain_config_error(argv, exc, DEFAULT_CONFIG), 2)
-        if str(exc).startswith("flag --mode=benchmark:"):  # only while it is not a mode
-            fail("--mode=benchmark: the benchmark was removed with fmnist_flax/codelab/", 2)
-        fail(f"{str(exc).splitlines()[0]} (see --help)", 2)
-    except (Exception, SystemExit) as exc:  # the config file failed to load, or exited
-        fail(explain_config_error(argv, exc, DEFAULT_CONFIG), 2)
-    try:
-        check_mode_flags(argv, _MODE.value)
-    except UserError as exc:
-        fail(str(exc), 2)
-    return remaining
+    return command_line.parse_flags(
+        argv,
+        help_text,
+        _CONFIG,
+        DEFAULT_CONFIG,
+        check_mode=lambda: check_mode_flags(argv, _MODE.value),
+        refused={  # --mode=benchmark, only while it is not a mode
+            "flag --mode=benchmark:": "--mode=benchmark: the benchmark was removed with "
+            "fmnist_flax/codelab/"
+        },
+    )
 
 
 def main(argv: Sequence[str]) -> None:
@@ -270,7 +245,7 @@ def main(argv: Sequence[str]) -> None:
         {SHORTHANDS[flag]: value for flag, value in shorthands.items() if value is not None}
     )
     errors.stop_raises()  # until here, launch answered signals with its one line
-    try:
+    with command_line.one_line_errors():
         if _COMPILATION_CACHE.value:
             compilation_cache.use(_COMPILATION_CACHE.value)
         parallel.make_cpu_devices(member_devices(_MODE.value, config))
@@ -291,25 +266,6 @@ def main(argv: Sequence[str]) -> None:
             )
         else:
             run_mode(_MODE.value, config)
-    except UserError as exc:
-        fail(str(exc), getattr(exc, "exit_code", 1), together=isinstance(exc, stopping.Interrupted))
-    except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM (`errors.Stopped`), outside training
-        signum = getattr(exc, "signum", signal.SIGINT)
-        fail(
-            f"{signal.Signals(signum).name}: stopped; checkpoints saved so far are kept",
-            128 + signum,
-        )
-    except BrokenPipeError:  # `main.py | head`: the reader left; stop as a pipe's writer does
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to say
-        fail(
-            "the output was closed by the command reading it (`| head`?); stopped, checkpoints "
-            "saved so far are kept; resume with the same command and --workdir",
-            PIPE_CLOSED_STATUS,
-        )
-    except OSError as exc:  # below BrokenPipeError, one of its kinds: a path flag's name too long
-        if exc.errno != errno.ENAMETOOLONG:
-            raise
-        fail(f"{exc.filename}: a name in it is longer than the filesystem allows; shorten it", 2)
 
 
 def member_devices(mode: str, config: ml_collections.ConfigDict) -> int:
@@ -323,58 +279,36 @@ def member_devices(mode: str, config: ml_collections.ConfigDict) -> int:
     return shards if isinstance(shards, int) else 1  # validate() explains a bad one
 
 
-def step_flag() -> int | str | None:
-    """--step: a step number, 'best', or unset (the newest)."""
-    value = _STEP.value
-    if value is None or value == checkpoint.BEST:
-        return value
-    if not errors.is_digits(value):
-        fail(f"--step={value} must be a step number or 'best'", 2)
-    return int(value)
-
-
 def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
     """Every mode but training: benchmark, prepare, evaluate, predict or export. The modules of
     the command line's config.imports come first: a run's checkpoints may need them."""
     config_lib.import_modules(config.imports)
     if mode == "benchmark":
-        run_benchmark(config)
-    elif mode == "prepare":
-        prepare(config)
-    elif not _WORKDIR.value:
+        return run_benchmark(config)
+    if mode == "prepare":
+        return prepare(config)
+    if not _WORKDIR.value:
         raise UserError(f"--mode={mode} needs --workdir=DIR of a training run")
-    elif mode == "eval":
+    # What eval, predict and export read of the run: which step, member and parameters.
+    chosen = {
+        "step": command_line.step_flag(_STEP.value),
+        "compute_dtype": flags.FLAGS.compute_dtype,
+        "member": ensemble.parse_member(_MEMBER.value),
+        "ema": _EMA.value,
+    }
+    if mode == "eval":
         inference.run_eval(
-            _WORKDIR.value,
-            step=step_flag(),
-            compute_dtype=flags.FLAGS.compute_dtype,
-            data_dir=flags.FLAGS.data_dir,
-            output=_OUTPUT.value,
-            member=ensemble.parse_member(_MEMBER.value),
-            ema=_EMA.value,
+            _WORKDIR.value, data_dir=flags.FLAGS.data_dir, output=_OUTPUT.value, **chosen
         )
     elif mode == "export":
-        meta = export.export_model(
-            _WORKDIR.value,
-            _OUTPUT.value,
-            step=step_flag(),
-            compute_dtype=flags.FLAGS.compute_dtype,
-            member=ensemble.parse_member(_MEMBER.value),
-            ema=_EMA.value,
-        )
+        meta = export.export_model(_WORKDIR.value, _OUTPUT.value, **chosen)
         parallel.say(
             f"wrote {_OUTPUT.value} (step {meta['source']['step']}, for "
             f"{', '.join(meta['platforms'])}) and {_OUTPUT.value}{export.METADATA_SUFFIX}"
         )
     else:
         _, errors = inference.run_predict(
-            _WORKDIR.value,
-            _IMAGES.value,
-            step=step_flag(),
-            compute_dtype=flags.FLAGS.compute_dtype,
-            output=_OUTPUT.value,
-            member=ensemble.parse_member(_MEMBER.value),
-            ema=_EMA.value,
+            _WORKDIR.value, _IMAGES.value, output=_OUTPUT.value, **chosen
         )
         for line in errors:
             error_line(line)
@@ -384,27 +318,8 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
 
 def prepare(config: ml_collections.ConfigDict) -> None:
     """--mode=prepare: the config's dataset as record files in --output (runtime/records.py)."""
-    if not _OUTPUT.value:
-        raise UserError("--mode=prepare needs --output=DIR, a new directory for the record files")
-    if config.dataset.name == "records":
-        raise UserError("--mode=prepare reads a dataset to write; it already is record files")
-    records.check_output(_OUTPUT.value, _SHARDS.value)  # before the dataset is read
-    try:
-        dataset = datasets.load(config)
-    except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM (`errors.Stopped`)
-        signum = getattr(exc, "signum", signal.SIGINT)
-        raise records.PrepareStopped(
-            f"--mode=prepare stopped by {signal.Signals(signum).name} while reading the "
-            "dataset; nothing was written",
-            signum,
-        ) from None
-    info = records.write_dataset(dataset, _OUTPUT.value, _SHARDS.value)
-    counts = ", ".join(f"{s['examples']:,} {name}" for name, s in info["splits"].items())
-    parallel.say(
-        f"wrote {dataset.title} ({counts} examples) as record files in {_OUTPUT.value}; train "
-        f"on them with --config.dataset.name=records --data_dir={_OUTPUT.value} "
-        "--config.input_pipeline=grain"
-    )
+    load = functools.partial(datasets.load, config)
+    records.prepare(config.dataset.name, load, _OUTPUT.value, _SHARDS.value)
 
 
 def run_benchmark(config: ml_collections.ConfigDict) -> None:
@@ -437,16 +352,9 @@ def extensions(config: ml_collections.ConfigDict) -> list[experiment.Extension]:
 
 
 def define_config_flag() -> None:
-    """`--config`, defined when the CLI runs rather than at import: config_flags reads the
-    `--config.FIELD` overrides from sys.argv as it defines the flag, and a mistake there must
-    become one line like any other."""
+    """`--config`, defined when the CLI runs (`command_line.define_config_flag`)."""
     global _CONFIG
-    try:
-        _CONFIG = config_flags.DEFINE_config_file(
-            "config", DEFAULT_CONFIG, "Config file; override fields with --config.FIELD=VALUE."
-        )
-    except (Exception, SystemExit) as exc:  # an unknown --config.FIELD, a file that fails
-        fail(explain_config_error(sys.argv, exc, DEFAULT_CONFIG), 2)
+    _CONFIG = command_line.define_config_flag(DEFAULT_CONFIG)
 
 
 def run() -> None:

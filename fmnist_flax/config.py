@@ -1,33 +1,24 @@
-"""The default config (the codelab's values) and the checks of its generic fields.
+"""The default config (the codelab's values), and the checks of every field.
 
 This file is also the `--config` default: `get_config()` below is loaded by path like any
-`configs/*.py`, so the installed package runs from any directory. Model fields are checked by
-the model itself (`model.check_config`), optimizer fields by `optimizer.check_config`, dataset
-fields by `datasets.get`.
+`configs/*.py`, so the installed package runs from any directory. Generic fields are checked by
+`runtime/run_config.py`, model fields by the model itself (`model.check_config`), optimizer
+fields by `optimizer.check_config`, dataset fields by `datasets.get`.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import ml_collections
-import numpy as np
 from ml_collections import config_dict
 
 from fmnist_flax import optimizer, task
 from fmnist_flax.model import COMPUTE_DTYPES
 from fmnist_flax.runtime import ensemble as ensemble_lib
-from fmnist_flax.runtime import grain_pipeline
-from fmnist_flax.runtime.errors import UserError, is_whole
-from fmnist_flax.runtime.parallel import PARAM_SHARDINGS, check_mesh_config
-from fmnist_flax.runtime.plugins import import_modules
-
-REPORT_CHOICES = ("full", "basic", "none")
-INPUT_PIPELINES = ("device", "grain")
-MAX_COUNT = 2**31 - 1  # the optimizer's step counter is an int32
-MAX_SEED = 2**32 - 1  # seeds become uint32 PRNG key data
-POSITIVE_FIELDS = ("steps", "batch_size", "log_every", "checkpoint_every", "max_to_keep")
+from fmnist_flax.runtime import grain_pipeline, run_config
+from fmnist_flax.runtime.plugins import import_modules as import_modules
+from fmnist_flax.runtime.run_config import OPTIMIZER_FIELDS as OPTIMIZER_FIELDS
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -125,153 +116,16 @@ def get_config() -> ml_collections.ConfigDict:
     return config
 
 
-def _one_of(flag: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise UserError(f"{flag}={value!r} is not one of {', '.join(choices)}")
-
-
-def _whole(value: object, least: int, most: int) -> bool:
-    """A whole number in least..most; `True` is not one (a config file's `steps = True`)."""
-    return is_whole(value, least) and value <= most
-
-
 def validate(config: ml_collections.ConfigDict) -> None:
-    """Raise UserError naming the first generic field whose value cannot work."""
+    """Raise UserError naming the first field whose value cannot work, once the modules of
+    `config.imports` are imported: the generic fields are `runtime/run_config.py`'s."""
     import_modules(config.imports)
-    _one_of("--compute_dtype", config.compute_dtype, tuple(COMPUTE_DTYPES))
-    _one_of("--report", config.report, REPORT_CHOICES)
-    _one_of("--config.param_sharding", config.param_sharding, PARAM_SHARDINGS)
-    check_mesh_config(config.mesh)
-    _one_of("--config.input_pipeline", config.input_pipeline, INPUT_PIPELINES)
-    for name in POSITIVE_FIELDS:
-        if not _whole(config[name], 1, MAX_COUNT):
-            raise UserError(f"--{name}={config[name]} must be a whole number in 1..{MAX_COUNT:,}")
-    if not 0 <= config.checkpoint_min_interval_secs < MAX_COUNT:
-        raise UserError(
-            f"--config.checkpoint_min_interval_secs={config.checkpoint_min_interval_secs} must "
-            "be a number of seconds >= 0 (0: save every --checkpoint_every steps)"
-        )
-    if not _whole(config.eval_examples, 0, MAX_COUNT):
-        raise UserError(
-            f"--config.eval_examples={config.eval_examples} must be 0 (the whole test set) or a "
-            "number of examples"
-        )
-    if not _whole(config.eval_every, 0, MAX_COUNT):
-        raise UserError(
-            f"--config.eval_every={config.eval_every} must be 0 (each epoch) or a number of steps"
-        )
-    if not _whole(config.seed, 0, MAX_SEED):
-        raise UserError(f"--seed={config.seed} must be a whole number in 0..{MAX_SEED:,}")
+    run_config.check_fields(config, tuple(COMPUTE_DTYPES))
     optimizer.check_config(config.optimizer, config.steps)
-    if not 0 <= config.label_smoothing < 1:
-        raise UserError(f"--config.label_smoothing={config.label_smoothing} must be in [0, 1)")
     task.check_test_set_metrics(config.test_set_metrics)
-    for name, least in (("workers", 0), ("block_examples", 1), ("prefetch", 1)):
-        if not _whole(config.grain[name], least, MAX_COUNT):
-            raise UserError(
-                f"--config.grain.{name}={config.grain[name]} must be a whole number >= {least}"
-            )
-    if config.augment.max_shift < 0:
-        raise UserError(f"--config.augment.max_shift={config.augment.max_shift} must be >= 0")
-    ensemble_lib.check_config(config, MAX_SEED)
-    decay = config.ema.decay
-    if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 <= decay < 1:
-        raise UserError(
-            f"--config.ema.decay={decay!r} must be a number in [0, 1): 0 keeps no average, "
-            "e.g. 0.999 averages over about the last 1,000 updates"
-        )
-    if decay and float(np.float32(decay)) == 1.0:  # the average is kept in float32
-        raise UserError(
-            f"--config.ema.decay={decay!r} is 1.0 in float32, where the average is kept, so it "
-            "would never move; use at most 0.9999999 (e.g. 0.999)"
-        )
-
-
-# Fields a resumed run may change without changing what it computes.
-RESUMABLE_FIELDS = (
-    "steps",
-    "log_every",
-    "checkpoint_every",
-    "checkpoint_min_interval_secs",
-    "eval_every",
-    "keep_best",
-    "max_to_keep",
-    "report",
-    "demonstrations",
-    "data_dir",
-    "fused_steps",
-    "param_sharding",
-    "eval_examples",
-    "test_set_metrics",
-    "init_from",
-    "ensemble.shards",
-    "ensemble.members_per_pass",
-    "mesh.data",
-    "mesh.model",
-    "mesh.rules",
-    "grain.workers",
-    "grain.block_examples",
-    "grain.prefetch",
-)
-
-
-# Fields that move the data position a checkpoint saves: a resume cannot change them.
-POSITION_FIELDS = (
-    "batch_size",
-    "seed",
-    "optimizer.accumulate",
-    "dataset.examples",
-    "ensemble.size",
-    "ensemble.same_data",
-)
-
-
-def fixed_on_resume(change: dict[str, Any]) -> bool:
-    """Whether a resume cannot accept `change` (`training_changes`' item): it moves the data
-    position, or turns the EMA on or off (the checkpoint holds no average, or the model none)."""
-    if change["field"] == "ema.decay":
-        return bool(change["saved"]) != bool(change["now"])
-    return change["field"] in POSITION_FIELDS
-
-
-# Fields that live in the optimizer's state: an accepted change starts the optimizer afresh.
-OPTIMIZER_FIELDS = ("optimizer.", "ensemble.learning_rate", "ensemble.weight_decay")
+    run_config.check_parts(config)
 
 
 def with_defaults(saved: dict[str, Any]) -> ml_collections.ConfigDict:
-    """A saved config, with each field added since it was saved at its default (defaults keep
-    the behaviour of the runs before them). The model's fields are the saved model's own."""
-    merged = get_config().to_dict()
-
-    def fill(into: dict[str, Any], values: dict[str, Any]) -> None:
-        for key, value in values.items():
-            if isinstance(value, dict) and isinstance(into.get(key), dict) and key != "model":
-                fill(into[key], value)
-            else:
-                into[key] = value
-
-    fill(merged, saved)
-    return ml_collections.ConfigDict(merged)
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:  # through JSON, as the checkpoint stores it: tuples become lists
-            flat[f"{prefix}{key}"] = json.loads(json.dumps(value))
-    return flat
-
-
-def training_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[dict[str, Any]]:
-    """The fields whose new value would change what a resumed run computes: every field but
-    RESUMABLE_FIELDS, and `steps` too under a schedule that decays over it."""
-    before, after = _flatten(with_defaults(saved).to_dict()), _flatten(now)
-    decays = any(optimizer.over_steps(c.get("optimizer.schedule")) for c in (before, after))
-    free = set(RESUMABLE_FIELDS) - ({"steps"} if decays else set())
-    return [
-        {"field": key, "saved": before.get(key), "now": after.get(key)}
-        for key in sorted(before.keys() | after.keys())
-        if key not in free and before.get(key) != after.get(key)
-    ]
+    """A saved config, with each field added since it was saved at its default here."""
+    return run_config.with_defaults(saved, get_config().to_dict())

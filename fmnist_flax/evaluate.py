@@ -16,11 +16,11 @@ from flax import nnx
 
 from fmnist_flax import input_pipeline, task
 from fmnist_flax.runtime import device_batches, ensemble, parallel
+from fmnist_flax.runtime.inference import COUNT, means
 
 # Test examples per compiled call at most (whole batches): a call's device memory is this
 # many uint8 images and one vmapped forward pass over them, whatever the test set's size.
 EVAL_EXAMPLES_PER_CALL = 10_240
-COUNT = "examples"  # the key of each batch's count of real examples among the sums
 
 
 @functools.partial(nnx.jit, static_argnames="config")
@@ -142,14 +142,3 @@ def whole_set_metrics(
             found = task.test_set_metrics(names, labels, member, num_classes)
             columns |= {ensemble.member_column(n, k): v for n, v in found.items()}
     return columns
-
-
-def means(batch_sums: dict[str, np.ndarray], num_batches: int | None = None) -> dict[str, Any]:
-    """Every metric's mean over the first `num_batches` of an evaluation (default all), and
-    the example count: the codelab's whole batches are the first ones of the padded set."""
-    totals = {name: np.asarray(s, np.float64)[:num_batches].sum() for name, s in batch_sums.items()}
-    count = int(totals.pop(COUNT))
-    return {
-        **{name: total / count if count else float("nan") for name, total in totals.items()},
-        COUNT: count,
-    }

@@ -202,7 +202,7 @@ def test_output_closed_by_its_reader_stops_with_one_line_not_a_traceback(tmp_pat
     assert process.stdout.readline().startswith("workdir: ")
     process.stdout.close()  # what `head -1` does after its line
     stderr = process.stderr.read()
-    assert process.wait(timeout=300) == cli.PIPE_CLOSED_STATUS
+    assert process.wait(timeout=300) == command_line.PIPE_CLOSED_STATUS
     assert "Traceback" not in stderr
     assert stderr.splitlines()[-1].startswith("error: the output was closed by the command")
 

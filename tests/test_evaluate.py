@@ -68,7 +68,7 @@ def test_the_codelabs_whole_batches_come_from_the_same_pass(
     sums of the full evaluation, without evaluating again."""
     images, labels = real_dataset.test_images, real_dataset.test_labels
     full = evaluate.evaluate(model, images, labels, config)
-    codelab = evaluate.means(full["batch_sums"], 19)
+    codelab = inference.means(full["batch_sums"], 19)
     loss, accuracy, _ = numpy_metrics(test_logits[:9_728], labels[:9_728])
     assert codelab["examples"] == 9_728
     np.testing.assert_allclose(codelab["loss"], loss, rtol=1e-5)
@@ -117,7 +117,7 @@ def test_no_whole_batch_gives_no_codelab_examples(model, config, real_dataset):
         model, real_dataset.test_images[:8], real_dataset.test_labels[:8], config
     )
     assert result["examples"] == 8
-    codelab = evaluate.means(result["batch_sums"], 0)
+    codelab = inference.means(result["batch_sums"], 0)
     assert codelab["examples"] == 0 and np.isnan(codelab["accuracy"])
 
 

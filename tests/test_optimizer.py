@@ -17,9 +17,9 @@ import pytest
 from conftest import load_config
 
 from fmnist_flax import optimizer
-from fmnist_flax.config import get_config, training_changes
+from fmnist_flax.config import get_config
 from fmnist_flax.model import create_model
-from fmnist_flax.runtime import param_groups
+from fmnist_flax.runtime import optimizers, param_groups, run_config
 from fmnist_flax.runtime.errors import UserError
 
 
@@ -258,15 +258,17 @@ def test_a_resume_may_change_steps_only_under_a_schedule_that_does_not_end_there
         saved.optimizer.update({"schedule": name, "warmup_steps": 10})
         now = ml_collections.ConfigDict(saved.to_dict())
         now.steps = 800
-        changed = [c["field"] for c in training_changes(saved.to_dict(), now.to_dict())]
+        defaults = get_config().to_dict()
+        changes = run_config.training_changes(saved.to_dict(), now.to_dict(), defaults)
+        changed = [c["field"] for c in changes]
         assert changed == (["steps"] if refused else []), name
 
 
 def test_a_project_registers_its_own_schedule_and_optimizer(monkeypatch):
     """What a project's module does on import: decorate, and its names become config values
     (its new fields checked by its own code, in one line)."""
-    monkeypatch.setattr(optimizer, "SCHEDULES", dict(optimizer.SCHEDULES))
-    monkeypatch.setattr(optimizer, "OPTIMIZERS", dict(optimizer.OPTIMIZERS))
+    monkeypatch.setattr(optimizers, "SCHEDULES", dict(optimizers.SCHEDULES))
+    monkeypatch.setattr(optimizers, "OPTIMIZERS", dict(optimizers.OPTIMIZERS))
 
     @optimizer.schedule("halving", fields=("halve_every",))
     def halving(opt, steps):

@@ -1,29 +1,39 @@
-"""The command line's generic parts: one line and an exit status for every mistake, and the
-explanation of a bad `--config` file or `--config.FIELD=VALUE` override (which field is
-missing, which value its type refuses), for any ml_collections config.
+"""The command line's generic parts: one line and an exit status for every mistake (absl's
+parser's, `--config`'s and those raised while a mode runs), the explanation of a bad `--config`
+file or `--config.FIELD=VALUE` override (which field is missing, which value its type
+refuses), for any ml_collections config, and --help listing each mode's flags.
 
-API: `fail`, `explain_config_error`, `exists`.
+API: `fail`, `parse_flags`, `define_config_flag`, `one_line_errors`, `step_flag`,
+`check_mode_flags`, `help_text`, `explain_config_error`, `exists`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import errno
 import importlib.util
 import os
 import runpy
+import signal
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import ml_collections
 from absl import flags
+from ml_collections import config_flags
 from ml_collections.config_flags import config_path as config_fields
 from ml_collections.config_flags import tuple_parser
 
-from fmnist_flax.runtime import errors, library_workarounds
+from fmnist_flax.runtime import errors, library_workarounds, stopping
+from fmnist_flax.runtime.checkpoint import BEST
 from fmnist_flax.runtime.errors import UserError, error_line
+
+PIPE_CLOSED_STATUS = 128 + 13  # what a shell reports for a writer stopped by SIGPIPE
+HELP_FLAGS = {"-h", "--help", "-help", "--helpshort", "--helpfull"}
 
 # The parsers of a --config.FIELD's value by the field's type, as ml_collections parses them.
 FIELD_LIST_CHARS = 300  # how much of a group's field names a missing field's line lists
@@ -63,6 +73,99 @@ def fail(message: str, code: int, together: bool = False) -> None:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def parse_flags(
+    argv: Sequence[str],
+    help_text: Callable[[], str],
+    config: flags.FlagHolder,
+    default_config: str,
+    check_mode: Callable[[], None],
+    refused: dict[str, str],
+) -> list[str]:
+    """absl's parser, with --help printing `help_text()` and every mistake one line: the
+    `config` flag's (`explain_config_error`), a flag value absl refuses (`refused`: absl's
+    message prefix -> the line to say instead), then `check_mode()`'s UserError."""
+    asked = HELP_FLAGS & set(argv[1:])
+    if asked:
+        text = help_text()
+        if "--helpfull" in asked:  # absl's own flags too (absl's --helpfull exits 1)
+            text += f"\n\nEvery flag, absl's included:\n{flags.FLAGS.get_help()}"
+        try:
+            print(text, flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
+    try:
+        remaining = flags.FLAGS(argv)
+        config.value.to_dict()  # a file that failed to load raises only when used
+    except flags.UnrecognizedFlagError as exc:
+        if exc.flagname.startswith("config."):
+            fail(explain_config_error(argv, exc, default_config), 2)
+        fail(f"{exc} (see --help)", 2)
+    except flags.Error as exc:
+        if str(exc).startswith("flag --config"):
+            fail(explain_config_error(argv, exc, default_config), 2)
+        for prefix, line in refused.items():
+            if str(exc).startswith(prefix):
+                fail(line, 2)
+        fail(f"{str(exc).splitlines()[0]} (see --help)", 2)
+    except (Exception, SystemExit) as exc:  # the config file failed to load, or exited
+        fail(explain_config_error(argv, exc, default_config), 2)
+    try:
+        check_mode()
+    except UserError as exc:
+        fail(str(exc), 2)
+    return remaining
+
+
+def define_config_flag(default_config: str) -> flags.FlagHolder:
+    """`--config`, to be defined when the command line runs rather than at import:
+    config_flags reads the `--config.FIELD` overrides from sys.argv as it defines the flag, and
+    a mistake there must become one line like any other."""
+    try:
+        return config_flags.DEFINE_config_file(
+            "config", default_config, "Config file; override fields with --config.FIELD=VALUE."
+        )
+    except (Exception, SystemExit) as exc:  # an unknown --config.FIELD, a file that fails
+        fail(explain_config_error(sys.argv, exc, default_config), 2)
+
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Every way a mode can stop, said in one line with its exit status: a UserError, a signal
+    (SIGINT, or SIGTERM as `errors.Stopped`), the reader of the output leaving (`| head`), a
+    path name too long."""
+    try:
+        yield
+    except UserError as exc:
+        fail(str(exc), getattr(exc, "exit_code", 1), together=isinstance(exc, stopping.Interrupted))
+    except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM (`errors.Stopped`), outside training
+        signum = getattr(exc, "signum", signal.SIGINT)
+        fail(
+            f"{signal.Signals(signum).name}: stopped; checkpoints saved so far are kept",
+            128 + signum,
+        )
+    except BrokenPipeError:  # `main.py | head`: the reader left; stop as a pipe's writer does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to say
+        fail(
+            "the output was closed by the command reading it (`| head`?); stopped, checkpoints "
+            "saved so far are kept; resume with the same command and --workdir",
+            PIPE_CLOSED_STATUS,
+        )
+    except OSError as exc:  # below BrokenPipeError, one of its kinds: a path flag's name too long
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        fail(f"{exc.filename}: a name in it is longer than the filesystem allows; shorten it", 2)
+
+
+def step_flag(value: str | None) -> int | str | None:
+    """--step: a step number, 'best', or unset (the newest)."""
+    if value is None or value == BEST:
+        return value
+    if not errors.is_digits(value):
+        fail(f"--step={value} must be a step number or 'best'", 2)
+    return int(value)
 
 
 def config_path(argv: Sequence[str], default: str) -> str:

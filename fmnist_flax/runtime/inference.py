@@ -20,8 +20,9 @@ What --mode=predict (`read_images`) and the Python `predict(model, images)` acce
 
 A file that breaks the rule gets one error line naming it and the others are still classified.
 
-API: `load_model`, `predict`, `class_names`, `restore_model`, `run_eval`, `run_predict`;
-`Template` and `use`, how the template hands in its parts.
+API: `load_model`, `predict`, `class_names`, `restore_model`, `run_eval`, `run_predict`,
+`confusion_matrix`, `means` (of an evaluation's batch sums, `COUNT` examples); `Template` and
+`use`, how the template hands in its parts.
 """
 
 from __future__ import annotations
@@ -389,6 +390,20 @@ def run_eval(
     if output:
         workdir_lib.write_json(pathlib.Path(output).expanduser(), report)
     return report
+
+
+COUNT = "examples"  # the key of each batch's count of real examples among an evaluation's sums
+
+
+def means(batch_sums: dict[str, np.ndarray], num_batches: int | None = None) -> dict[str, Any]:
+    """Every metric's mean over the first `num_batches` of an evaluation (default all), and
+    the example count: the codelab's whole batches are the first ones of the padded set."""
+    totals = {name: np.asarray(s, np.float64)[:num_batches].sum() for name, s in batch_sums.items()}
+    count = int(totals.pop(COUNT))
+    return {
+        **{name: total / count if count else float("nan") for name, total in totals.items()},
+        COUNT: count,
+    }
 
 
 def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> np.ndarray:

@@ -1,10 +1,11 @@
 """What the machine can hold: a run whose models or Grain blocks cannot fit is refused in one
 line naming the field, before they are built. Host memory is the least of /proc/meminfo's
 MemAvailable, every enclosing cgroup's limit less its use and `ulimit -d`; a device's is its
-`memory_stats`. The model's own size comes from the caller (`member_bytes`).
+`memory_stats`. A model's size is sized from abstract shapes (`member_bytes`), with the
+template's model, optimizer and evaluation call handed in.
 
-API: `check_memory`, `check_threads`, `Memory`, `host_memory`, `device_memory`, `tree_bytes`,
-`size_text`.
+API: `check_memory`, `check_threads`, `abstract_state`, `member_bytes`, `Memory`,
+`host_memory`, `device_memory`, `tree_bytes`, `size_text`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from fmnist_flax.runtime import ensemble, grain_pipeline, parallel
+from fmnist_flax.runtime import ema, ensemble, grain_pipeline, parallel
 from fmnist_flax.runtime.data_files import Dataset
 from fmnist_flax.runtime.errors import UserError
 
@@ -158,6 +159,82 @@ def device_memory(devices: list[jax.Device]) -> Memory | None:
 def tree_bytes(tree: Any) -> int:
     """The bytes of every array (or abstract shape) in `tree`."""
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
+PROBE_MEMBERS = 8  # members an evaluation call is compiled for to size one member's share
+
+
+def abstract_state(
+    config: ml_collections.ConfigDict,
+    image_shape: tuple[int, int, int],
+    num_classes: int,
+    *,
+    abstract_model: Callable[..., nnx.Module],
+    make_tx: Callable[[ml_collections.ConfigDict], Any],
+) -> tuple[nnx.Module, nnx.Optimizer]:
+    """One model of the config (`abstract_model`, with its EMA's twins) and its optimizer
+    (`make_tx(config)`) as shapes and dtypes only (nothing allocated): what the update hooks a
+    step runs will find."""
+    model = abstract_model(config, image_shape, num_classes)
+    if config.ema.decay:
+        model = nnx.eval_shape(lambda m: (ema.attach(m, config.ema.decay), m)[1], model)
+    optimizer = nnx.eval_shape(lambda m: nnx.Optimizer(m, make_tx(config), wrt=nnx.Param), model)
+    return model, optimizer
+
+
+def member_bytes(
+    config: ml_collections.ConfigDict,
+    image_shape: tuple[int, int, int],
+    num_classes: int,
+    saved_copy: bool = True,
+    *,
+    abstract_state: Callable[..., tuple[nnx.Module, nnx.Optimizer]],
+    evaluate_batches: Callable[..., Any],
+    examples_per_call: int,
+) -> int:
+    """What each model of a run holds, sized from `abstract_state` (nothing allocated): its
+    state, its parameters' gradients and its optimizer's state, with `saved_copy` the host
+    copy of state and optimizer a checkpoint writes while training goes on (in the same memory
+    on a CPU); for an ensemble also a member's share of an evaluation call
+    (`evaluate_batches` over `examples_per_call`), which runs every member at once."""
+    model, optimizer = abstract_state(config, image_shape, num_classes)
+    state = tree_bytes(nnx.state(model)) + tree_bytes(nnx.state(optimizer, nnx.OptState))
+    held = state * (1 + saved_copy) + tree_bytes(nnx.state(model, nnx.Param))
+    if config.ensemble.size > 1:
+        held += evaluation_bytes_per_member(
+            config, model, image_shape, evaluate_batches, examples_per_call
+        )
+    return held
+
+
+def evaluation_bytes_per_member(
+    config: ml_collections.ConfigDict,
+    model: nnx.Module,
+    image_shape: tuple[int, int, int],
+    evaluate_batches: Callable[..., Any],
+    examples_per_call: int,
+) -> int:
+    """One member's share of an ensemble's evaluation call: XLA's memory analysis of
+    `evaluate_batches` compiled (not run) for up to PROBE_MEMBERS abstract members of `model`
+    and the most batches one call holds; 0 where the backend gives no analysis."""
+    size = min(config.ensemble.size, PROBE_MEMBERS)
+    members = nnx.eval_shape(lambda m: ensemble.Ensemble(ensemble.stack([m] * size), size), model)
+    members.eval()
+    graphdef, state = nnx.split(members)
+    # uint8 images, labels and a mask, for the most batches one call holds.
+    shape = (max(1, examples_per_call // config.batch_size), config.batch_size)
+    frozen = ml_collections.FrozenConfigDict(config)
+
+    def call(state, images, labels, mask):
+        return evaluate_batches(nnx.merge(graphdef, state), images, labels, mask, frozen)
+
+    inputs = [
+        jax.ShapeDtypeStruct((*shape, *image_shape), jnp.uint8),
+        jax.ShapeDtypeStruct(shape, jnp.int32),
+        jax.ShapeDtypeStruct(shape, jnp.float32),
+    ]
+    analysis = jax.jit(call).lower(state, *inputs).compile().memory_analysis()
+    return analysis.temp_size_in_bytes // size if analysis else 0
 
 
 def grain_blocks(

@@ -16,7 +16,8 @@ back). Each record's check and label is compared with what was written, once for
 damaged record, a shard of another set or edited labels: one line naming the file). The mapped
 pages a source holds stay within RESIDENT_BYTES: past it, all are let go at once.
 
-API: `write_dataset`, `read_splits`, `load_dataset`, `RecordSource`.
+API: `prepare` (--mode=prepare), `write_dataset`, `read_splits`, `load_dataset`,
+`RecordSource`.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ import shutil
 import signal
 import threading
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from fmnist_flax.runtime import errors
+from fmnist_flax.runtime import errors, parallel
 from fmnist_flax.runtime.data_files import Dataset, check_class_count, check_labels, npz_headers
 from fmnist_flax.runtime.errors import UserError
 
@@ -124,6 +125,34 @@ def _multipliers(words: int) -> np.ndarray:
     multipliers = position * _GOLDEN | np.uint64(1)
     multipliers.flags.writeable = False
     return multipliers
+
+
+def prepare(
+    dataset_name: str, load: Callable[[], Dataset], output: str | None, shards: int
+) -> None:
+    """--mode=prepare: the dataset `load()` reads (the config's, `dataset_name`) written as
+    `shards` record files per split in the new directory `output`."""
+    if not output:
+        raise UserError("--mode=prepare needs --output=DIR, a new directory for the record files")
+    if dataset_name == "records":
+        raise UserError("--mode=prepare reads a dataset to write; it already is record files")
+    check_output(output, shards)  # before the dataset is read
+    try:
+        dataset = load()
+    except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM (`errors.Stopped`)
+        signum = getattr(exc, "signum", signal.SIGINT)
+        raise PrepareStopped(
+            f"--mode=prepare stopped by {signal.Signals(signum).name} while reading the "
+            "dataset; nothing was written",
+            signum,
+        ) from None
+    info = write_dataset(dataset, output, shards)
+    counts = ", ".join(f"{s['examples']:,} {name}" for name, s in info["splits"].items())
+    parallel.say(
+        f"wrote {dataset.title} ({counts} examples) as record files in {output}; train "
+        f"on them with --config.dataset.name=records --data_dir={output} "
+        "--config.input_pipeline=grain"
+    )
 
 
 class PrepareStopped(UserError):
