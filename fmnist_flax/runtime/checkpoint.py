@@ -1,5 +1,5 @@
 """Orbax checkpoints, writing side: the step format, asynchronous saves and their policies
-(time floor, newest N, the best test accuracy), and the faults a save can meet.
+(time floor, newest N, the best evaluation), and the faults a save can meet.
 
 Each step directory under `<workdir>/checkpoints` holds six items: `model` and `optimizer`
 (array trees, tensorstore/OCDBT), `progress` (step, data position, the running row),
@@ -121,9 +121,9 @@ def checkpoint_dir(workdir: str | os.PathLike) -> pathlib.Path:
 # --- Policies: when a periodic save is due, which steps are kept --------------------------------
 @dataclasses.dataclass
 class _KeepBest:
-    """An Orbax preservation policy that keeps the step of the best test accuracy. Orbax keeps
-    a save's metrics in memory only, so a resumed run would rotate the best step away: the
-    scores come from the steps' own progress items instead."""
+    """An Orbax preservation policy that keeps the step of the best score (`best_metric`).
+    Orbax keeps a save's metrics in memory only, so a resumed run would rotate the best step
+    away: the scores come from the steps' own progress items instead."""
 
     scores: dict[int, float]
 
