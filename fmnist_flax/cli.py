@@ -100,7 +100,7 @@ _ACCEPT_CONFIG_CHANGE = flags.DEFINE_bool(
 _STEP = flags.DEFINE_string(
     "step",
     None,
-    "eval/predict/export: checkpoint step, or 'best' (the best test accuracy, kept with "
+    "eval/predict/export: checkpoint step, or 'best' (the best evaluation, kept with "
     "--config.keep_best=True); default the newest.",
 )
 _MEMBER = flags.DEFINE_string(

@@ -51,7 +51,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.checkpoint_min_interval_secs = 10.0
     config.eval_every = 0  # test-set evaluation every this many steps (0: each epoch's end)
     config.eval_examples = 0  # evaluate on the first this many test examples (0: all of them)
-    config.keep_best = False  # also keep the checkpoint of the best test accuracy (--step=best)
+    config.keep_best = False  # also keep the best evaluation's checkpoint (--step=best)
+    config.best_metric = "test_accuracy"  # what keep_best ranks by, higher better: val_accuracy
     config.max_to_keep = 3  # newest checkpoints kept in <workdir>/checkpoints
     config.fused_steps = True  # several steps per compiled call (False: one step per call)
     config.label_smoothing = 0.0  # optax.smooth_labels on the one-hot targets when > 0

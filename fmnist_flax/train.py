@@ -166,17 +166,17 @@ def after_update(hook: UpdateHook) -> UpdateHook:
     return hook
 
 
-# hook(step, metrics, config) -> True to end the run, called after each evaluation in training
-# with its `test_*` metrics (an early stop).
-EvaluationHook = Callable[[int, dict[str, float], ml_collections.FrozenConfigDict], bool]
+# hook(step, metrics, run) -> True to end the run (an early stop), called after each evaluation
+# in training with its `test_*` metrics and the run (its model, dataset and config).
+EvaluationHook = Callable[[int, dict[str, float], experiment.Run], bool]
 AFTER_EVALUATION: list[EvaluationHook] = []
 STOPPED_AT = "stopped_at"  # the progress and summary entry of a step where a hook ended the run
 
 
 def after_evaluation(hook: EvaluationHook) -> EvaluationHook:
-    """Decorator: call `hook(step, metrics, config)` after each evaluation during training. A
-    True return ends the run at that step, saved and with its outputs written; running the same
-    command again does not train past it."""
+    """Decorator: call `hook(step, metrics, run)` after each evaluation during training; what it
+    adds to `metrics` (`val_loss`) is logged and saved with them. A True return ends the run
+    there, saved and its outputs written; the same command again does not train past it."""
     AFTER_EVALUATION.append(hook)
     return hook
 
@@ -615,7 +615,7 @@ def train_and_evaluate(
                     jax.block_until_ready(state)  # training's own asynchronous work is done
                     writer.wait_timed()  # the rows before are timed before the evaluation
                     tested, averaged = evaluate_during_training(run, model, optimizer, state, step)
-                    if any([hook(step, tested, frozen) for hook in AFTER_EVALUATION]):
+                    if any([hook(step, tested, run) for hook in AFTER_EVALUATION]):
                         end = step  # an early stop: saved below, and kept on resume
                 # Written by the writer's thread while the next chunks run.
                 writer.write(step, rows, run.eval_seconds, tested)

@@ -534,6 +534,39 @@ def test_keep_best_keeps_the_best_evaluated_step_beside_the_newest(tmp_path):
     assert inference.restore_model(tmp_path, checkpoint.BEST)[1] == 3
 
 
+def test_keep_best_ranks_by_the_configs_best_metric_and_refuses_one_never_evaluated(tmp_path):
+    """With config.best_metric=val_accuracy the best step is the best validation accuracy's,
+    not the test accuracy's, for the run and for a reader of its workdir; a metric that an
+    evaluation does not have is one line at its save, naming the ones it has."""
+    config = load_config("default")
+    config.best_metric = "val_accuracy"
+    model, optimizer = train.create_train_state(config, (28, 28, 1), 10, parallel.make_mesh())
+    metadata = {"config": config.to_dict(), "dataset": inference.template().unrecorded_dataset}
+    manager = checkpoint.Checkpoints(tmp_path, max_to_keep=1, keep_best=True, metadata=metadata)
+    for step, test, val in ((1, 0.9, 0.5), (2, 0.5, 0.8), (3, 0.95, 0.6)):
+        progress = Schedule(config, 117).progress(step)
+        manager.save(
+            step, model, optimizer, progress | {"test_accuracy": test, "val_accuracy": val}
+        )
+    manager.close()
+    assert manager.steps() == [2, 3]
+    reader = checkpoint.Checkpoints(tmp_path, read_only=True)
+    assert reader.best_steps() == [2, 3]  # by val_accuracy: step 3's test accuracy is higher
+    reader.close()
+    assert inference.restore_model(tmp_path, checkpoint.BEST)[1] == 2
+    config.best_metric = "val_acuracy"
+    metadata["config"] = config.to_dict()
+    manager = checkpoint.Checkpoints(tmp_path, max_to_keep=1, keep_best=True, metadata=metadata)
+    progress = Schedule(config, 117).progress(4) | {"test_accuracy": 0.9, "val_accuracy": 0.9}
+    with pytest.raises(
+        UserError, match=r"^--config.best_metric=val_acuracy: the evaluation at "
+    ) as e:
+        manager.save(4, model, optimizer, progress)
+    manager.close()
+    assert str(e.value).endswith("name one it has: test_accuracy, val_accuracy")
+    assert "\n" not in str(e.value) and manager.steps() == [2, 3]
+
+
 def test_a_checkpoint_directory_removed_under_a_run_is_made_again_at_the_next_save(
     tmp_path, capsys
 ):

@@ -123,9 +123,10 @@ QUICK = (
 # --- docs/extending.md, followed literally ---------------------------------------------------
 
 GUIDE = REPO / "docs" / "extending.md"
+RECIPES = GUIDE.parent / "recipes"  # the guide's longer files, each where a project puts it
 STEP = re.compile(
     r"<!-- test: (?P<action>[\w-]+) (?P<path>\S+)(?: \| (?P<anchor>.*?))? -->\n"
-    r"```\w*\n(?P<body>.*?)```",
+    r"(?:```\w*\n(?P<body>.*?)```)?",
     re.S,
 )
 
@@ -150,10 +151,19 @@ def follow(section: str, root: pathlib.Path, **values: str) -> list[subprocess.C
     """Apply each annotated code block of a guide section to the project at `root`: create,
     insert before or after the line holding the anchor, or replace that line; `run` executes
     the block's commands (`python main.py ...` or a script an earlier block created, `{NAME}`
-    filled from `values`); `delete` carries out its `rm` lines."""
+    filled from `values`); `delete` carries out its `rm` lines. `copy recipes/PATH` (no
+    block) copies the guide's file docs/recipes/PATH to PATH in the project."""
     results = []
     for step in STEP.finditer(section):
         action, anchor, body = step["action"], step["anchor"], step["body"]
+        if action == "copy":
+            assert f"]({step['path']})" in section, f"the guide links {step['path']} where used"
+            source = GUIDE.parent / step["path"]
+            target = root / source.relative_to(RECIPES)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, target)
+            continue
+        assert body is not None, f"{step[0]!r} needs a code block after it"
         if action in ("run", "delete"):
             for line in body.strip().splitlines():
                 words = shlex.split(line.format(**values))  # as a shell reads the line
@@ -309,23 +319,38 @@ def test_the_loss_term_optimizer_and_fine_tuning_recipes(project):
 
 
 @pytest.mark.slow
-def test_the_early_stopping_recipe_stops_keeps_the_best_and_stays_stopped(project):
-    """An after-evaluation hook of the project's own module ends the run before --steps, with
-    no template edit; the same command again trains no further; --step=best is the best
-    evaluation's step."""
+def test_the_early_stopping_recipe_validates_stops_keeps_the_best_and_stays_stopped(project):
+    """A data source and an after-evaluation hook of the project's own module, with no
+    template edit: a validation split held out of training, its val_* metrics in each
+    evaluated row, the run ended before --steps where they stopped improving, the same
+    command again training no further, --step=best the best val_accuracy's step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     root, values = project
     template = {p: p.read_bytes() for p in (root / "fmnist_flax").rglob("*.py")}
     _, again, _ = follow(recipe("Stop early"), root, **values)
     assert {p: p.read_bytes() for p in (root / "fmnist_flax").rglob("*.py")} == template
     work = root / "runs" / "early"
     summary, rows = summary_of(work), rows_of(work)
+    assert summary["dataset"]["examples"] == [55_000, 10_000]  # 5,000 held out of training
     tested = [row for row in rows if "test_accuracy" in row]
+    assert all(("val_loss" in row) == ("test_loss" in row) for row in rows)
+    assert all(row["val_loss"] > 0 and 0 <= row["val_accuracy"] <= 1 for row in tested)
+    assert any(row["val_accuracy"] != row["test_accuracy"] for row in tested)  # its own split
     assert summary["stopped_at"] == rows[-1]["step"] == tested[-1]["step"] < summary["steps"]
-    assert tested[-1]["test_accuracy"] <= max(r["test_accuracy"] for r in tested[:-1])
+    # patience 1: better at each evaluation until the first that is not, where it stopped.
+    accuracies = [row["val_accuracy"] for row in tested]
+    assert accuracies[:-1] == sorted(set(accuracies[:-1])) and accuracies[-1] <= accuracies[-2]
     assert max(int(p.name) for p in (work / "checkpoints").iterdir()) == summary["stopped_at"]
     assert "an after-evaluation hook ended the run there" in again.stdout
-    best = max(tested, key=lambda row: row["test_accuracy"])["step"]
+    assert rows_of(work) == rows
+    best = max(tested, key=lambda row: (row["val_accuracy"], row["step"]))["step"]
+    assert (work / "checkpoints" / str(best)).is_dir()
     assert json.loads((root / "runs/early-best.json").read_text())["step"] == best
+    events = EventAccumulator(str(work / summaries.TENSORBOARD_DIR))
+    events.Reload()
+    logged = {event.step: event.value for event in events.Scalars("val/accuracy")}
+    assert logged == pytest.approx({row["step"]: row["val_accuracy"] for row in tested})
 
 
 @pytest.mark.slow

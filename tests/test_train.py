@@ -243,15 +243,15 @@ def test_an_after_evaluation_hook_ends_the_run_and_a_resume_stays_there(
     same call again trains no further."""
     seen = []
 
-    def stop_at_20(step, metrics, config):
-        seen.append((step, "test_accuracy" in metrics))
+    def stop_at_20(step, metrics, run):
+        seen.append((step, "test_accuracy" in metrics, run.config.eval_every))
         return step == 20
 
     monkeypatch.setattr(train, "AFTER_EVALUATION", [stop_at_20])
     quick_config.steps, quick_config.log_every, quick_config.eval_every = 40, 10, 10
     quick_config.eval_examples = 1_000
     summary = train.train_and_evaluate(quick_config, tmp_path / "w")
-    assert seen == [(10, True), (20, True)] and summary["stopped_at"] == 20
+    assert seen == [(10, True, 10), (20, True, 10)] and summary["stopped_at"] == 20
     rows = rows_of(tmp_path / "w")
     assert rows[-1]["step"] == 20
     assert max(int(p.name) for p in (tmp_path / "w" / "checkpoints").iterdir()) == 20

@@ -1,5 +1,5 @@
 """Orbax checkpoints, writing side: the step format, asynchronous saves and their policies
-(time floor, newest N, the best test accuracy), and the faults a save can meet.
+(time floor, newest N, the best evaluation), and the faults a save can meet.
 
 Each step directory under `<workdir>/checkpoints` holds six items: `model` and `optimizer`
 (array trees, tensorstore/OCDBT), `progress` (step, data position, the running row),
@@ -49,7 +49,7 @@ TREE_METADATA = "_METADATA"  # what Orbax writes in an array item: its tree, sha
 JSON_FILES = (STEP_MARKER, "metadata", TREE_METADATA, "_sharding")
 SPACE_MARGIN = 1.5  # bytes a save needs per byte of state, metadata included, with room to spare
 INODES_PER_SAVE = 100  # files and directories a save creates, with room for larger models
-BEST_METRIC = "test_accuracy"  # what keep_best and --step=best rank steps by (higher is better)
+BEST_METRIC = "test_accuracy"  # what keep_best and --step=best rank by unless config.best_metric
 BEST = "best"  # --step=best
 SAVE_NICENESS = 19  # the save threads' CPU priority (nice), the lowest
 READ_ATTEMPTS = 20  # a reader of a live run starts over this often when a step is rotated away
@@ -121,9 +121,9 @@ def checkpoint_dir(workdir: str | os.PathLike) -> pathlib.Path:
 # --- Policies: when a periodic save is due, which steps are kept --------------------------------
 @dataclasses.dataclass
 class _KeepBest:
-    """An Orbax preservation policy that keeps the step of the best test accuracy. Orbax keeps
-    a save's metrics in memory only, so a resumed run would rotate the best step away: the
-    scores come from the steps' own progress items instead."""
+    """An Orbax preservation policy that keeps the step of the best score (`best_metric`).
+    Orbax keeps a save's metrics in memory only, so a resumed run would rotate the best step
+    away: the scores come from the steps' own progress items instead."""
 
     scores: dict[int, float]
 
@@ -179,18 +179,28 @@ def _options(
     )
 
 
-def _scores(directory: pathlib.Path, steps: Sequence[int]) -> dict[int, float]:
-    """The test accuracy of each step saved at an evaluation, from its progress item."""
+def best_metric(config: dict[str, Any] | None) -> str:
+    """What keep_best and --step=best rank a run's steps by (higher is better): its config's
+    `best_metric` (a metric of each evaluation's row, `val_accuracy`), else BEST_METRIC."""
+    return (config or {}).get("best_metric") or BEST_METRIC
+
+
+def _scores(
+    directory: pathlib.Path, steps: Sequence[int], metric: str | None = None
+) -> dict[int, float]:
+    """Each step saved at an evaluation, its `metric` (default: the one its config names)
+    from its progress item."""
     scores = {}
     for step in steps:
         try:
             progress = saved_item(directory, step, "progress") or {}
+            name = metric or best_metric(saved_item(directory, step, "config"))
         except errors.FileRefused:
             raise
         except UserError:  # damaged: restore() sets it aside; it ranks nowhere
             continue
-        if isinstance(progress.get(BEST_METRIC), float):
-            scores[step] = progress[BEST_METRIC]
+        if isinstance(progress.get(name), float):
+            scores[step] = progress[name]
     return scores
 
 
@@ -318,10 +328,12 @@ class Checkpoints:
 
         A `read_only` reader (eval, predict, load_model) changes nothing in the directory: a
         training run may be writing there. A writer must hold the workdir's lock. `keep_best`
-        keeps, besides the newest `max_to_keep`, the step of the best test accuracy.
+        keeps, besides the newest `max_to_keep`, the best evaluated step (`best_metric`).
         """
         self.directory = checkpoint_dir(workdir)
         self.metadata = metadata or {}
+        self.best_metric = best_metric(self.metadata.get("config"))
+        self.keep_best = keep_best
         self.read_only = read_only
         self.min_interval_secs = min_interval_secs
         self._saving = 0  # the step of the save in flight, named if it fails
@@ -346,7 +358,7 @@ class Checkpoints:
             },
         )
         if keep_best:
-            self._best.scores.update(_scores(self.directory, self.steps()))
+            self._best.scores.update(_scores(self.directory, self.steps(), self.best_metric))
 
     @property
     def manager(self) -> ocp.CheckpointManager:
@@ -389,13 +401,20 @@ class Checkpoints:
         call cannot donate away.
         """
         self.wait()  # the previous save is complete (or its failure reported) first
+        ranked = self.best_metric in progress
+        if self.keep_best and not ranked and any(name.startswith("test_") for name in progress):
+            raise UserError(
+                f"--config.best_metric={self.best_metric}: the evaluation at step {step} has "
+                "no such metric; name one it has: "
+                + ", ".join(k for k, v in sorted(progress.items()) if isinstance(v, float))
+            )
         if not self.directory.is_dir():
             self._make_again(step)
         arrays = _arrays(model, optimizer)
         _check_space(self.directory, step, arrays)
         self._saving = step
-        if BEST_METRIC in progress:
-            self._best.scores[step] = progress[BEST_METRIC]
+        if ranked:
+            self._best.scores[step] = progress[self.best_metric]
         json_items = {**self.metadata, "progress": progress}
         if jax.process_count() > 1:  # Orbax's barriers stay on the thread every process shares
             self._start_save(step, arrays, json_items)
@@ -526,7 +545,7 @@ class Checkpoints:
         self._best.scores.pop(step, None)
 
     def best_steps(self) -> list[int]:
-        """The kept steps saved at an evaluation, best test accuracy first, for --step=best
+        """The kept steps saved at an evaluation, best first (`best_metric`), for --step=best
         (a damaged best one is passed over for the next)."""
         scores = _scores(self.directory, self.steps())
         if not scores:

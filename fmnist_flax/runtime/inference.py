@@ -302,7 +302,7 @@ def load_model(
     ema: bool = False,
 ) -> nnx.Module:
     """The trained model of a workdir (newest checkpoint by default; `step="best"`: the best
-    test accuracy kept by `config.keep_best`), ready for `predict`.
+    evaluation kept by `config.keep_best`, by `config.best_metric`), ready for `predict`.
 
     Only parameters are read, no optimizer state; `compute_dtype` ('float32' or 'bfloat16')
     overrides the dtype it was trained in. `class_names(workdir)` names its outputs. Of an

@@ -192,7 +192,8 @@ def evaluate_model(run: Run) -> dict[str, Any]:
     if "loss" in last:
         since = run.history[-2]["step"] if len(run.history) > 1 else 0
         examples = (last["step"] - since) * run.device_data.examples_per_step
-        train_row = {k: v for k, v in last.items() if not k.startswith("test_") and k != "step"}
+        train_row = {k: v for k, v in last.items() if not k.startswith(("test_", "val_"))}
+        train_row.pop("step")
         rows = {
             f"train, steps {since + 1}-{last['step']}": {**train_row, "examples": examples},
             **rows,

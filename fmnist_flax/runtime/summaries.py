@@ -36,14 +36,16 @@ from fmnist_flax.runtime.errors import warning_line
 
 TENSORBOARD_DIR = "tensorboard"
 TEST_PREFIX = "test_"  # metrics.jsonl names the evaluation's metrics test_loss, test_accuracy
+VAL_PREFIX = "val_"  # and a validation split's, which an after-evaluation hook adds, val_loss
 INVALID_TAG = re.compile(r"[^-/\w\.]")  # what tensorboardX's summary.scalar turns into _
 
 
 def tag(name: str) -> str:
-    """The TensorBoard tag of a metrics.jsonl field: test_accuracy -> test/accuracy; a
-    character a tag cannot hold becomes _, as tensorboardX's summary.scalar makes it."""
-    scope = "test" if name.startswith(TEST_PREFIX) else "train"
-    return INVALID_TAG.sub("_", f"{scope}/{name.removeprefix(TEST_PREFIX)}")
+    """The TensorBoard tag of a metrics.jsonl field: test_accuracy -> test/accuracy, val_loss
+    -> val/loss, loss -> train/loss; a character a tag cannot hold becomes _, as tensorboardX's
+    summary.scalar makes it."""
+    split = next((p for p in (TEST_PREFIX, VAL_PREFIX) if name.startswith(p)), "")
+    return INVALID_TAG.sub("_", f"{split[:-1] or 'train'}/{name.removeprefix(split)}")
 
 
 def record(data: bytes) -> bytes:

@@ -193,7 +193,7 @@ def metric_names(row: dict[str, float]) -> list[str]:
     the test set's (test_*); an ensemble's per-member columns (`name/k`) are left to
     `members_table`."""
     names = (n for n in row if n != "step" and MEMBER_SEPARATOR not in n)
-    return sorted(names, key=lambda n: (n.startswith("test_"), n != "loss", n))
+    return sorted(names, key=lambda n: (n.startswith(("test_", "val_")), n != "loss", n))
 
 
 def spread_cell(row: dict[str, Any], name: str) -> str:
