@@ -597,7 +597,7 @@ def train_and_evaluate(
                 # Each call: images, labels, order, first batch index, count, first step.
                 for call in batches.chunks(step, next_stop):
                     state, writer.sums, rows = train_chunk(state, writer.sums, *call, aug_key)
-                    if (early := stop.early_step(call, rows, paced)) is not None:
+                    if (early := stop.early_step(batches.next, rows, paced)) is not None:
                         next_stop = early  # a signal: saved at this step, a row's sums too
                         break
                 step = next_stop

@@ -703,8 +703,8 @@ def logging_cost(config: ml_collections.ConfigDict, rows: int = 200) -> dict[str
                     ) as log,
                 ):
                     for step in range(1, rows + 1):
-                        rows = make(jax.numpy.full((1,), step))  # one row, its slot 0
-                        log.submit(([step], rows, step - 1), 0.0)
+                        ended = make(jax.numpy.full((1,), step))  # one row, its slot 0
+                        log.submit(([step], ended, step - 1), 0.0)
                     log.flush()
                 checkpoints.close()
             per_row[background].append(log.host_seconds / rows)

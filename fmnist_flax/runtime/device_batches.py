@@ -170,30 +170,43 @@ class DeviceBatches:
         self.data = data
         self.seeds = ensemble.data_seeds(config)
         self.fused = config.fused_steps
-        self._epoch, self._order = None, None
+        self.next = 0  # the step the newest call ends at
+        self._epoch, self._order_now = None, None
         self._drawer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="epoch-order")
         self._ahead: tuple[int, concurrent.futures.Future[jax.Array]] | None = None
 
+    def _order(self, epoch: int, placed: bool = True) -> jax.Array:
+        """The epoch's order, laid out on the mesh when `placed`."""
+        order = epoch_orders(self.seeds, epoch, self.data.train_examples)
+        return parallel.place(order, self.data.mesh) if placed else order
+
     def chunks(self, step: int, stop: int) -> Iterator[tuple[Any, ...]]:
         """(images, labels, order, first batch index, count, first step) per call for steps
-        step+1..stop, which never cross an epoch's end. When an ensemble's members see their own
+        step+1..stop, which never cross an epoch's end; the numbers as device ints, which a
+        call takes without a copy from the host. When an ensemble's members see their own
         data, the order has one row per member."""
         epoch, index = divmod(step, self.data.batches_per_epoch)
         if epoch != self._epoch:
             ahead, self._ahead = self._ahead, None
+            # One process places the next order on the thread too (off the loop's path after
+            # an evaluation); several place it here, where every process runs the same
+            # programs in the same order.
+            one = jax.process_count() == 1
             if ahead is not None and ahead[0] == epoch:
                 order = ahead[1].result()
+                order = order if one else parallel.place(order, self.data.mesh)
             else:
-                order = epoch_orders(self.seeds, epoch, self.data.train_examples)
-            self._epoch, self._order = epoch, parallel.place(order, self.data.mesh)
-            following = epoch + 1, self.data.train_examples
-            self._ahead = epoch + 1, self._drawer.submit(epoch_orders, self.seeds, *following)
+                order = self._order(epoch)
+            self._epoch, self._order_now = epoch, order
+            self._ahead = epoch + 1, self._drawer.submit(self._order, epoch + 1, one)
         per_call = stop - step if self.fused else 1
         d = self.data
         count = parallel.device_int(per_call, d.mesh)
         for first in range(step, stop, per_call):
             start = parallel.device_int(index + first - step, d.mesh)
-            yield d.train_images, d.train_labels, self._order, start, count, first
+            self.next = first + per_call
+            at = parallel.device_int(first, d.mesh)
+            yield d.train_images, d.train_labels, self._order_now, start, count, at
 
     def first_call(self, step: int) -> tuple[Any, ...]:
         """The arguments of the first call after `step`, known before the loop starts: what

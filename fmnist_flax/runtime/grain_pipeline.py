@@ -144,9 +144,10 @@ class GrainBatches:
                 self._blocks.pop(0)
                 continue
             count = min(stop - step, first + self.per_block - step) if self.fused else 1
-            yield x, y, None, step - first, count, step
+            self.next = step + count
+            mesh = self.sharding.mesh
+            yield x, y, None, *(parallel.device_int(n, mesh) for n in (step - first, count, step))
             step += count
-            self.next = step
 
     def first_call(self, step: int) -> None:
         """None: the first call's arguments come from the first read, inside the loop."""

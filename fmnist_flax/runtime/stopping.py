@@ -50,17 +50,17 @@ class Stop:
         all of them stop there together (saving is collective)."""
         return max(parallel.from_every_process(self.signum))
 
-    def early_step(self, call: tuple[Any, ...], output: Any, paced: bool) -> int | None:
+    def early_step(self, reached: int, output: Any, paced: bool) -> int | None:
         """Between calls of one step each (`paced`) in one process: wait for the call before
         this one, so at most two are queued and a signal is acted on within a step or two
         rather than at the next logged step, and on a signal return the step this call ends
-        at (its last item is its first step), where the loop stops to save. Else None."""
+        at (`reached`), where the loop stops to save. Else None."""
         if not paced or jax.process_count() > 1:
             return None
         if self._in_flight is not None:
             jax.block_until_ready(self._in_flight)
         self._in_flight = output
-        return call[-1] + 1 if self.signum else None
+        return reached if self.signum else None
 
     def before_training(self) -> None:
         """Before the loop a signal stops the run at once: nothing is trained yet, so nothing
