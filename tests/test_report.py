@@ -165,6 +165,35 @@ def test_progress_on_a_terminal_fits_its_width_and_keeps_the_newest_test_metrics
     assert drawn[1].startswith("[" + "#" * 16)  # 200 columns: room for the bar too
 
 
+def test_progress_on_a_terminal_moves_between_rows_and_a_log_file_gets_rows_only(monkeypatch):
+    """The CNN logs every 468 steps, minutes apart on a CPU: between rows the line on a
+    terminal moves on with the step (`tick`), keeping the row's metrics and rate; a log
+    file gets no line for a tick."""
+    import io
+
+    from fmnist_flax.runtime.tables import ProgressBar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setenv("COLUMNS", "200")
+    row = {"step": 100, "loss": 0.41, "accuracy": 0.85, "grad_norm": 1.5}
+    for stream in (Terminal(), io.StringIO()):
+        bar = ProgressBar(400, stream, examples_per_step=512)
+        bar.tick(50)  # nothing drawn before the first row
+        bar.update(row, 10_240.0)
+        bar.tick(300)
+        bar.close()
+        drawn = stream.getvalue()
+        if stream.isatty():
+            lines = [line.replace("\x1b[K", "") for line in drawn.split("\r")[1:]]
+            assert len(lines) == 2 and "300/400" in lines[1] and "loss 0.4100" in lines[1]
+            assert "eta 0:05" in lines[1]  # 100 steps of 512 at 10,240 examples/s
+        else:
+            assert drawn.count("\n") == 1 and "100/400" in drawn
+
+
 def test_the_report_names_its_run_and_right_aligns_numbers(tmp_path):
     """Every run's report had the same title and nothing said which run it was from."""
     from fmnist_flax.runtime.tables import Table

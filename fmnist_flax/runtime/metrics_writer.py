@@ -81,6 +81,7 @@ def host_rows(steps: list[int], rows: Metrics, start: int) -> list[dict[str, flo
 
 
 WAIT_SLICE = 0.1  # seconds between looks of a wait for the metrics writer
+TICK_SECONDS = 1.0  # the progress line moves at least this often between rows, on a terminal
 
 
 class MetricsWriter:
@@ -128,6 +129,7 @@ class MetricsWriter:
         self.failure: tuple[float, int] | None = None  # a non-finite loss and its step
         self.error: BaseException | None = None  # what stopped the writer thread
         self.host_seconds = 0.0  # the loop's time in `submit`: what logging costs it
+        self.ticked = time.perf_counter()  # when the progress line last moved without a row
         # The newest row handed over, the newest one timed, the newest one written or skipped.
         self.submitted = self.timed = self.handled = start_step
         self.timing = threading.Condition()
@@ -164,6 +166,12 @@ class MetricsWriter:
         run's time spent evaluating so far."""
         if steps := self.schedule.row_steps(self.row.start, step):
             self.submit(self.row.take(steps, rows), eval_seconds, tested)
+        elif self.primary and time.perf_counter() - self.ticked > TICK_SECONDS:
+            self.ticked = time.perf_counter()  # the progress line moves between rows
+            if self.queue is None:
+                self.progress.tick(step)
+            else:
+                self.queue.put(step)
 
     def submit(
         self,
@@ -192,6 +200,9 @@ class MetricsWriter:
             while not self.queue.empty():
                 items.append(self.queue.get_nowait())
             waiting = items[: items.index(None)] if None in items else items
+            if ticks := [item for item in waiting if isinstance(item, int)]:
+                self.progress.tick(ticks[-1])
+            waiting = [item for item in waiting if not isinstance(item, int)]
             try:
                 fetched = parallel.to_host([parts[1] for parts, *_ in waiting])
             except Exception:  # each row's own fetch then reports it

@@ -263,8 +263,9 @@ def placement_table(trees: dict[str, Any]) -> Table:
 
 
 class ProgressBar:
-    """Training progress, redrawn only at logging points (no host sync of its own): the step
-    out of the total, elapsed time, examples/s and ETA, then the latest metrics.
+    """Training progress, redrawn at logging points and, on a terminal, as steps go by (no host
+    sync of its own): the step out of the total, elapsed time, examples/s and ETA, then the
+    latest metrics.
 
     On a terminal one line is redrawn in place, fitted to the terminal's width: the bar and
     then the least telling fields are dropped rather than wrapped, and the newest test metrics
@@ -284,8 +285,15 @@ class ProgressBar:
         self.tested: dict[str, float] = {}  # the newest evaluation's metrics, on a terminal
         self._drawn = False
 
+    def tick(self, step: int) -> None:
+        """On a terminal, show that training reached `step` (the newest row's metrics and
+        rate kept): the line moves between rows hundreds of steps apart."""
+        if self.in_place and self._drawn:
+            self.update({**self._last[0], "step": step}, self._last[1])
+
     def update(self, row: dict[str, float], examples_per_sec: float | None = None) -> None:
         """Show `row`; `examples_per_sec`: the rate since the row before (None: not known)."""
+        self._last = (row, examples_per_sec)
         if self.in_place:
             self.tested = {k: v for k, v in row.items() if k.startswith("test_")} or self.tested
             row = {**row, **self.tested}
