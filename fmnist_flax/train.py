@@ -562,7 +562,7 @@ def train_and_evaluate(
         # Its first programs compile on a thread while the set-up tables and extensions run.
         first_call = batches.first_call(start_step)
         ahead = compile_ahead.start(
-            train_chunk, state, zeros, aug_key, first_call, model, optimizer
+            train_chunk, state, zeros, aug_key, first_call, model, optimizer, stop
         )
         experiment.show_setup(run)
         for extension in extensions:
@@ -588,16 +588,15 @@ def train_and_evaluate(
             stop=stop,
             schedule=schedule,
         )
-        # One step a call (and the device pipeline, whose data position is the step alone):
-        # the host looks for a signal between calls, not only at the next logged step.
-        paced = not config.fused_steps and config.input_pipeline != "grain"
         with writer:
             while step < end:
-                next_stop = schedule.next_stop(step)
+                # A call runs at most about half a second (`stop.steps_per_call`, timed), and
+                # the host looks for a signal after each, not only at the next logged step.
+                next_stop = schedule.next_stop(step, stop.steps_per_call)
                 # Each call: images, labels, order, first batch index, count, first step.
                 for call in batches.chunks(step, next_stop):
                     state, writer.sums, rows = train_chunk(state, writer.sums, *call, aug_key)
-                    if (early := stop.early_step(batches.next, rows, paced)) is not None:
+                    if (early := stop.early_step(batches.next, rows)) is not None:
                         next_stop = early  # a signal: saved at this step, a row's sums too
                         break
                 step = next_stop

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -471,3 +473,36 @@ def test_the_metrics_writer_logs_the_running_row_and_starts_the_next(tmp_path, q
         {"step": 30, "loss": 2.0, "accuracy": 0.5, "grad_norm": 0.5},
     ]
     checkpoints.close()
+
+
+def test_calls_are_sized_to_the_devices_pace_so_a_signal_waits_little(tmp_path):
+    """`Stop.early_step` keeps at most two calls queued and times them: the first two calls
+    run one step, the second timed at once, then a call's steps fit `CALL_SECONDS`; on a
+    signal it names the step the newest call ends at."""
+    slow = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, lambda i, y: jnp.tanh(y @ y), x))
+    x = jnp.eye(256) * 0.5
+    n = 1
+    while True:  # steps of about 20 ms on this machine, whatever its speed
+        jax.block_until_ready(slow(x, n))
+        began = time.perf_counter()
+        jax.block_until_ready(slow(x, n))
+        if time.perf_counter() - began > 0.02:
+            break
+        n *= 2
+    per_step = time.perf_counter() - began
+    stop = stopping.Stop()
+    assert stop.steps_per_call == 1
+    reached, sizes = 0, []
+    while reached < 80:
+        count = stop.steps_per_call
+        sizes.append(count)
+        out = x
+        for _ in range(count):  # a call of `count` steps, queued behind the one before
+            out = slow(out, n)
+        reached += count
+        assert stop.early_step(reached, out) is None
+    assert sizes[:2] == [1, 1]
+    expected = stopping.CALL_SECONDS / per_step
+    assert all(expected / 4 <= size <= expected * 4 for size in sizes[2:]), (sizes, per_step)
+    stop.signum = signal.SIGINT
+    assert stop.early_step(reached + 1, out) == reached + 1

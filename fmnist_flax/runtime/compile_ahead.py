@@ -1,8 +1,8 @@
 """Compiling what the training loop runs first on a thread, while the set-up's tables and the
 extensions run on the main one (XLA compiles without the GIL).
 
-API: `start(train_chunk, state, sums, aug_key, first_call, model, optimizer)`, a thread to
-join before the loop.
+API: `start(train_chunk, state, sums, aug_key, first_call, model, optimizer, stop)`, a thread
+to join before the loop (`Compiling`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,20 @@ from fmnist_flax.runtime import checkpoint as checkpoint_lib
 from fmnist_flax.runtime import parallel
 
 
+class Compiling(threading.Thread):
+    """The thread compiling ahead. `join` returns once it is done, or at once when a stop
+    signal came (`stop.signum`): XLA cannot be interrupted, so the thread is a daemon that
+    the process does not wait for."""
+
+    def __init__(self, compile_first: Callable[[], None], stop: Any):
+        super().__init__(target=compile_first, name="compile-ahead", daemon=True)
+        self.stop = stop
+
+    def join(self, timeout: float | None = None) -> None:
+        while self.is_alive() and not (self.stop is not None and self.stop.signum):
+            super().join(0.1)
+
+
 def start(
     train_chunk: Callable[..., Any],
     state: Any,
@@ -26,11 +40,12 @@ def start(
     first_call: tuple[Any, ...] | None,
     model: nnx.Module,
     optimizer: nnx.Optimizer,
-) -> threading.Thread:
+    stop: Any = None,
+) -> Compiling:
     """A thread compiling the chunk for `first_call`'s arguments (when they are known before
     the loop), the finiteness check and the save's state copy. It compiles only, never runs:
     with several processes a run beside the main thread's could interleave their
-    collectives."""
+    collectives. `stop`: a `stopping.Stop` whose signal ends a wait for it."""
     params = nnx.state(model, nnx.Param)
 
     def compile_first() -> None:
@@ -39,6 +54,6 @@ def start(
         parallel.finite.lower(params).compile()
         checkpoint_lib.warm_up(model, optimizer)
 
-    thread = threading.Thread(target=compile_first, name="compile-ahead")
+    thread = Compiling(compile_first, stop)
     thread.start()
     return thread

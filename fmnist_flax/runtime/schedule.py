@@ -46,10 +46,10 @@ class Schedule:
     def __hash__(self) -> int:
         return hash(self._key())
 
-    def next_stop(self, step: int) -> int:
+    def next_stop(self, step: int, most: int | None = None) -> int:
         """The next step where the host must look: a logged step (on an accelerator, the
         `rows_per_call`-th after `step`), a checkpoint or evaluation step, an epoch's end, the
-        end."""
+        end; at most `most` steps on (None: no bound)."""
         if step == 0:
             return 1  # step 1 is logged (and compiles the chunk)
         config = self.config
@@ -57,7 +57,7 @@ class Schedule:
         stops = [(step // every + 1) * every for every in periods]
         # The `rows_per_call`-th logged step: at most that many rows end in one call.
         rows = (step // config.log_every + self.rows_per_call) * config.log_every
-        return min(*stops, rows, config.steps)
+        return min(*stops, rows, config.steps, step + (most or config.steps))
 
     def writes_row(self, step: Any) -> Any:
         """Whether a row is logged at `step` (a logged or evaluated step): a Python int, or a

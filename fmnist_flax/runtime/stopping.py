@@ -2,7 +2,8 @@
 SIGINT or SIGTERM, after saving the step it reached; when the loss or the parameters stop being
 finite, keeping the last good checkpoint.
 
-API: `Stop()`, a context manager, with `requested`, `before_training()`,
+API: `Stop()`, a context manager, with `requested`, `early_step(...)`, `steps_per_call`,
+`before_training()`,
 `interrupted(signum, step, checkpoints)` and `after_training(step, checkpoints)`;
 `Interrupted`; `diverged(...)`; `save_if_finite(...)`.
 """
@@ -10,6 +11,7 @@ API: `Stop()`, a context manager, with `requested`, `before_training()`,
 from __future__ import annotations
 
 import signal
+import time
 from typing import Any
 
 import jax
@@ -18,6 +20,10 @@ from flax import nnx
 from fmnist_flax.runtime import checkpoint as checkpoint_lib
 from fmnist_flax.runtime import ema, parallel
 from fmnist_flax.runtime.errors import UserError
+
+# The longest a training call should run: with two queued, a signal is acted on within about
+# a second on any backend.
+CALL_SECONDS = 0.5
 
 
 class Interrupted(UserError):
@@ -34,7 +40,13 @@ class Stop:
     def __init__(self):
         self.signum = 0  # the signal this process got (0: none)
         self._previous = {}
-        self._in_flight: Any = None  # the newest paced call's output (`early_step`)
+        self._in_flight: Any = None  # the newest call's output and its last step
+        self._done: tuple[int, float] | None = None  # the last step and time a call ended
+        # The steps a call may run, from the devices' pace (one process; None: any): 1 until
+        # the call after the compiling one is timed, as a first call of many slow steps would
+        # keep a signal waiting.
+        self.steps_per_call: int | None = 1 if jax.process_count() == 1 else None
+        self._timed = False
 
     def __enter__(self) -> Stop:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -50,17 +62,32 @@ class Stop:
         all of them stop there together (saving is collective)."""
         return max(parallel.from_every_process(self.signum))
 
-    def early_step(self, reached: int, output: Any, paced: bool) -> int | None:
-        """Between calls of one step each (`paced`) in one process: wait for the call before
-        this one, so at most two are queued and a signal is acted on within a step or two
-        rather than at the next logged step, and on a signal return the step this call ends
-        at (`reached`), where the loop stops to save. Else None."""
-        if not paced or jax.process_count() > 1:
+    def early_step(self, reached: int, output: Any) -> int | None:
+        """After each training call in one process: wait for the call before this one, so at
+        most two are queued, and time it (`steps_per_call`); on a signal return the step this
+        call ends at (`reached`), where the loop stops to save. Else None."""
+        if jax.process_count() > 1:
             return None
         if self._in_flight is not None:
-            jax.block_until_ready(self._in_flight)
-        self._in_flight = output
+            self._wait(*self._in_flight)
+        self._in_flight = (output, reached)
+        if not self._timed and self._done is not None:  # the call after the compiling one
+            self._wait(output, reached, busy=True)
+            self._in_flight = None
         return reached if self.signum else None
+
+    def _wait(self, output: Any, ended: int, busy: bool | None = None) -> None:
+        """Wait for a call's `output`; if the devices were `busy` with it (still running when
+        looked at), time the steps since the call before it ended."""
+        if busy is None:
+            busy = not all(x.is_ready() for x in jax.tree.leaves(output))
+        jax.block_until_ready(output)
+        now = time.perf_counter()
+        if busy and self._done is not None and ended > self._done[0]:
+            seconds = (now - self._done[1]) / (ended - self._done[0])
+            self.steps_per_call = max(1, int(CALL_SECONDS / seconds))
+            self._timed = True
+        self._done = (ended, now)
 
     def before_training(self) -> None:
         """Before the loop a signal stops the run at once: nothing is trained yet, so nothing
