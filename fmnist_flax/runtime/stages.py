@@ -96,8 +96,7 @@ def show_setup(run: Run) -> None:
     run.show("Set-up", tables.setup_table(versions, layout))
     if parallel.is_primary() and jax.default_backend() == "cpu":  # a GPU or a TPU is fine
         warning_line(
-            f"No GPU found: training on {jax.devices()[0]}; install '.[cuda12]' on a GPU host, "
-            "'.[tpu]' on a TPU VM"
+            f"No GPU found: training on {jax.devices()[0]}; pip install '.[cuda12]' or '.[tpu]'"
         )
     run.show("Data", tables.splits_table(d))
     run.figure(
