@@ -219,3 +219,20 @@ def test_a_table_wider_than_100_columns_wraps_its_widest_text_column():
     assert max(map(len, lines)) <= 100
     assert " ".join(" ".join(lines).split()).count("512 per device") == 2  # nothing lost
     assert lines[-1].startswith(" " * len("Layout"))  # a continuation, under its column
+
+
+def test_a_table_of_more_numeric_columns_than_fit_goes_on_in_blocks_led_by_its_first():
+    """A training table with a test accuracy per class was 304 columns wide: numbers never
+    wrap, so its columns now go on in blocks below, each led by the step, none wider than
+    100 and every cell kept."""
+    from fmnist_flax.runtime.tables import Table
+
+    headers = ["Step", "Loss", *(f"Test class accuracy {k}" for k in range(10))]
+    rows = [[str(step), "0.4933", *(f"{k}{step}.5%" for k in range(10))] for step in (25, 50)]
+    lines = Table.of("Training", headers, rows).format().splitlines()
+    assert max(map(len, lines)) <= 100
+    led = [line for line in lines if line.startswith("Step")]
+    assert len(led) > 1 and all(line.split()[0] == "Step" for line in led)
+    text = " ".join(lines)
+    assert all(h in text for h in headers) and all(c in text for row in rows for c in row)
+    assert sum(line.lstrip().startswith("25 ") for line in lines) == len(led)

@@ -41,7 +41,9 @@ class Table:
 
     def format(self) -> str:
         """The table as text at most MAX_WIDTH columns wide: the widest text columns' cells
-        wrap onto lines of their own rather than the terminal wrapping every line."""
+        wrap onto lines of their own rather than the terminal wrapping every line; columns
+        still too many (numbers, say one per class) go on in blocks below, each led by the
+        first column."""
         columns = list(zip(self.headers, *self.rows, strict=True))
         widths = [max(len(c) for c in col) for col in columns]
         right = [bool(self.rows) and all(map(_numeric, col[1:])) for col in columns]
@@ -57,22 +59,36 @@ class Table:
             over = sum(widths) + 2 * (len(widths) - 1) - MAX_WIDTH
             widths[widest] = max(floors[widest], widths[widest] - over)
 
-        def lines(cells: Sequence[str]) -> list[str]:
-            parts = [textwrap.wrap(c, w) or [""] for c, w in zip(cells, widths, strict=True)]
+        def lines(cells: Sequence[str], block: list[int]) -> list[str]:
+            parts = [textwrap.wrap(cells[k], widths[k]) or [""] for k in block]
             return [
                 "  ".join(
-                    (p[i] if i < len(p) else "").rjust(w)
-                    if r
-                    else (p[i] if i < len(p) else "").ljust(w)
-                    for p, w, r in zip(parts, widths, right, strict=True)
+                    (p[i] if i < len(p) else "").rjust(widths[k])
+                    if right[k]
+                    else (p[i] if i < len(p) else "").ljust(widths[k])
+                    for p, k in zip(parts, block, strict=True)
                 ).rstrip()
                 for i in range(max(map(len, parts)))
             ]
 
-        rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
-        body = [line for row in self.rows for line in lines(row)]
-        title = textwrap.fill(self.title, MAX_WIDTH)
-        return "\n".join([title, rule, *lines(self.headers), rule, *body, ""])
+        text = [textwrap.fill(self.title, MAX_WIDTH)]
+        for block in _blocks(widths):
+            rule = "-" * (sum(widths[k] for k in block) + 2 * (len(block) - 1))
+            body = [line for row in self.rows for line in lines(row, block)]
+            text += ([""] if len(text) > 1 else []) + [rule, *lines(self.headers, block), rule]
+            text += body
+        return "\n".join([*text, ""])
+
+
+def _blocks(widths: list[int]) -> list[list[int]]:
+    """Column indices in blocks no wider than MAX_WIDTH, each after the first led by column 0."""
+    blocks = [[0]]
+    for k in range(1, len(widths)):
+        block = blocks[-1]
+        if len(block) > 1 and sum(widths[j] + 2 for j in block) + widths[k] > MAX_WIDTH:
+            blocks.append(block := [0])
+        block.append(k)
+    return blocks
 
 
 def printable(text: Any) -> str:
