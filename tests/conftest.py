@@ -67,11 +67,34 @@ def quiet_orbax() -> None:
     library_workarounds.quiet_orbax()
 
 
+# The longest tests, started before every other: most wait on 8 virtual devices or on a second
+# process more than they compute, so they run beside the other worker's short tests instead of
+# beside each other at the end, where one would hold its worker while the other is idle.
+LONGEST = (
+    "test_model_parallel_trains_like_one_device_and_moves_between_meshes",
+    "test_eight_devices_train_like_one_and_arrays_are_really_sharded",
+    "test_grain_on_eight_devices_and_in_two_processes_trains_like_one_device",
+    "test_a_killed_grain_run_resumes_mid_epoch_bit_exact",
+    "test_two_processes_killed_at_once_resume_from_records_exactly",
+    "test_a_shard_only_one_process_can_read_stops_both_with_what_to_do",
+    "test_the_model_parallel_recipe_trains_like_one_device_and_moves_between_meshes",
+    "test_deleting_the_demonstrations_leaves_a_working_trainer_and_a_passing_fast_tier",
+    "test_small_mode_prints_the_table_and_the_benchmark_writes_every_field",
+    "test_a_signal_between_one_step_calls_saves_that_step_and_resumes_exactly",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests (processes, long training) first, the many short ones after: with two
-    workers stealing each other's queued tests, they then finish together instead of one
-    waiting while the other runs a long test started last."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The slow tests (processes, long training) first, LONGEST at their head, the many short
+    ones after: with two workers stealing each other's queued tests from the back, they then
+    finish together instead of one waiting while the other runs a long test started last."""
+
+    def rank(item: pytest.Item) -> tuple[bool, int]:
+        name = getattr(item, "originalname", item.name)
+        first = LONGEST.index(name) if name in LONGEST else len(LONGEST)
+        return item.get_closest_marker("slow") is None, first
+
+    items.sort(key=rank)
 
 
 @pytest.fixture(scope="session")

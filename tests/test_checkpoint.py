@@ -401,7 +401,13 @@ def test_sigkill_resumes_from_the_last_complete_checkpoint(tmp_path):
     )
     steps = complete[-1] + 5
     result = subprocess.run(
-        [sys.executable, str(REPO / "main.py"), f"--workdir={workdir}", f"--steps={steps}"],
+        [
+            sys.executable,
+            str(REPO / "main.py"),
+            f"--workdir={workdir}",
+            f"--steps={steps}",
+            "--report=none",  # the resume is the test, not the report's figures
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,

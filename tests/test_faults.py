@@ -893,7 +893,7 @@ def test_a_signal_between_one_step_calls_saves_that_step_and_resumes_exactly(tmp
     """With one step a call (the CNN's way), the loop looked for a signal only at the next
     logged step, minutes away for the CNN. It now stops within a call or two, saves that step
     with its row's running sums, and the resumed run logs what an uninterrupted one does."""
-    flags = ("--config.fused_steps=False", "--steps=1500", "--report=none", EVERY_DUE_SAVE)
+    flags = ("--config.fused_steps=False", "--steps=800", "--report=none", EVERY_DUE_SAVE)
     whole = run_main(f"--workdir={tmp_path / 'whole'}", *flags)
     assert whole.returncode == 0, whole.stderr
     process = start(tmp_path / "cut", *flags)
