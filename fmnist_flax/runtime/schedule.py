@@ -1,7 +1,7 @@
 """When the training loop's host looks between compiled chunks, and what it does there: log a
 row, evaluate on the test set, save a checkpoint; and where the data order stands at a step.
 
-API: `Schedule(config, batches_per_epoch, platform)` with `next_stop(step)`, `logs(step)`,
+API: `Schedule(config, batches_per_epoch, platform)` with `next_stop(step, most)`,
 `evaluates(step)`, `writes_row(step)`, `row_steps(after, step)`, `saves(step, signum,
 checkpoints)`, `eval_period`, `rows_per_call` and `progress(step)`.
 """
@@ -73,9 +73,6 @@ class Schedule:
         for every in (c.log_every, self.eval_period):
             found.update(range((after // every + 1) * every, step + 1, every))
         return sorted(s for s in found if after < s <= step)
-
-    def logs(self, step: int) -> bool:
-        return step == 1 or step % self.config.log_every == 0 or step == self.config.steps
 
     def evaluates(self, step: int) -> bool:
         return step % self.eval_period == 0 or step == self.config.steps
