@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import threading
@@ -475,21 +476,26 @@ def test_the_metrics_writer_logs_the_running_row_and_starts_the_next(tmp_path, q
     checkpoints.close()
 
 
-def test_calls_are_sized_to_the_devices_pace_so_a_signal_waits_little(tmp_path):
-    """`Stop.early_step` keeps at most two calls queued and times them: the first two calls
-    run one step, the second timed at once, then a call's steps fit `CALL_SECONDS`; on a
-    signal it names the step the newest call ends at."""
+def slow_step(seconds: float):
+    """A compiled `step(x)` of at least `seconds` on this machine, whatever its speed, its
+    input, and its measured time."""
     slow = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, lambda i, y: jnp.tanh(y @ y), x))
     x = jnp.eye(256) * 0.5
     n = 1
-    while True:  # steps of about 20 ms on this machine, whatever its speed
+    while True:
         jax.block_until_ready(slow(x, n))
         began = time.perf_counter()
         jax.block_until_ready(slow(x, n))
-        if time.perf_counter() - began > 0.02:
-            break
+        if time.perf_counter() - began > seconds:
+            return functools.partial(slow, n=n), x, time.perf_counter() - began
         n *= 2
-    per_step = time.perf_counter() - began
+
+
+def test_calls_are_sized_to_the_devices_pace_so_a_signal_waits_little(tmp_path):
+    """`Stop.early_step` times the calls: the first two run one step, the second timed at
+    once, then a call's steps fit `CALL_SECONDS`, two of them queued at most; on a signal it
+    names the step the newest call ends at."""
+    step, x, per_step = slow_step(0.02)
     stop = stopping.Stop()
     assert stop.steps_per_call == 1
     reached, sizes = 0, []
@@ -498,11 +504,33 @@ def test_calls_are_sized_to_the_devices_pace_so_a_signal_waits_little(tmp_path):
         sizes.append(count)
         out = x
         for _ in range(count):  # a call of `count` steps, queued behind the one before
-            out = slow(out, n)
+            out = step(out)
         reached += count
         assert stop.early_step(reached, out) is None
+        assert len(stop._in_flight) <= 2
     assert sizes[:2] == [1, 1]
     expected = stopping.CALL_SECONDS / per_step
     assert all(expected / 4 <= size <= expected * 4 for size in sizes[2:]), (sizes, per_step)
     stop.signum = signal.SIGINT
     assert stop.early_step(reached + 1, out) == reached + 1
+
+
+@pytest.mark.parametrize(("budget", "most"), [(1000.0, 37), (0.0, 1)])
+def test_short_calls_queue_up_to_queued_seconds_of_work(monkeypatch, budget, most):
+    """Once a step is timed, `Stop.early_step` waits for the oldest calls only while more than
+    `QUEUED_SECONDS` of work is queued by its timing: with room for a thousand steps, all 37
+    calls after the timed one run ahead of the host (an accelerator's calls of microseconds);
+    with none, one at a time."""
+    step, x, _ = slow_step(0.01)
+    monkeypatch.setattr(stopping, "QUEUED_SECONDS", 0.0)
+    stop, out, queued = stopping.Stop(), x, []
+    for reached in range(1, 40):  # calls of one step
+        out = step(out)
+        assert stop.early_step(reached, out) is None
+        queued.append(len(stop._in_flight))
+        if reached == 2:  # timed at once: the budget in steps of its time
+            monkeypatch.setattr(stopping, "QUEUED_SECONDS", budget * stop._step_seconds)
+        queued_seconds = stop._queued_seconds(reached)
+        assert len(queued) < 3 or queued[-1] == 1 or queued_seconds <= stopping.QUEUED_SECONDS
+    assert queued[:2] == [1, 0]
+    assert max(queued[2:]) == most and queued[-1] == most, queued

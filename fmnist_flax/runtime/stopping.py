@@ -10,6 +10,7 @@ API: `Stop()`, a context manager, with `requested`, `early_step(...)`, `steps_pe
 
 from __future__ import annotations
 
+import collections
 import signal
 import time
 from typing import Any
@@ -21,9 +22,11 @@ from fmnist_flax.runtime import checkpoint as checkpoint_lib
 from fmnist_flax.runtime import ema, parallel
 from fmnist_flax.runtime.errors import UserError
 
-# The longest a training call should run: with two queued, a signal is acted on within about
-# a second on any backend.
+# The longest a training call should run, and the most work queued ahead of the host once the
+# devices' pace is known (two calls before): a signal is acted on within about a second on any
+# backend, and on an accelerator, whose calls take milliseconds, the host can run far ahead.
 CALL_SECONDS = 0.5
+QUEUED_SECONDS = 0.75
 
 
 class Interrupted(UserError):
@@ -40,8 +43,11 @@ class Stop:
     def __init__(self):
         self.signum = 0  # the signal this process got (0: none)
         self._previous = {}
-        self._in_flight: Any = None  # the newest call's output and its last step
-        self._done: tuple[int, float] | None = None  # the last step and time a call ended
+        self._in_flight = collections.deque()  # the queued calls' outputs and last steps
+        self._done: int | None = None  # the last step known done
+        # The last step and time a call was seen to end, the devices busy with it till then.
+        self._ended: tuple[int, float] | None = None
+        self._step_seconds: float | None = None  # a step's time, once timed
         # The steps a call may run, from the devices' pace (one process; None: any): 1 until
         # the call after the compiling one is timed, as a first call of many slow steps would
         # keep a signal waiting.
@@ -63,31 +69,42 @@ class Stop:
         return max(parallel.from_every_process(self.signum))
 
     def early_step(self, reached: int, output: Any) -> int | None:
-        """After each training call in one process: wait for the call before this one, so at
-        most two are queued, and time it (`steps_per_call`); on a signal return the step this
-        call ends at (`reached`), where the loop stops to save. Else None."""
+        """After each training call in one process: wait for the oldest calls while more than
+        `QUEUED_SECONDS` of work is queued (more than one call until a step is timed), and time
+        them (`steps_per_call`); on a signal return the step this call ends at (`reached`),
+        where the loop stops to save. Else None."""
         if jax.process_count() > 1:
             return None
-        if self._in_flight is not None:
-            self._wait(*self._in_flight)
-        self._in_flight = (output, reached)
-        if not self._timed and self._done is not None:  # the call after the compiling one
+        self._in_flight.append((output, reached))
+        while len(self._in_flight) > 1 and self._queued_seconds(reached) > QUEUED_SECONDS:
+            self._wait(*self._in_flight.popleft())
+        if not self._timed and self._ended is not None:  # the call after the compiling one
             self._wait(output, reached, busy=True)
-            self._in_flight = None
+            self._in_flight.clear()
         return reached if self.signum else None
+
+    def _queued_seconds(self, reached: int) -> float:
+        """The devices' time for the steps queued up to `reached` (infinite until timed)."""
+        if self._step_seconds is None or self._done is None:
+            return float("inf")
+        return (reached - self._done) * self._step_seconds
 
     def _wait(self, output: Any, ended: int, busy: bool | None = None) -> None:
         """Wait for a call's `output`; if the devices were `busy` with it (still running when
-        looked at), time the steps since the call before it ended."""
+        looked at), time the steps since the last call seen to end so. A call found done
+        ended at some unknown time before: the next timing starts from the one before it
+        (too long, never too short, so the queue errs short)."""
         if busy is None:
             busy = not all(x.is_ready() for x in jax.tree.leaves(output))
         jax.block_until_ready(output)
         now = time.perf_counter()
-        if busy and self._done is not None and ended > self._done[0]:
-            seconds = (now - self._done[1]) / (ended - self._done[0])
-            self.steps_per_call = max(1, int(CALL_SECONDS / seconds))
+        if busy and self._ended is not None and ended > self._ended[0]:
+            self._step_seconds = (now - self._ended[1]) / (ended - self._ended[0])
+            self.steps_per_call = max(1, int(CALL_SECONDS / self._step_seconds))
             self._timed = True
-        self._done = (ended, now)
+        self._done = ended
+        if busy or self._ended is None:
+            self._ended = (ended, now)
 
     def before_training(self) -> None:
         """Before the loop a signal stops the run at once: nothing is trained yet, so nothing
