@@ -6,6 +6,7 @@ metrics of `config.test_set_metrics` from every prediction.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -74,6 +75,25 @@ def _calls(num_batches: int, batch_size: int) -> tuple[int, int]:
     return calls, -(-num_batches // max(calls, 1))
 
 
+def test_calls(
+    images: np.ndarray, labels: np.ndarray, batch_size: int, mesh: jax.sharding.Mesh | None = None
+) -> Iterator[tuple[jax.Array, jax.Array, jax.Array]]:
+    """The test set as `evaluate_batches` takes it, a call at a time: uint8 images, labels and
+    mask of padded whole batches of `batch_size`, placed on the devices (on a `mesh` split
+    along `data`) as the call before is dispatched."""
+    num_batches = -(-len(labels) // batch_size)
+    calls, per_call = _calls(num_batches, batch_size)
+    for call in range(calls):
+        first = call * per_call * batch_size
+        end = first + per_call * batch_size
+        chunk = (images[first:end], labels[first:end])
+        x, y, mask = input_pipeline.padded_batches(*chunk, batch_size, per_call)
+        if mesh is None:
+            yield jnp.asarray(x), jnp.asarray(y), jnp.asarray(mask)
+        else:
+            yield device_batches.shard_batches((x, y, mask), mesh)
+
+
 def evaluate(
     model: nnx.Module,
     images: np.ndarray,
@@ -84,28 +104,33 @@ def evaluate(
 ) -> dict[str, Any]:
     """Every metric's mean over uint8 `images` (N, H, W, C) and their labels, on the host's
     terms: floats, the example count, the predictions, and each batch's sums (`batch_sums`).
-
-    The images stay on the host and reach the devices a call at a time, padded to whole
-    batches of `batch_size` (default the config's) and masked; on a `mesh` each batch is split
-    along `data`. The metrics of `config.test_set_metrics` follow the means, computed from
-    every prediction (an Ensemble's members' as `<name>/k`). No examples give NaN metrics.
-    """
+    The images reach the devices a call at a time (`test_calls`, `batch_size` default the
+    config's). The metrics of `config.test_set_metrics` follow, from every prediction (an
+    Ensemble's members' as `<name>/k`). No examples give NaN metrics."""
     frozen = ml_collections.FrozenConfigDict(config)
-    batch_size = batch_size or config.batch_size
-    num_batches = -(-len(labels) // batch_size)
-    calls, per_call = _calls(num_batches, batch_size)
-    outputs = []
-    for call in range(calls):
-        first = call * per_call * batch_size
-        end = first + per_call * batch_size
-        chunk = (images[first:end], labels[first:end])
-        x, y, mask = input_pipeline.padded_batches(*chunk, batch_size, per_call)
-        if mesh is None:
-            placed = (jnp.asarray(x), jnp.asarray(y), jnp.asarray(mask))
-        else:
-            placed = device_batches.shard_batches((x, y, mask), mesh)
-        outputs.append(evaluate_batches(model, *placed, frozen))
+    calls = test_calls(images, labels, batch_size or config.batch_size, mesh)
+    outputs = [evaluate_batches(model, *placed, frozen) for placed in calls]
+    return summarize(outputs, labels, config, num_classes(model, images, config))
+
+
+def num_classes(
+    model: nnx.Module, images: np.ndarray, config: ml_collections.ConfigDict
+) -> int | None:
+    """The model's number of classes where `config.test_set_metrics` needs it (else None)."""
+    if not test_set_metric_names(config):
+        return None
+    image = jax.ShapeDtypeStruct((1, *images.shape[1:]), jnp.float32)
+    return nnx.eval_shape(lambda m, x: m(x), model, image).shape[-1]
+
+
+def summarize(
+    outputs: list, labels: np.ndarray, config: ml_collections.ConfigDict, classes: int | None
+) -> dict[str, Any]:
+    """`evaluate`'s result from `evaluate_batches`'s outputs of each call (this waits for them
+    to reach the host); `classes`: `num_classes`'s."""
     outputs = parallel.to_host(outputs)
+    batch_size = outputs[0][1].shape[-1] if outputs else 1
+    num_batches = -(-len(labels) // batch_size)
     batch_sums = {
         name: np.concatenate([sums[name] for sums, *_ in outputs] or [np.zeros(0)])[:num_batches]
         for name in (outputs[0][0] if outputs else {COUNT: None})
@@ -114,31 +139,29 @@ def evaluate(
     predictions = predictions[: len(labels)]
     return {
         **means(batch_sums),
-        **whole_set_metrics(model, images, labels, predictions, outputs, config),
+        **whole_set_metrics(labels, predictions, outputs, config, classes),
         "predictions": predictions,
         "batch_sums": batch_sums,
     }
 
 
 def whole_set_metrics(
-    model: nnx.Module,
-    images: np.ndarray,
     labels: np.ndarray,
     predictions: np.ndarray,
-    outputs: list[tuple[Any, Any, Any]],
+    outputs: list,
     config: ml_collections.ConfigDict,
+    classes: int | None,
 ) -> dict[str, float]:
-    """`config.test_set_metrics` of the predictions, and of each member's for an Ensemble
-    (`outputs`: `evaluate_batches`'s per call); {} when it names none or there are no labels."""
+    """`config.test_set_metrics` of the predictions over `classes` classes, and of each
+    member's for an Ensemble (`outputs`: `evaluate_batches`'s per call, on the host); {} when
+    it names none or there are no labels."""
     names = test_set_metric_names(config)
     if not names or not len(labels):
         return {}
-    image = jax.ShapeDtypeStruct((1, *images.shape[1:]), jnp.float32)
-    num_classes = nnx.eval_shape(lambda m, x: m(x), model, image).shape[-1]
-    columns = task.test_set_metrics(names, labels, predictions, num_classes)
-    if isinstance(model, ensemble.Ensemble):  # (K, members, B) per call -> (members, N)
+    columns = task.test_set_metrics(names, labels, predictions, classes)
+    if outputs[0][2] is not None:  # an Ensemble's: (K, members, B) per call -> (members, N)
         each = np.concatenate([np.concatenate(list(p), axis=1) for *_, p in outputs], axis=1)
         for k, member in enumerate(each[:, : len(labels)]):
-            found = task.test_set_metrics(names, labels, member, num_classes)
+            found = task.test_set_metrics(names, labels, member, classes)
             columns |= {ensemble.member_column(n, k): v for n, v in found.items()}
     return columns

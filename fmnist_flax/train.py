@@ -28,6 +28,7 @@ from flax import nnx
 from fmnist_flax import (
     api,  # noqa: F401  (hands the template's parts to runtime.inference)
     datasets,
+    evaluate,
     experiment,
     input_pipeline,
     task,
@@ -393,7 +394,11 @@ def ema_test_metrics(run: experiment.Run, model: nnx.Module) -> dict[str, float]
     the run keeps none."""
     if not run.config.ema.decay:
         return {}
-    full = experiment.evaluate_test(run, ema.averaged(model))
+    return ema_columns(experiment.evaluate_test(run, ema.averaged(model)))
+
+
+def ema_columns(full: dict[str, Any]) -> dict[str, float]:
+    """An evaluation of the EMA as a row's columns: test_ema_loss, test_ema_accuracy, ..."""
     tested = experiment.test_metrics(full).items()
     return {ema.TEST_PREFIX + k.removeprefix("test_"): v for k, v in tested}
 
@@ -452,20 +457,75 @@ def finished_summary(
     return None
 
 
-def evaluate_during_training(
-    run: experiment.Run, model: nnx.Module, optimizer: nnx.Optimizer, state: Any, step: int
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Evaluate the newest state `state` on the test set at `step`, its time counted in
-    `run.eval_seconds`; returns the row's test metrics and, among them, the EMA's."""
-    began = time.perf_counter()
-    nnx.update((model, optimizer), state)
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def test_outputs(
+    graphdef: nnx.GraphDef, config: Config, state: Any, *call: jax.Array
+) -> list[tuple[Any, Any, Any]]:
+    """`evaluate.evaluate_batches`'s outputs for one call of the test set (`call`: images,
+    labels, mask) of the model in `state` (`split_state`'s) and, with an EMA, of its EMA."""
+    model, _ = nnx.merge(graphdef, state)
     model.eval()
-    full = experiment.evaluate_test(run, model)
-    averaged = ema_test_metrics(run, model)
-    model.train()
-    run.evaluation = (step, full)
-    run.eval_seconds += time.perf_counter() - began
-    return experiment.test_metrics(full) | averaged, averaged
+    models = [model, ema.averaged(model)] if config.ema.decay else [model]
+    return [evaluate.evaluate_batches(m, *call, config) for m in models]
+
+
+class Evaluations:
+    """The test-set evaluations during training, each of the newest state.
+
+    The loop waits for one whose metrics something needs at once (a save, `keep_best`, an
+    after-evaluation hook) and for the first (it compiles): its time is left out of the
+    training rate (`run.eval_seconds`), and the model is brought up to date for the hooks.
+    With `overlap` (an accelerator) the others are only queued on the devices between
+    training's calls, on the test set kept there: the chip does not idle while the host
+    looks, the metrics reach the host on the metrics writer's thread, and their time counts
+    as training's."""
+
+    def __init__(
+        self, run: experiment.Run, model: nnx.Module, optimizer: nnx.Optimizer, overlap: bool
+    ):
+        self.run, self.model, self.optimizer, self.overlap = run, model, optimizer, overlap
+        self.config = config = Config(run.config)
+        self.test = experiment.test_set(run)
+        self.classes = evaluate.num_classes(model, self.test[0], config)
+        self.resident: list[tuple[jax.Array, ...]] | None = None  # the test set's calls
+        self.averaged: dict[str, float] = {}  # the EMA's metrics at the last one waited for
+        self.graphdef, _ = split_state(model, optimizer)
+
+    def evaluate(
+        self, step: int, state: Any, writer: metrics_writer.MetricsWriter, wait: bool
+    ) -> metrics_writer.Tested:
+        """The test metrics of `state` at `step` (the EMA's among them); or, where the loop
+        does not need them now (`wait` False) and they may overlap training (`overlap`, not
+        the first), a function that waits for them."""
+        wait = wait or not self.overlap or self.resident is None
+        began = time.perf_counter()
+        if wait:
+            jax.block_until_ready(state)  # training's own asynchronous work is done
+            writer.wait_timed()  # the rows before are timed before the evaluation
+            began = time.perf_counter()
+            nnx.update((self.model, self.optimizer), state)  # what the hooks see
+        images, labels = self.test
+        mesh = self.run.device_data.mesh
+        calls = self.resident or evaluate.test_calls(images, labels, self.config.batch_size, mesh)
+        if self.overlap and self.resident is None:
+            calls = self.resident = list(calls)
+        pending = [test_outputs(self.graphdef, self.config, state, *call) for call in calls]
+
+        def metrics() -> dict[str, float]:
+            full, *of_ema = [
+                evaluate.summarize(list(each), labels, self.config, self.classes)
+                for each in zip(*pending, strict=True)
+            ]
+            averaged = ema_columns(of_ema[0]) if of_ema else {}
+            if wait:
+                self.run.evaluation, self.averaged = (step, full), averaged
+            return experiment.test_metrics(full) | averaged
+
+        if not wait:
+            return metrics
+        tested = metrics()
+        self.run.eval_seconds += time.perf_counter() - began
+        return tested
 
 
 def finish(
@@ -573,7 +633,7 @@ def train_and_evaluate(
         _, state = split_state(model, optimizer)  # as the extensions left it
         step = start_step
         clock = None  # (time, step) once the first call, which compiles, is done
-        averaged = {}  # the EMA's test metrics at the newest evaluation
+        evaluations = Evaluations(run, model, optimizer, overlap=schedule.accelerated)
         # Examples/sec counts every model's: an ensemble of 8 at 1x does the work of 8 runs.
         per_step = device_data.examples_per_step * config.ensemble.size
         writer = metrics_writer.MetricsWriter(
@@ -608,23 +668,19 @@ def train_and_evaluate(
                 # Where the host looks. A signal to any process stops all of them at the same
                 # step (saving is collective).
                 signum = stop.requested
-                testing = schedule.evaluates(step)
+                saving = schedule.saves(step, signum, checkpoints) or step == end
                 tested = {}
-                if testing:
-                    jax.block_until_ready(state)  # training's own asynchronous work is done
-                    writer.wait_timed()  # the rows before are timed before the evaluation
-                    tested, averaged = evaluate_during_training(run, model, optimizer, state, step)
+                if schedule.evaluates(step):
+                    # Waited for where its metrics are needed now; else queued on the devices.
+                    wait = saving or config.keep_best or bool(AFTER_EVALUATION)
+                    tested = evaluations.evaluate(step, state, writer, wait)
                     if any([hook(step, tested, run) for hook in AFTER_EVALUATION]):
                         end = step  # an early stop: saved below, and kept on resume
                 # Written by the writer's thread while the next chunks run.
                 writer.write(step, rows, run.eval_seconds, tested)
 
                 # Save: at the end, on a signal, when due; with keep_best, at each evaluation.
-                if (
-                    schedule.saves(step, signum, checkpoints)
-                    or step == end
-                    or (tested and config.keep_best)
-                ):
+                if saving or step == end or (tested and config.keep_best):
                     writer.flush()
                     progress = schedule.progress(step) | batches.state() | writer.state()
                     if step == end < config.steps:
@@ -646,4 +702,4 @@ def train_and_evaluate(
             run.examples_per_sec = (step - clock[1]) * per_step / seconds
         if end < config.steps:
             run.summary[STOPPED_AT] = end
-        return finish(run, extensions, stop, averaged, wall_start)
+        return finish(run, extensions, stop, evaluations.averaged, wall_start)

@@ -239,6 +239,39 @@ def short_run(quick_config, workdir, fields=None):
     return train.train_and_evaluate(quick_config, workdir)
 
 
+class AcceleratorSchedule(Schedule):
+    """What the loop does on a TPU or GPU, on this CPU."""
+
+    def __init__(self, config, batches_per_epoch, platform="cpu"):
+        super().__init__(config, batches_per_epoch, "tpu")
+
+
+def test_on_an_accelerator_evaluations_overlap_training_with_the_same_rows(
+    quick_config, tmp_path, monkeypatch
+):
+    """With an accelerator's schedule the evaluations nothing waits for (not the first, which
+    compiles, nor the last, which is saved) reach the writer as functions that wait for their
+    metrics on its thread; every row and the final state are the same as the CPU's loop's."""
+    handed = {}
+    write = metrics_writer.MetricsWriter.write
+
+    def spy(self, step, rows, eval_seconds, tested=None):
+        if tested:
+            handed[step] = callable(tested)
+        return write(self, step, rows, eval_seconds, tested)
+
+    monkeypatch.setattr(metrics_writer.MetricsWriter, "write", spy)
+    quick_config.eval_every = 15
+    cpu = short_run(quick_config, tmp_path / "cpu", {"steps": 60, "log_every": 10})
+    assert handed == {15: False, 30: False, 45: False, 60: False}
+    monkeypatch.setattr(train, "Schedule", AcceleratorSchedule)
+    tpu = short_run(quick_config, tmp_path / "tpu", {"steps": 60, "log_every": 10})
+    assert handed == {15: False, 30: True, 45: True, 60: False}
+    assert rows_of(tmp_path / "tpu") == rows_of(tmp_path / "cpu")
+    assert [r["step"] for r in rows_of(tmp_path / "cpu") if "test_loss" in r] == [15, 30, 45, 60]
+    assert tpu["test_accuracy"] == cpu["test_accuracy"]
+
+
 def test_an_after_evaluation_hook_ends_the_run_and_a_resume_stays_there(
     quick_config, tmp_path, monkeypatch
 ):

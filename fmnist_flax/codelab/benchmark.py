@@ -662,9 +662,9 @@ def whole_loop(
     steps: int,
     repeats: int = 3,
 ) -> dict[str, Any]:
-    """`train.train_and_evaluate` (the loop main.py runs: logging, the checkpoint policy; its
-    evaluations' time left out of its rate, as in summary.json) and the fused path, alternated
-    in this process: each one's median examples/s and the median of their ratios."""
+    """`train.train_and_evaluate` (the loop main.py runs: logging, the checkpoint policy; the
+    evaluations it waits for left out of its rate, as in summary.json) and the fused path,
+    alternated in this process: each one's median examples/s and the median of their ratios."""
     run_config = ml_collections.ConfigDict(config.to_dict())
     run_config.update(steps=steps, report="none")
     loops, fused, ratios = [], [], []

@@ -33,6 +33,9 @@ Metrics = dict[str, jax.Array]
 # row's steps and the row's last `grad_norm`, slot j on their last axis), the step before the
 # first row.
 Parts = tuple[list[int], Metrics, int]
+# The test metrics at a row's step: a dict, or a function that waits for them (an evaluation
+# still running on the devices), called on the writer's thread.
+Tested = dict[str, float] | Callable[[], dict[str, float]] | None
 
 
 class RunningRow:
@@ -158,7 +161,7 @@ class MetricsWriter:
         step: int,
         rows: Metrics,
         eval_seconds: float,
-        tested: dict[str, float] | None = None,
+        tested: Tested = None,
     ) -> None:
         """Log the rows that training up to `step` ended since the last one written (the last
         call's `rows`: none, or several on an accelerator), the last with the test metrics
@@ -177,7 +180,7 @@ class MetricsWriter:
         self,
         parts: Parts,
         eval_seconds: float,
-        tested: dict[str, float] | None = None,
+        tested: Tested = None,
     ) -> None:
         """Log the rows of `parts` (`RunningRow.take`) without waiting for their values, the
         last with the test metrics evaluated at its step (`tested`); `eval_seconds`: the run's
@@ -214,7 +217,7 @@ class MetricsWriter:
         self,
         parts: Parts,
         eval_seconds: float,
-        tested: dict[str, float] | None,
+        tested: Tested,
     ) -> None:
         """Write a row, or skip it once the run has failed; either way it counts as timed
         and handled, so no wait for it outlasts a failure."""
@@ -235,14 +238,14 @@ class MetricsWriter:
         self,
         parts: Parts,
         eval_seconds: float,
-        tested: dict[str, float] | None,
+        tested: Tested,
     ) -> None:
         rows = host_rows(*parts)
         now = time.perf_counter()  # their values are on the host: the rows' time
         with self.timing:
             self.timed = rows[-1]["step"]
             self.timing.notify_all()
-        rows[-1] |= tested or {}
+        rows[-1] |= (tested() if callable(tested) else tested) or {}
         # Rows that reach the host together share their rate: their steps over the time since
         # the rows before, evaluations left out.
         seconds = now - self.last_time - (eval_seconds - self.last_eval)

@@ -39,8 +39,8 @@ class Run:
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)  # extensions' entries
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
     examples_per_sec: float = float("nan")
-    evaluation: tuple[int, dict[str, Any]] | None = None  # the newest (step, full evaluation)
-    eval_seconds: float = 0.0  # spent evaluating during training, outside examples_per_sec
+    evaluation: tuple[int, dict[str, Any]] | None = None  # newest waited for: (step, full one)
+    eval_seconds: float = 0.0  # waited for evaluations in training, outside examples_per_sec
     painter: report.Painter | None = None  # draws the figures where this process reports
 
     @property

@@ -3,7 +3,7 @@ row, evaluate on the test set, save a checkpoint; and where the data order stand
 
 API: `Schedule(config, batches_per_epoch, platform)` with `next_stop(step, most)`,
 `evaluates(step)`, `writes_row(step)`, `row_steps(after, step)`, `saves(step, signum,
-checkpoints)`, `eval_period`, `rows_per_call` and `progress(step)`.
+checkpoints)`, `eval_period`, `accelerated`, `rows_per_call` and `progress(step)`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ class Schedule:
         # Steps between test-set evaluations: `eval_every`, or an epoch when it is 0.
         self.eval_period = config.eval_every or batches_per_epoch
         fused_device = config.fused_steps and config.input_pipeline == "device"
-        self.rows_per_call = ROWS_PER_CALL if platform != "cpu" and fused_device else 1
+        self.accelerated = platform != "cpu" and fused_device
+        self.rows_per_call = ROWS_PER_CALL if self.accelerated else 1
 
     def _key(self) -> tuple[int, ...]:
         c = self.config

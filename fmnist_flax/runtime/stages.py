@@ -165,8 +165,8 @@ def show_training(run: Run) -> None:
     )
     run.note(
         "Training",
-        f"{len(tested)} test-set evaluations during training took {run.eval_seconds:.1f} s, "
-        "not counted in the examples/sec above.",
+        f"{len(tested)} test-set evaluations during training; the {run.eval_seconds:.1f} s the "
+        "loop waited for them are not counted in the examples/sec above.",
     )
 
 
