@@ -70,6 +70,9 @@ def quiet_orbax() -> None:
 # The longest tests, started before every other: most wait on 8 virtual devices or on a second
 # process more than they compute, so they run beside the other worker's short tests instead of
 # beside each other at the end, where one would hold its worker while the other is idle.
+# The one that runs a copy's fast tier comes last of them: with -n 2 the other worker runs the
+# fast tier meanwhile, filling the shared compilation cache the copy's tier reads (its entries
+# do not depend on the source's path), and that tier then compiles little.
 LONGEST = (
     "test_model_parallel_trains_like_one_device_and_moves_between_meshes",
     "test_eight_devices_train_like_one_and_arrays_are_really_sharded",
@@ -78,9 +81,9 @@ LONGEST = (
     "test_two_processes_killed_at_once_resume_from_records_exactly",
     "test_a_shard_only_one_process_can_read_stops_both_with_what_to_do",
     "test_the_model_parallel_recipe_trains_like_one_device_and_moves_between_meshes",
-    "test_deleting_the_demonstrations_leaves_a_working_trainer_and_a_passing_fast_tier",
     "test_small_mode_prints_the_table_and_the_benchmark_writes_every_field",
     "test_a_signal_between_one_step_calls_saves_that_step_and_resumes_exactly",
+    "test_deleting_the_demonstrations_leaves_a_working_trainer_and_a_passing_fast_tier",
 )
 
 
