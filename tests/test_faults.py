@@ -731,21 +731,13 @@ TOO_LARGE = {
 def run_capped(
     workdir: pathlib.Path, *flags: str
 ) -> tuple[subprocess.CompletedProcess, int, float]:
-    """main.py with its data capped at DATA_LIMIT: the result, the child's own peak RSS in
-    bytes and its seconds."""
+    """main.py with its data capped at DATA_LIMIT: the result, its own peak RSS in bytes (not
+    the pytest worker's, which Linux would count as the child's) and its seconds."""
 
     def cap_data() -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (DATA_LIMIT, DATA_LIMIT))
 
-    began = time.monotonic()
-    process = start(workdir, *flags, preexec_fn=cap_data)
-    stderr = process.stderr.read()
-    _, status, usage = os.wait4(process.pid, 0)  # this child's own peak RSS
-    seconds = time.monotonic() - began
-    process.returncode = os.waitstatus_to_exitcode(status)  # reaped: Popen must not wait
-    process.stderr.close()
-    result = subprocess.CompletedProcess(process.args, process.returncode, "", stderr)
-    return result, usage.ru_maxrss * 1024, seconds
+    return run_main_measured(f"--workdir={workdir}", *flags, preexec_fn=cap_data)
 
 
 @pytest.mark.parametrize("flag", list(TOO_LARGE))
