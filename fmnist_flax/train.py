@@ -652,7 +652,7 @@ def train_and_evaluate(
             while step < end:
                 # A call runs at most about half a second (`stop.steps_per_call`, timed), and
                 # the host looks for a signal after each, not only at the next logged step.
-                next_stop = schedule.next_stop(step, stop.steps_per_call)
+                next_stop = schedule.next_stop(step, stop.steps_per_call, checkpoints)
                 # Each call: images, labels, order, first batch index, count, first step.
                 for call in batches.chunks(step, next_stop):
                     state, writer.sums, rows = train_chunk(state, writer.sums, *call, aug_key)

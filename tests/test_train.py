@@ -16,7 +16,14 @@ from flax import nnx
 
 from fmnist_flax import input_pipeline, train
 from fmnist_flax.model import MLP, create_model
-from fmnist_flax.runtime import device_batches, ensemble, metrics_writer, parallel, stopping
+from fmnist_flax.runtime import (
+    checkpoint,
+    device_batches,
+    ensemble,
+    metrics_writer,
+    parallel,
+    stopping,
+)
 from fmnist_flax.runtime.errors import UserError
 from fmnist_flax.runtime.schedule import Schedule
 
@@ -213,6 +220,21 @@ def test_chunks_stop_at_log_checkpoint_and_epoch_boundaries(quick_config):
     assert stops[:6] == [1, 25, 50, 75, 100, 117]
     assert 234 in stops and 351 in stops and stops[-1] == 400
     assert all(s % 25 == 0 or s % 117 == 0 or s == 1 for s in stops)
+
+
+def test_a_checkpoint_step_is_a_stop_only_where_a_save_is_due(quick_config, tmp_path):
+    """On the way to the next stop a checkpoint step is one only where a save is due as far as
+    can be told: with a time floor not yet passed, the call runs on to the logged step."""
+    quick_config.steps, quick_config.log_every, quick_config.checkpoint_every = 1000, 500, 100
+    schedule, stops = Schedule(quick_config, 1000), {}
+    for floor in (0.0, 3600.0):
+        saves = checkpoint.Checkpoints(
+            tmp_path / str(floor), max_to_keep=1, min_interval_secs=floor
+        )
+        stops[floor] = schedule.next_stop(150, None, saves)
+        saves.close()
+    assert stops == {0.0: 200, 3600.0: 500}
+    assert schedule.next_stop(150) == 200  # no checkpoints: every checkpoint step
 
 
 @pytest.mark.parametrize(("eval_every", "evaluated"), [(0, [117, 234, 351, 400]), (60, None)])

@@ -1,7 +1,7 @@
 """When the training loop's host looks between compiled chunks, and what it does there: log a
 row, evaluate on the test set, save a checkpoint; and where the data order stands at a step.
 
-API: `Schedule(config, batches_per_epoch, platform)` with `next_stop(step, most)`,
+API: `Schedule(config, batches_per_epoch, platform)` with `next_stop(step, most, checkpoints)`,
 `evaluates(step)`, `writes_row(step)`, `row_steps(after, step)`, `saves(step, signum,
 checkpoints)`, `eval_period`, `accelerated`, `rows_per_call` and `progress(step)`.
 """
@@ -47,18 +47,29 @@ class Schedule:
     def __hash__(self) -> int:
         return hash(self._key())
 
-    def next_stop(self, step: int, most: int | None = None) -> int:
+    def next_stop(
+        self,
+        step: int,
+        most: int | None = None,
+        checkpoints: checkpoint_lib.Checkpoints | None = None,
+    ) -> int:
         """The next step where the host must look: a logged step (on an accelerator, the
-        `rows_per_call`-th after `step`), a checkpoint or evaluation step, an epoch's end, the
-        end; at most `most` steps on (None: no bound)."""
+        `rows_per_call`-th after `step`), an evaluation step, an epoch's end, the end, a
+        checkpoint step (with `checkpoints`, only where a save is due, as far as can be told
+        now); at most `most` steps on (None: no bound)."""
         if step == 0:
             return 1  # step 1 is logged (and compiles the chunk)
         config = self.config
-        periods = (config.checkpoint_every, self.batches_per_epoch, self.eval_period)
-        stops = [(step // every + 1) * every for every in periods]
+        stops = [
+            (step // every + 1) * every for every in (self.batches_per_epoch, self.eval_period)
+        ]
         # The `rows_per_call`-th logged step: at most that many rows end in one call.
         rows = (step // config.log_every + self.rows_per_call) * config.log_every
-        return min(*stops, rows, config.steps, step + (most or config.steps))
+        nearest = min(*stops, rows, config.steps, step + (most or config.steps))
+        save = (step // config.checkpoint_every + 1) * config.checkpoint_every
+        if save < nearest and (checkpoints is None or checkpoints.due(save)):
+            return save
+        return nearest
 
     def writes_row(self, step: Any) -> Any:
         """Whether a row is logged at `step` (a logged or evaluated step): a Python int, or a
