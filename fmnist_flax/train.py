@@ -457,16 +457,20 @@ def finished_summary(
     return None
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def test_outputs(
-    graphdef: nnx.GraphDef, config: Config, state: Any, *call: jax.Array
-) -> list[tuple[Any, Any, Any]]:
-    """`evaluate.evaluate_batches`'s outputs for one call of the test set (`call`: images,
-    labels, mask) of the model in `state` (`split_state`'s) and, with an EMA, of its EMA."""
-    model, _ = nnx.merge(graphdef, state)
-    model.eval()
-    models = [model, ema.averaged(model)] if config.ema.decay else [model]
-    return [evaluate.evaluate_batches(m, *call, config) for m in models]
+@functools.lru_cache(maxsize=8)
+def test_program(graphdef: nnx.GraphDef, config: Config) -> Callable[..., list[tuple]]:
+    """`outputs(state, images, labels, mask)`, compiled: `evaluate.evaluate_batches`'s outputs
+    for a call of the test set of the model in `state` (`split_state`'s) and, with an EMA, of
+    its EMA. One per model graph and config, so a call hashes neither."""
+
+    @jax.jit
+    def outputs(state: Any, *call: jax.Array) -> list[tuple]:
+        model, _ = nnx.merge(graphdef, state)
+        model.eval()
+        models = [model, ema.averaged(model)] if config.ema.decay else [model]
+        return [evaluate.evaluate_batches(m, *call, config) for m in models]
+
+    return outputs
 
 
 class Evaluations:
@@ -489,7 +493,7 @@ class Evaluations:
         self.classes = evaluate.num_classes(model, self.test[0], config)
         self.resident: list[tuple[jax.Array, ...]] | None = None  # the test set's calls
         self.averaged: dict[str, float] = {}  # the EMA's metrics at the last one waited for
-        self.graphdef, _ = split_state(model, optimizer)
+        self.outputs = test_program(split_state(model, optimizer)[0], config)
 
     def evaluate(
         self, step: int, state: Any, writer: metrics_writer.MetricsWriter, wait: bool
@@ -509,7 +513,7 @@ class Evaluations:
         calls = self.resident or evaluate.test_calls(images, labels, self.config.batch_size, mesh)
         if self.overlap and self.resident is None:
             calls = self.resident = list(calls)
-        pending = [test_outputs(self.graphdef, self.config, state, *call) for call in calls]
+        pending = [self.outputs(state, *call) for call in calls]
 
         def metrics() -> dict[str, float]:
             full, *of_ema = [
