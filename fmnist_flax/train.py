@@ -516,9 +516,12 @@ class Evaluations:
         pending = [self.outputs(state, *call) for call in calls]
 
         def metrics() -> dict[str, float]:
+            per_model = (
+                zip(*pending, strict=True) if pending else [()] * (1 + bool(self.config.ema.decay))
+            )
             full, *of_ema = [
                 evaluate.summarize(list(each), labels, self.config, self.classes)
-                for each in zip(*pending, strict=True)
+                for each in per_model
             ]
             averaged = ema_columns(of_ema[0]) if of_ema else {}
             if wait:
