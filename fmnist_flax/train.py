@@ -487,11 +487,16 @@ class Evaluations:
     def __init__(
         self, run: experiment.Run, model: nnx.Module, optimizer: nnx.Optimizer, overlap: bool
     ):
-        self.run, self.model, self.optimizer, self.overlap = run, model, optimizer, overlap
+        self.run, self.model, self.optimizer = run, model, optimizer
         self.config = config = Config(run.config)
         self.test = experiment.test_set(run)
         self.classes = evaluate.num_classes(model, self.test[0], config)
-        self.resident: list[tuple[jax.Array, ...]] | None = None  # the test set's calls
+        mesh = run.device_data.mesh
+        # With `overlap`, the test set's calls placed on the devices once.
+        self.resident = (
+            list(evaluate.test_calls(*self.test, config.batch_size, mesh)) if overlap else None
+        )
+        self.compiled = False  # the first evaluation compiles `outputs`
         self.averaged: dict[str, float] = {}  # the EMA's metrics at the last one waited for
         self.outputs = test_program(split_state(model, optimizer)[0], config)
 
@@ -501,7 +506,8 @@ class Evaluations:
         """The test metrics of `state` at `step` (the EMA's among them); or, where the loop
         does not need them now (`wait` False) and they may overlap training (`overlap`, not
         the first), a function that waits for them."""
-        wait = wait or not self.overlap or self.resident is None
+        wait = wait or self.resident is None or not self.compiled
+        self.compiled = True
         began = time.perf_counter()
         if wait:
             jax.block_until_ready(state)  # training's own asynchronous work is done
@@ -511,8 +517,6 @@ class Evaluations:
         images, labels = self.test
         mesh = self.run.device_data.mesh
         calls = self.resident or evaluate.test_calls(images, labels, self.config.batch_size, mesh)
-        if self.overlap and self.resident is None:
-            calls = self.resident = list(calls)
         pending = [self.outputs(state, *call) for call in calls]
 
         def metrics() -> dict[str, float]:

@@ -52,7 +52,6 @@ class Stop:
         # the call after the compiling one is timed, as a first call of many slow steps would
         # keep a signal waiting.
         self.steps_per_call: int | None = 1 if jax.process_count() == 1 else None
-        self._timed = False
 
     def __enter__(self) -> Stop:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -78,7 +77,7 @@ class Stop:
         self._in_flight.append((output, reached))
         while len(self._in_flight) > 1 and self._queued_seconds(reached) > QUEUED_SECONDS:
             self._wait(*self._in_flight.popleft())
-        if not self._timed and self._ended is not None:  # the call after the compiling one
+        if self._step_seconds is None and self._ended is not None:  # after the compiling one
             self._wait(output, reached, busy=True)
             self._in_flight.clear()
         return reached if self.signum else None
@@ -101,7 +100,6 @@ class Stop:
         if busy and self._ended is not None and ended > self._ended[0]:
             self._step_seconds = (now - self._ended[1]) / (ended - self._ended[0])
             self.steps_per_call = max(1, int(CALL_SECONDS / self._step_seconds))
-            self._timed = True
         self._done = ended
         if busy or self._ended is None:
             self._ended = (ended, now)
