@@ -154,8 +154,8 @@ def test_progress_on_a_terminal_fits_its_width_and_keeps_the_newest_test_metrics
         monkeypatch.setenv("COLUMNS", str(columns))
         stream = Terminal()
         bar = ProgressBar(400, stream, examples_per_step=512)
-        bar.update(row | tested, 15_000.0)
-        bar.update(row | {"step": 225}, 15_000.0)
+        bar.update(row | tested, examples_per_sec=15_000.0)
+        bar.update(row | {"step": 225}, examples_per_sec=15_000.0)
         bar.close()
         drawn = [line.replace("\x1b[K", "") for line in stream.getvalue().split("\r")[1:]]
         assert all(len(line.strip()) < columns for line in drawn), drawn
@@ -182,7 +182,7 @@ def test_progress_on_a_terminal_moves_between_rows_and_a_log_file_gets_rows_only
     for stream in (Terminal(), io.StringIO()):
         bar = ProgressBar(400, stream, examples_per_step=512)
         bar.tick(50)  # nothing drawn before the first row
-        bar.update(row, 10_240.0)
+        bar.update(row, examples_per_sec=10_240.0)
         bar.tick(300)
         bar.close()
         drawn = stream.getvalue()

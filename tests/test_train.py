@@ -403,8 +403,8 @@ def test_an_evaluation_waits_for_the_rows_before_to_be_timed_not_written(tmp_pat
     sums = {"loss": jax.numpy.float32(2.0), "accuracy": jax.numpy.float32(1.0)}
     release = threading.Event()
     with metrics_writer.MetricsWriter(tmp_path, quick_config, 0, 512, checkpoints, 0.1) as log:
-        write = log._write_row
-        log._write_row = lambda *args: (release.wait(), write(*args))  # a writer held up
+        write = log._write_rows
+        log._write_rows = lambda *args: (release.wait(), write(*args))  # a writer held up
         log.submit(parts(25, sums, 25), 0.0)
         waiter = threading.Thread(target=log.wait_timed)
         waiter.start()

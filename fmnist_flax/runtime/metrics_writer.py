@@ -83,6 +83,11 @@ def host_rows(steps: list[int], rows: Metrics, start: int) -> list[dict[str, flo
     return written
 
 
+def _computed(item: tuple) -> bool:
+    """Whether a handed-over item's rows are computed (fetching them would not wait)."""
+    return all(x.is_ready() for x in jax.tree.leaves(item[0][1]) if isinstance(x, jax.Array))
+
+
 WAIT_SLICE = 0.1  # seconds between looks of a wait for the metrics writer
 TICK_SECONDS = 1.0  # the progress line moves at least this often between rows, on a terminal
 
@@ -194,23 +199,32 @@ class MetricsWriter:
         self.host_seconds += time.perf_counter() - began
 
     def _write_submitted(self) -> None:
-        """The writer thread. The rows handed over while it wrote the ones before are fetched
-        together, one wait for all of them: on an accelerator a call's rows come every few
-        milliseconds, and each fetch takes the GIL that the loop dispatches with."""
-        items = []
-        while None not in items:
-            items = [self.queue.get()]
+        """The writer thread. It fetches the oldest rows handed over together with the later
+        ones already computed: one wait a fetch, and the rows are written as the calls end.
+        (Fetching the whole backlog at once would wait for the newest call, leaving every row
+        and evaluation to be written after training, with the loop waiting for them.)"""
+        pending: list = []  # handed over, not yet written, oldest first; None: the end
+        while True:
+            if not pending:
+                pending.append(self.queue.get())
             while not self.queue.empty():
-                items.append(self.queue.get_nowait())
-            waiting = items[: items.index(None)] if None in items else items
-            if ticks := [item for item in waiting if isinstance(item, int)]:
+                pending.append(self.queue.get_nowait())
+            if ticks := [item for item in pending if isinstance(item, int)]:
                 self.progress.tick(ticks[-1])
-            waiting = [item for item in waiting if not isinstance(item, int)]
+            pending = [item for item in pending if not isinstance(item, int)]
+            if not pending:
+                continue
+            if pending[0] is None:
+                return
+            ready = 1
+            while ready < len(pending) and pending[ready] is not None and _computed(pending[ready]):
+                ready += 1
+            batch, pending = pending[:ready], pending[ready:]
             try:
-                fetched = parallel.to_host([parts[1] for parts, *_ in waiting])
+                fetched = parallel.to_host([parts[1] for parts, *_ in batch])
             except Exception:  # each row's own fetch then reports it
-                fetched = [parts[1] for parts, *_ in waiting]
-            for ((steps, _, start), *rest), rows in zip(waiting, fetched, strict=True):
+                fetched = [parts[1] for parts, *_ in batch]
+            for ((steps, _, start), *rest), rows in zip(batch, fetched, strict=True):
                 self._handle((steps, rows, start), *rest)
 
     def _handle(
@@ -252,11 +266,14 @@ class MetricsWriter:
         rate = (rows[-1]["step"] - self.last_step) * self.per_step / seconds
         first = self.last_step == self.start_step  # its interval includes the compilation
         self.last_time, self.last_eval = now, eval_seconds
+        finite = []
         for row in rows:
             if not np.isfinite(row["loss"]):
                 self.failure = (row["loss"], row["step"])
-                return
-            self._write_row(row, None if first else rate)
+                break
+            finite.append(row)
+        if finite:
+            self._write_rows(finite, None if first else rate)
 
     def check(self) -> None:
         """Stop the run if a row written so far had a non-finite loss (or could not be
@@ -290,13 +307,14 @@ class MetricsWriter:
                     return
                 self.timing.wait(WAIT_SLICE)
 
-    def _write_row(self, row: dict[str, float], rate: float | None) -> None:
-        """Log a finite `row` trained at `rate` examples/s (None: unknown)."""
-        self.last_step = self.last_finite = row["step"]
+    def _write_rows(self, rows: list[dict[str, float]], rate: float | None) -> None:
+        """Log finite `rows` trained at `rate` examples/s (None: unknown): one write to each
+        output for them all, as each write waits for the GIL the loop dispatches with."""
+        self.last_step = self.last_finite = rows[-1]["step"]
         if self.primary:
-            self.metrics.write(row)
-            self.board.write(row, rate)
-            self.progress.update(row, rate)
+            self.metrics.write(*rows)
+            self.board.write(*rows, examples_per_sec=rate)
+            self.progress.update(*rows, examples_per_sec=rate)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint's progress item keeps of the running row."""

@@ -2,14 +2,14 @@
 examples/sec and the config, under <workdir>/tensorboard (process 0 writes them).
 
 `tensorboard --logdir runs` shows every run under runs/ side by side. The events are built
-with tensorboardX's protos and written here, synchronously and unbuffered, one record per
+with tensorboardX's protos and written here, synchronously and unbuffered, one write per
 `write` call (a row's scalars in one event): a full disk or a file where the directory
 should be is an OSError at once, in the thread that writes the row (the metrics writer's;
 no tensorboardX writer thread to die and block it), and every event written before a kill
 is in the file. Each start writes a purge marker, so TensorBoard drops the events a killed
 run logged past the checkpoint this one resumes from: one event per tag and step.
 
-API: `Summaries(workdir, config, start_step, schedule)` with `write(row)` and `close()`;
+API: `Summaries(workdir, config, start_step, schedule)` with `write(*rows)` and `close()`;
 `write_members`.
 """
 
@@ -104,10 +104,10 @@ class Summaries:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW
         self._fd = os.open(self.path, flags, 0o666)
 
-    def _write(self, event: Event) -> None:
+    def _write(self, *events: Event) -> None:
         if self._fd is None:
             return
-        data = record(event.SerializeToString())
+        data = b"".join(record(event.SerializeToString()) for event in events)
         try:
             if os.fstat(self._fd).st_nlink == 0:  # removed (with tensorboard/ or the workdir)
                 os.close(self._fd)
@@ -126,17 +126,20 @@ class Summaries:
     def _summary(self, value: Any, step: int) -> None:
         self._write(Event(wall_time=time.time(), step=step, summary=value))
 
-    def write(self, row: dict[str, Any], examples_per_sec: float | None = None) -> None:
-        """A metrics.jsonl row at its step, with the rate the step's update used: one event
-        holding every scalar of the step, so one record (two checksums) and one write a row."""
-        step = row["step"]
-        scalars = {tag(name): value for name, value in row.items() if name != "step"}
-        rate = self.schedule(step - 1) if callable(self.schedule) else self.schedule
-        scalars["train/learning_rate"] = rate
-        if examples_per_sec is not None:
-            scalars["train/examples_per_sec"] = examples_per_sec
-        values = [Summary.Value(tag=t, simple_value=float(x)) for t, x in scalars.items()]
-        self._summary(Summary(value=values), step)
+    def write(self, *rows: dict[str, Any], examples_per_sec: float | None = None) -> None:
+        """metrics.jsonl rows at their steps, each with the rate its step's update used: one
+        event a row holding every scalar of its step, and one write for them all."""
+        events = []
+        for row in rows:
+            step = row["step"]
+            scalars = {tag(name): value for name, value in row.items() if name != "step"}
+            rate = self.schedule(step - 1) if callable(self.schedule) else self.schedule
+            scalars["train/learning_rate"] = rate
+            if examples_per_sec is not None:
+                scalars["train/examples_per_sec"] = examples_per_sec
+            values = [Summary.Value(tag=t, simple_value=float(x)) for t, x in scalars.items()]
+            events.append(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
+        self._write(*events)
 
     def close(self) -> None:
         if self._fd is not None:

@@ -305,10 +305,20 @@ class ProgressBar:
         """On a terminal, show that training reached `step` (the newest row's metrics and
         rate kept): the line moves between rows hundreds of steps apart."""
         if self.in_place and self._drawn:
-            self.update({**self._last[0], "step": step}, self._last[1])
+            self.update({**self._last[0], "step": step}, examples_per_sec=self._last[1])
 
-    def update(self, row: dict[str, float], examples_per_sec: float | None = None) -> None:
-        """Show `row`; `examples_per_sec`: the rate since the row before (None: not known)."""
+    def update(self, *rows: dict[str, float], examples_per_sec: float | None = None) -> None:
+        """Show `rows` (on a terminal, the last), in one write; `examples_per_sec`: the rate
+        since the row before them (None: not known)."""
+        lines = [self._line(row, examples_per_sec) for row in rows]
+        if self.in_place:
+            lines = lines[-1:]
+        self.stream.write("".join(lines))
+        self.stream.flush()
+        self._drawn = True
+
+    def _line(self, row: dict[str, float], examples_per_sec: float | None) -> str:
+        """The progress line of `row`: in place on a terminal, else a line of its own."""
         self._last = (row, examples_per_sec)
         if self.in_place:
             self.tested = {k: v for k, v in row.items() if k.startswith("test_")} or self.tested
@@ -325,11 +335,8 @@ class ProgressBar:
         done = int(self.WIDTH * step / self.total)
         bar = f"[{'#' * done}{'.' * (self.WIDTH - done)}]"
         if not self.in_place:
-            self.stream.write(f"{bar} {'  '.join(fields.values())}\n")
-        else:
-            self.stream.write(f"\r{_fitted(bar, fields, self.FIRST)}\x1b[K")
-        self.stream.flush()
-        self._drawn = True
+            return f"{bar} {'  '.join(fields.values())}\n"
+        return f"\r{_fitted(bar, fields, self.FIRST)}\x1b[K"
 
     def close(self) -> None:
         if self.in_place and self._drawn:
