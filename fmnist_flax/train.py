@@ -508,7 +508,6 @@ class Evaluations:
         the first), a function that waits for them."""
         wait = wait or self.resident is None or not self.compiled
         self.compiled = True
-        began = time.perf_counter()
         if wait:
             jax.block_until_ready(state)  # training's own asynchronous work is done
             writer.wait_timed()  # the rows before are timed before the evaluation

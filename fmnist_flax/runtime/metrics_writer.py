@@ -83,11 +83,6 @@ def host_rows(steps: list[int], rows: Metrics, start: int) -> list[dict[str, flo
     return written
 
 
-def _computed(item: tuple) -> bool:
-    """Whether a handed-over item's rows are computed (fetching them would not wait)."""
-    return all(x.is_ready() for x in jax.tree.leaves(item[0][1]) if isinstance(x, jax.Array))
-
-
 WAIT_SLICE = 0.1  # seconds between looks of a wait for the metrics writer
 TICK_SECONDS = 1.0  # the progress line moves at least this often between rows, on a terminal
 
@@ -216,8 +211,12 @@ class MetricsWriter:
                 continue
             if pending[0] is None:
                 return
-            ready = 1
-            while ready < len(pending) and pending[ready] is not None and _computed(pending[ready]):
+            ready = 1  # the oldest, and the later ones whose rows are computed
+            while (
+                ready < len(pending)
+                and pending[ready] is not None
+                and parallel.computed(pending[ready][0][1])
+            ):
                 ready += 1
             batch, pending = pending[:ready], pending[ready:]
             try:

@@ -8,7 +8,7 @@ split as `config.mesh.rules` maps those names to mesh axes (e.g. `mlp` -> `model
 all-gathers), so the compiled steps are the same code for 1 device and for N.
 
 API: `initialize`, `make_mesh`, `place`, `place_module`, `batch_sharding`, `shard_host_array`,
-`to_host`, `is_primary`, `say`.
+`to_host`, `computed`, `is_primary`, `say`.
 """
 
 from __future__ import annotations
@@ -437,6 +437,11 @@ def shard_host_array(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """A global array from a host array every process holds: each process copies only the
     slices its own devices need."""
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def computed(tree: Any) -> bool:
+    """Whether every array of `tree` is computed: fetching or waiting for it would not block."""
+    return all(x.is_ready() for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
 
 
 def to_host(tree: Any) -> Any:

@@ -94,7 +94,7 @@ class Stop:
         ended at some unknown time before: the next timing starts from the one before it
         (too long, never too short, so the queue errs short)."""
         if busy is None:
-            busy = not all(x.is_ready() for x in jax.tree.leaves(output))
+            busy = not parallel.computed(output)
         jax.block_until_ready(output)
         now = time.perf_counter()
         if busy and self._ended is not None and ended > self._ended[0]:

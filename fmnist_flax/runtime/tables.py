@@ -310,10 +310,11 @@ class ProgressBar:
     def update(self, *rows: dict[str, float], examples_per_sec: float | None = None) -> None:
         """Show `rows` (on a terminal, the last), in one write; `examples_per_sec`: the rate
         since the row before them (None: not known)."""
-        lines = [self._line(row, examples_per_sec) for row in rows]
-        if self.in_place:
-            lines = lines[-1:]
-        self.stream.write("".join(lines))
+        if self.in_place:  # one line redrawn: the last row's, with the newest test metrics
+            for row in rows:
+                self.tested = {k: v for k, v in row.items() if k.startswith("test_")} or self.tested
+            rows = rows[-1:]
+        self.stream.write("".join(self._line(row, examples_per_sec) for row in rows))
         self.stream.flush()
         self._drawn = True
 
@@ -321,7 +322,6 @@ class ProgressBar:
         """The progress line of `row`: in place on a terminal, else a line of its own."""
         self._last = (row, examples_per_sec)
         if self.in_place:
-            self.tested = {k: v for k, v in row.items() if k.startswith("test_")} or self.tested
             row = {**row, **self.tested}
         step = row["step"]
         fields = {"step": f"{step:>{len(str(self.total))}}/{self.total}"}
