@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import sys
 from collections.abc import Sequence
 
 import ml_collections
@@ -20,16 +19,12 @@ from fmnist_flax.runtime import (
     command_line,
     compilation_cache,
     data_files,
-    ensemble,
     errors,
-    export,
-    inference,
     library_workarounds,
     parallel,
     records,
 )
 from fmnist_flax.runtime.command_line import exists, fail
-from fmnist_flax.runtime.errors import UserError, error_line
 
 DEFAULT_CONFIG = config_lib.__file__  # its get_config(): the codelab's values
 # Added to a run whose config.demonstrations is True, while present (delete fmnist_flax/codelab/).
@@ -55,30 +50,8 @@ _MODE = flags.DEFINE_enum(
     "prepare (write the dataset as record files in --output=DIR)"
     + (" or benchmark (time every training path)." if BENCHMARK else "."),
 )
-if BENCHMARK:  # its flags exist while the module does
-    flags.DEFINE_list("bench_batch_sizes", ["32", "512", "4096"], "benchmark: batch sizes.")
-    flags.DEFINE_list("bench_dtypes", ["float32", "bfloat16"], "benchmark: dtypes.")
-    flags.DEFINE_integer(
-        "bench_steps", None, "benchmark: timed steps per run; default 131072 examples' worth."
-    )
-    flags.DEFINE_integer("bench_repeats", 3, "benchmark: repeats (median kept).")
-    flags.DEFINE_integer(
-        "bench_members",
-        8,
-        "benchmark: members of the ensemble rows (shared and own data); <2 skips.",
-    )
-    flags.DEFINE_integer(
-        "bench_member_shards",
-        2,
-        "benchmark: also time the ensembles split over this many devices (on a CPU, one "
-        "device per core is made for it); 1 skips.",
-    )
-    flags.DEFINE_integer(
-        "bench_whole_run_steps", 400, "benchmark: steps of the whole-run comparison; 0 skips it."
-    )
-_IMAGES = flags.DEFINE_list(
-    "images", [], "predict: pictures (PNG, JPEG, ...) or .npy arrays (H, W[, C]) or (N, H, W[, C])."
-)
+if BENCHMARK:  # its flags exist while the codelab does
+    importlib.import_module("fmnist_flax.codelab.benchmark_flags")
 _OUTPUT = flags.DEFINE_string(
     "output",
     None,
@@ -97,37 +70,9 @@ _ACCEPT_CONFIG_CHANGE = flags.DEFINE_bool(
     "Resume even though values that change the computation differ from the checkpoint's; "
     "summary.json records each change and its step.",
 )
-_STEP = flags.DEFINE_string(
-    "step",
-    None,
-    "eval/predict/export: checkpoint step, or 'best' (the best evaluation, kept with "
-    "--config.keep_best=True); default the newest.",
-)
-_MEMBER = flags.DEFINE_string(
-    "member",
-    None,
-    "eval/predict/export of an ensemble run: a member number, 'best' (by test accuracy) or "
-    "'ensemble' (the members' mean probabilities, the default).",
-)
-_EMA = flags.DEFINE_bool(
-    "ema",
-    False,
-    "eval/predict/export: the run's EMA of its parameters instead of the parameters (a run "
-    "trained with --config.ema.decay > 0).",
-)
 
-# Multi-process runs (jax.distributed): start the same command on every host.
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "Multi-process: host:port of process 0, reachable from all."
-)
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process: how many in all.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process: this one's index, 0..N-1.")
-_DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False, "Multi-process on a cluster JAX detects (SLURM, Open MPI, Kubernetes)."
-)
-_DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
-    "distributed_timeout", 300, "Multi-process: seconds to wait for every process to join."
-)
+command_line.define_inference_flags()
+command_line.define_multiprocess_flags()
 
 # Shorthand flags of the design card -> the config field each one overrides.
 SHORTHANDS = {
@@ -167,11 +112,7 @@ EVERY_MODE = (
     "config",
     "debug",
     "compilation_cache",
-    "coordinator_address",
-    "num_processes",
-    "process_id",
-    "distributed",
-    "distributed_timeout",
+    *command_line.MULTIPROCESS_FLAGS,
 )
 INFERENCE = ("workdir", "step", "compute_dtype", "output", "member", "ema")
 MODE_FLAGS = {
@@ -192,9 +133,10 @@ EXAMPLES = (
 
 
 def check_mode_flags(argv: Sequence[str], mode: str) -> None:
-    """Refuse, in one line, a flag of this module or a --config.FIELD that `mode` does not
-    read (`command_line.check_mode_flags`)."""
-    given = [f.name for f in FLAGS.get_key_flags_for_module(__name__) if FLAGS[f.name].present]
+    """Refuse, in one line, a flag of a mode or a --config.FIELD that `mode` does not read
+    (`command_line.check_mode_flags`)."""
+    known = dict.fromkeys([*EVERY_MODE, *(f for names in MODE_FLAGS.values() for f in names)])
+    given = [name for name in known if name in FLAGS and FLAGS[name].present]
     command_line.check_mode_flags(
         argv, mode, given, MODE_FLAGS, EVERY_MODE, config_fields_too=mode in CONFIG_MODES
     )
@@ -250,13 +192,7 @@ def main(argv: Sequence[str]) -> None:
             compilation_cache.use(_COMPILATION_CACHE.value)
         parallel.make_cpu_devices(member_devices(_MODE.value, config))
         library_workarounds.serial_cpu_dispatch(config.mesh.model)
-        parallel.initialize(
-            _COORDINATOR.value,
-            _NUM_PROCESSES.value,
-            _PROCESS_ID.value,
-            auto=_DISTRIBUTED.value,
-            timeout_s=_DISTRIBUTED_TIMEOUT.value,
-        )
+        command_line.start_processes()
         if _MODE.value == "train":
             train.train_and_evaluate(
                 config,
@@ -271,7 +207,7 @@ def main(argv: Sequence[str]) -> None:
 def member_devices(mode: str, config: ml_collections.ConfigDict) -> int:
     """The devices a single-process run splits an ensemble's members over (made on a CPU):
     --config.ensemble.shards to train, --bench_member_shards to benchmark; else 1."""
-    if _COORDINATOR.value or _DISTRIBUTED.value:  # each process keeps the devices it has
+    if command_line.multiprocess():  # each process keeps the devices it has
         return 1
     if mode == "benchmark":
         return FLAGS.bench_member_shards
@@ -287,33 +223,7 @@ def run_mode(mode: str, config: ml_collections.ConfigDict) -> None:
         return run_benchmark(config)
     if mode == "prepare":
         return prepare(config)
-    if not _WORKDIR.value:
-        raise UserError(f"--mode={mode} needs --workdir=DIR of a training run")
-    # What eval, predict and export read of the run: which step, member and parameters.
-    chosen = {
-        "step": command_line.step_flag(_STEP.value),
-        "compute_dtype": flags.FLAGS.compute_dtype,
-        "member": ensemble.parse_member(_MEMBER.value),
-        "ema": _EMA.value,
-    }
-    if mode == "eval":
-        inference.run_eval(
-            _WORKDIR.value, data_dir=flags.FLAGS.data_dir, output=_OUTPUT.value, **chosen
-        )
-    elif mode == "export":
-        meta = export.export_model(_WORKDIR.value, _OUTPUT.value, **chosen)
-        parallel.say(
-            f"wrote {_OUTPUT.value} (step {meta['source']['step']}, for "
-            f"{', '.join(meta['platforms'])}) and {_OUTPUT.value}{export.METADATA_SUFFIX}"
-        )
-    else:
-        _, errors = inference.run_predict(
-            _WORKDIR.value, _IMAGES.value, output=_OUTPUT.value, **chosen
-        )
-        for line in errors:
-            error_line(line)
-        if errors:
-            sys.exit(1)
+    command_line.run_inference(mode, _WORKDIR.value, _OUTPUT.value)
 
 
 def prepare(config: ml_collections.ConfigDict) -> None:
@@ -323,24 +233,9 @@ def prepare(config: ml_collections.ConfigDict) -> None:
 
 
 def run_benchmark(config: ml_collections.ConfigDict) -> None:
-    benchmark = importlib.import_module(BENCHMARK_MODULE)  # the training path never imports it
-    try:
-        batch_sizes = [int(b) for b in FLAGS.bench_batch_sizes]
-    except ValueError:
-        raise UserError(
-            f"--bench_batch_sizes={','.join(FLAGS.bench_batch_sizes)}: whole numbers"
-        ) from None
-    benchmark.run_benchmark(
-        config,
-        batch_sizes=batch_sizes,
-        dtypes=FLAGS.bench_dtypes,
-        steps=FLAGS.bench_steps,
-        repeats=FLAGS.bench_repeats,
-        whole_run_steps=FLAGS.bench_whole_run_steps,
-        members=FLAGS.bench_members,
-        member_shards=FLAGS.bench_member_shards,
-        output=_OUTPUT.value,
-    )
+    """--mode=benchmark, with its --bench_* flags (the codelab's)."""
+    options = importlib.import_module("fmnist_flax.codelab.benchmark_flags").options()
+    importlib.import_module(BENCHMARK_MODULE).run_benchmark(config, **options, output=_OUTPUT.value)
 
 
 def extensions(config: ml_collections.ConfigDict) -> list[experiment.Extension]:

@@ -122,8 +122,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     `config.imports` are imported: the generic fields are `runtime/run_config.py`'s."""
     import_modules(config.imports)
     run_config.check_fields(config, tuple(COMPUTE_DTYPES))
-    optimizer.check_config(config.optimizer, config.steps)
-    task.check_test_set_metrics(config.test_set_metrics)
+    optimizer.check_config(config.optimizer, config.steps, config.imports)
+    task.check_test_set_metrics(config)
     run_config.check_parts(config)
 
 

@@ -4,7 +4,9 @@ on the host into one checked `Dataset` of uint8 images (N, H, W, C) and integer 
 `fashion_mnist` (the default) and `mnist` are four IDX files checked against their published
 MD5s; `idx` is any four IDX files in `--data_dir`, unchecked; `arrays` is `train.npz` and
 `test.npz` in `--data_dir`. A new source (a folder of PNGs, a TFDS or Hugging Face split) is one
-function that returns `make_dataset(...)`, decorated with `@register("its_name")`. Image shape
+function of `(data_dir, config)` that returns `make_dataset(...)`, decorated with
+`@register("its_name")` here or in a module of `config.imports` (for the runs that import it;
+its own fields go in the config that uses it, e.g. `config.dataset.size`). Image shape
 and the number of classes come from the loaded data, never from constants. Reading and checking
 the files is runtime/data_files.py's; its `Dataset` and `make_dataset` are importable from here.
 """
@@ -12,7 +14,6 @@ the files is runtime/data_files.py's; its `Dataset` and `make_dataset` are impor
 from __future__ import annotations
 
 import dataclasses
-import functools
 import pathlib
 from collections.abc import Callable
 
@@ -33,28 +34,30 @@ from fmnist_flax.runtime.data_files import (
     read_class_names,
 )
 from fmnist_flax.runtime.errors import UserError
+from fmnist_flax.runtime.registry import Registry
 
 # --- The registry: config.dataset.name -> a loader ------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """A registered dataset: `load(data_dir)` returns a Dataset or raises a one-line UserError.
-    `data_dir` is --data_dir, or None when it is not given; a loader that reads only from it
-    says what it must hold in `needs`, and is refused without it before anything is read."""
+    """A registered dataset: `load(data_dir, config)` returns a Dataset or raises a one-line
+    UserError. `data_dir` is --data_dir, or None when it is not given; a loader that reads only
+    from it says what it must hold in `needs`, and is refused without it before anything is
+    read. `config` is the run's, for the fields of its own a source reads."""
 
-    load: Callable[[pathlib.Path | None], Dataset]
+    load: Callable[[pathlib.Path | None, ml_collections.ConfigDict], Dataset]
     needs: str | None = None
 
 
-DATASETS: dict[str, Source] = {}
+DATASETS = Registry("dataset")
 
 
 def register(name: str, needs: str | None = None) -> Callable:
     """`@register("name")` over a loader makes it `--config.dataset.name=name`; pass
     `needs="what --data_dir holds"` when it reads only from --data_dir."""
 
-    def add(load: Callable[[pathlib.Path | None], Dataset]) -> Callable:
+    def add(load: Callable[[pathlib.Path | None, ml_collections.ConfigDict], Dataset]) -> Callable:
         DATASETS[name] = Source(load, needs)
         return load
 
@@ -64,9 +67,9 @@ def register(name: str, needs: str | None = None) -> Callable:
 def get(config: ml_collections.ConfigDict) -> Source:
     """The dataset `config.dataset.name` names; one that reads --data_dir needs it."""
     name = config.dataset.name
-    if name not in DATASETS:
-        raise UserError(f"--config.dataset.name={name!r} is not one of {', '.join(DATASETS)}")
-    source = DATASETS[name]
+    if name not in DATASETS.active(config.imports):
+        raise UserError(f"--config.dataset.name={name!r} {DATASETS.absent(name, config.imports)}")
+    source = DATASETS.active(config.imports)[name]
     if source.needs and not config.data_dir:
         raise UserError(f"--config.dataset.name={name} needs --data_dir=DIR holding {source.needs}")
     return source
@@ -78,7 +81,7 @@ def load(config: ml_collections.ConfigDict, data_dir: str | None = None) -> Data
     path = pathlib.Path(data_dir).expanduser() if data_dir else None
     if path is not None and not path.is_dir():
         raise UserError(f"--data_dir {path} is not a directory")
-    return get(config).load(path)
+    return get(config).load(path, config)
 
 
 # --- IDX files: Fashion-MNIST, MNIST, any four IDX files --------------------------------------
@@ -167,16 +170,23 @@ def load_dataset(
     )
 
 
+def _idx_loader(spec: DatasetSpec) -> Callable[[pathlib.Path | None, object], Dataset]:
+    return lambda data_dir, config: load_dataset(spec, data_dir)
+
+
 for _spec in IDX_DATASETS.values():
     _needs = f"the four IDX files ({', '.join(STEMS)}, .gz or raw) and optionally {CLASSES_FILE}"
-    register(_spec.name, _needs if _spec.name == "idx" else None)(
-        functools.partial(load_dataset, _spec)
-    )
+    register(_spec.name, _needs if _spec.name == "idx" else None)(_idx_loader(_spec))
 
 
 # --- `arrays`: train.npz and test.npz; `records`: --mode=prepare's record files -------------
 
-register("arrays", needs=f"{' and '.join(ARRAY_FILES)} (images, labels)")(data_files.load_arrays)
-register("records", needs="record files written by --mode=prepare --output=DIR")(
-    records.load_dataset
-)
+
+@register("arrays", needs=f"{' and '.join(ARRAY_FILES)} (images, labels)")
+def load_arrays(data_dir: pathlib.Path, config: ml_collections.ConfigDict) -> Dataset:
+    return data_files.load_arrays(data_dir)
+
+
+@register("records", needs="record files written by --mode=prepare --output=DIR")
+def load_records(data_dir: pathlib.Path, config: ml_collections.ConfigDict) -> Dataset:
+    return records.load_dataset(data_dir)

@@ -38,14 +38,16 @@ def evaluate_batches(
     metrics are the ensemble's, and member k's are added as `<metric>/k`; with whole-test-set
     metrics, each member's predicted classes (K, members, B) come back too (else None)."""
     member_predictions = bool(test_set_metric_names(config))
-
-    def sums(logits, y, m):
-        values = task.per_example(logits, y, config)
-        return {name: jnp.sum(v * m) for name, v in values.items()}
+    key = task.step_key(config, 0)  # what a term asking for a key gets in evaluation
 
     @nnx.vmap(in_axes=(None, 0, 0, 0))
     def one_batch(model, x, y, m):
         x = input_pipeline.normalize(x)
+
+        def sums(logits, y, m):
+            values = task.per_example(logits, y, config, images=x, model=model, key=key)
+            return {name: jnp.sum(v * m) for name, v in values.items()}
+
         if isinstance(model, ensemble.Ensemble):  # the members' logits, computed once
             each = model.member_logits(x)
             logits = ensemble.combine(each)
@@ -158,10 +160,11 @@ def whole_set_metrics(
     names = test_set_metric_names(config)
     if not names or not len(labels):
         return {}
-    columns = task.test_set_metrics(names, labels, predictions, classes)
+    imports = config.get("imports", ())
+    columns = task.test_set_metrics(names, labels, predictions, classes, imports)
     if outputs[0][2] is not None:  # an Ensemble's: (K, members, B) per call -> (members, N)
         each = np.concatenate([np.concatenate(list(p), axis=1) for *_, p in outputs], axis=1)
         for k, member in enumerate(each[:, : len(labels)]):
-            found = task.test_set_metrics(names, labels, member, classes)
+            found = task.test_set_metrics(names, labels, member, classes, imports)
             columns |= {ensemble.member_column(n, k): v for n, v in found.items()}
     return columns

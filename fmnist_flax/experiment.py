@@ -68,7 +68,7 @@ def prepare(
     datasets.get(config)  # an unknown dataset or a missing --data_dir, before any I/O
     workdir = stages.claim_workdir(workdir, cleanup)
     dataset = datasets.load(config)
-    model_lib.check_config(config.model, dataset.image_shape)
+    model_lib.check_config(config, dataset.image_shape)
     input_pipeline.check_augment(config.augment, dataset.image_shape)
     device_data = stages.place_data(config, dataset, devices, member_bytes, step, abstract_state)
     return workdir, dataset, device_data

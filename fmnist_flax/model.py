@@ -199,12 +199,11 @@ MODELS = Registry("model", {"mlp": MLP, "cnn": CNN})
 BUILT_IN_ARGS = ("image_shape", "num_classes", "compute_dtype", "rngs")  # not config fields
 
 
-def check_config(
-    model_config: ml_collections.ConfigDict, image_shape: tuple[int, int, int]
-) -> None:
-    """Refuse a model name MODELS lacks, a field its class does not take or a value it
-    refuses (`model_build.check_config`): one line, before anything builds."""
-    model_build.check_config(MODELS, model_config, image_shape, BUILT_IN_ARGS)
+def check_config(config: ml_collections.ConfigDict, image_shape: tuple[int, int, int]) -> None:
+    """Refuse a model name MODELS lacks (for this run's config.imports), a field its class
+    does not take or a value it refuses (`model_build.check_config`): one line, before
+    anything builds."""
+    model_build.check_config(MODELS, config, image_shape, BUILT_IN_ARGS)
 
 
 def create_model(
@@ -215,8 +214,9 @@ def create_model(
 ) -> nnx.Module:
     """The model (or ensemble) `config.model` names, initialised from `seed` (default
     `config.seed`), its arrays not yet laid out on a mesh (`model_build.create_model`)."""
-    check_config(config.model, image_shape)
-    static = model_build.static_args(MODELS, COMPUTE_DTYPES, config, image_shape, num_classes)
+    check_config(config, image_shape)
+    models = MODELS.active(config.imports)
+    static = model_build.static_args(models, COMPUTE_DTYPES, config, image_shape, num_classes)
     return model_build.create_model(static, config, seed)
 
 
@@ -225,5 +225,6 @@ def abstract_model(
 ) -> nnx.Module:
     """One model of the config as shapes and dtypes only; `experiment.member_bytes` sizes runs
     by it."""
-    static = model_build.static_args(MODELS, COMPUTE_DTYPES, config, image_shape, num_classes)
+    models = MODELS.active(config.imports)
+    static = model_build.static_args(models, COMPUTE_DTYPES, config, image_shape, num_classes)
     return model_build.abstract_model(static)

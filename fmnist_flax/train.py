@@ -50,6 +50,7 @@ from fmnist_flax.runtime import (
 )
 from fmnist_flax.runtime import workdir as workdir_lib
 from fmnist_flax.runtime.ensemble import Ensemble
+from fmnist_flax.runtime.registry import Registry
 from fmnist_flax.runtime.schedule import Schedule
 
 Metrics = dict[str, jax.Array]
@@ -119,25 +120,32 @@ def refresh_hyperparams(
 
 
 def loss_fn(
-    model: nnx.Module, x: jax.Array, y: jax.Array, config: Config
+    model: nnx.Module, x: jax.Array, y: jax.Array, config: Config, key: jax.Array | None = None
 ) -> tuple[jax.Array, Metrics]:
-    """The batch's mean loss and the mean of every metric of `task.per_example`."""
-    metrics = {name: jnp.mean(v) for name, v in task.per_example(model(x), y, config).items()}
+    """The batch's mean loss and the mean of every metric of `task.per_example`; a term may
+    ask for the images, the model and `key` (`task.EXTRAS`; default: step 0's)."""
+    key = task.step_key(config, 0) if key is None else key
+    values = task.per_example(model(x), y, config, images=x, model=model, key=key)
+    metrics = {name: jnp.mean(v) for name, v in values.items()}
     return metrics["loss"], metrics
 
 
-def _accumulated(model: nnx.Module, xs: jax.Array, ys: jax.Array, config: Config) -> tuple:
+def _accumulated(
+    model: nnx.Module, xs: jax.Array, ys: jax.Array, config: Config, key: jax.Array | None
+) -> tuple:
     """The mean gradient and metrics of the micro-batches along the leading axis of xs, ys,
-    computed one micro-batch at a time (a scan), so only one batch's activations are alive."""
+    computed one micro-batch at a time (a scan), so only one batch's activations are alive.
+    Micro-batch i's key is `key` folded with i."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def loss(params, rest, x, y):
+    def loss(params, rest, x, y, i):
         module = nnx.merge(graphdef, params, rest)  # BatchNorm statistics, dropout's stream
-        value, metrics = loss_fn(module, x, y, config)
+        folded = None if key is None else jax.random.fold_in(key, i)
+        value, metrics = loss_fn(module, x, y, config, folded)
         return value, (metrics, nnx.split(module, nnx.Param, ...)[2])
 
     grad = jax.value_and_grad(loss, has_aux=True)
-    (_, (metrics, rest)), grads = grad(params, rest, xs[0], ys[0])
+    (_, (metrics, rest)), grads = grad(params, rest, xs[0], ys[0], 0)
 
     def micro(carry, batch):
         rest, grads, metrics = carry
@@ -148,29 +156,32 @@ def _accumulated(model: nnx.Module, xs: jax.Array, ys: jax.Array, config: Config
             jax.tree.map(jnp.add, metrics, more),
         ), None
 
-    (rest, grads, metrics), _ = jax.lax.scan(micro, (rest, grads, metrics), (xs[1:], ys[1:]))
+    micro_batches = (xs[1:], ys[1:], jnp.arange(1, len(xs)))
+    (rest, grads, metrics), _ = jax.lax.scan(micro, (rest, grads, metrics), micro_batches)
     nnx.update(model, rest)
     return jax.tree.map(lambda g: g / len(xs), grads), {k: v / len(xs) for k, v in metrics.items()}
 
 
 UpdateHook = Callable[[nnx.Module, nnx.Optimizer, Config], None]
-# Run inside the compiled step after each optimizer update, in the order added; the EMA's
-# update (`ema.update`) runs after them all, so it averages the parameters they leave.
-UPDATE_HOOKS: list[UpdateHook] = []
+# Run inside the compiled step after each optimizer update, in the order added, for the runs
+# that import the module adding them; the EMA's update (`ema.update`) runs after them all, so
+# it averages the parameters they leave. Keyed by the hook's module and name.
+UPDATE_HOOKS = Registry("update hook")
 
 
 def after_update(hook: UpdateHook) -> UpdateHook:
     """Decorator: run `hook(model, optimizer, config)` after each optimizer update, inside the
     compiled step (a weight clamp, a norm constraint); it changes the model in place. Add it
     before training starts (from a module of `config.imports`): compiled steps keep theirs."""
-    UPDATE_HOOKS.append(hook)
+    UPDATE_HOOKS[f"{hook.__module__}.{hook.__qualname__}"] = hook
     return hook
 
 
 # hook(step, metrics, run) -> True to end the run (an early stop), called after each evaluation
-# in training with its `test_*` metrics and the run (its model, dataset and config).
+# in training with its `test_*` metrics and the run (its model, dataset and config), for the
+# runs that import the module adding it.
 EvaluationHook = Callable[[int, dict[str, float], experiment.Run], bool]
-AFTER_EVALUATION: list[EvaluationHook] = []
+AFTER_EVALUATION = Registry("after-evaluation hook")
 STOPPED_AT = "stopped_at"  # the progress and summary entry of a step where a hook ended the run
 
 
@@ -178,7 +189,7 @@ def after_evaluation(hook: EvaluationHook) -> EvaluationHook:
     """Decorator: call `hook(step, metrics, run)` after each evaluation during training; what it
     adds to `metrics` (`val_loss`) is logged and saved with them. A True return ends the run
     there, saved and its outputs written; the same command again does not train past it."""
-    AFTER_EVALUATION.append(hook)
+    AFTER_EVALUATION[f"{hook.__module__}.{hook.__qualname__}"] = hook
     return hook
 
 
@@ -198,12 +209,13 @@ def train_step(
     update hooks (`after_update`) run after the update. Called as is, every operation is
     dispatched from Python (the codelab's eager baseline).
     """
+    key = task.step_key(config, optimizer.step[...])
     if config.optimizer.accumulate > 1:
-        grads, metrics = _accumulated(model, x, y, config)
+        grads, metrics = _accumulated(model, x, y, config, key)
     else:
-        (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, x, y, config)
+        (_, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, x, y, config, key)
     optimizer.update(model, grads)
-    for hook in (*UPDATE_HOOKS, ema.update):
+    for hook in (*UPDATE_HOOKS.active(config.imports).values(), ema.update):
         hook(model, optimizer, config)
     if log is True:
         metrics["grad_norm"] = optax.tree.norm(grads)
@@ -553,7 +565,7 @@ def finish(
     run.summary |= averaged if run.evaluation else ema_test_metrics(run, run.model)
     steps = run.summary.get(STOPPED_AT, run.config.steps)
     stop.after_training(steps, run.checkpoints)
-    evaluation = experiment.evaluate_model(run)
+    evaluation = experiment.evaluate_model(run, extensions)
     for extension in extensions:
         extension.after_training(run)
         stop.after_training(steps, run.checkpoints)
@@ -615,7 +627,8 @@ def train_and_evaluate(
         run.summary["config_changes"] = changes
         if config.init_from:
             run.summary |= {"init_from": config.init_from, "init_from_step": init_step}
-        end = resumed.get(STOPPED_AT, config.steps)  # where an AFTER_EVALUATION hook stopped it
+        end = resumed.get(STOPPED_AT, config.steps)  # where an after-evaluation hook stopped it
+        hooks = AFTER_EVALUATION.active(config.imports).values()
         if (summary := finished_summary(workdir, start_step, config, end)) is not None:
             return summary
         stop.before_training()
@@ -682,9 +695,9 @@ def train_and_evaluate(
                 tested = {}
                 if schedule.evaluates(step):
                     # Waited for where its metrics are needed now; else queued on the devices.
-                    wait = saving or config.keep_best or bool(AFTER_EVALUATION)
+                    wait = saving or config.keep_best or bool(hooks)
                     tested = evaluations.evaluate(step, state, writer, wait)
-                    if any([hook(step, tested, run) for hook in AFTER_EVALUATION]):
+                    if any([hook(step, tested, run) for hook in hooks]):
                         end = step  # an early stop: saved below, and kept on resume
                 # Written by the writer's thread while the next chunks run.
                 writer.write(step, rows, run.eval_seconds, tested)

@@ -214,6 +214,34 @@ def forget_modules():
         sys.modules.pop(name, None)
 
 
+@pytest.fixture
+def registries():
+    """Every registry as it was before the test, restored after it: what the test registers
+    (a model, a loss term, a hook) is gone for the next one."""
+    from fmnist_flax import datasets, model, optimizer, task, train
+    from fmnist_flax.runtime import plugins
+
+    tables = (
+        model.MODELS,
+        datasets.DATASETS,
+        task.LOSS_TERMS,
+        task.METRICS,
+        task.TEST_SET_METRICS,
+        optimizer.OPTIMIZERS,
+        optimizer.SCHEDULES,
+        optimizer.DECAY_MASKS,
+        train.UPDATE_HOOKS,
+        train.AFTER_EVALUATION,
+    )
+    before = [{name: dict(entries) for name, entries in t.owned.items()} for t in tables]
+    plug_ins = set(plugins.PLUG_INS)
+    yield
+    for table, kept in zip(tables, before, strict=True):
+        table.owned.clear()
+        table.owned.update(kept)
+    plugins.PLUG_INS.intersection_update(plug_ins)
+
+
 EVERY_DUE_SAVE = "--config.checkpoint_min_interval_secs=0"  # no time floor: tests count steps
 
 

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -248,21 +247,6 @@ def test_python_m_runs_the_packaged_default_from_any_directory(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "w" / "summary.json").read_text())["steps"] == 3
-
-
-@pytest.mark.slow
-def test_the_wheel_installs_no_top_level_configs_package(tmp_path):
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    [wheel] = tmp_path.glob("fmnist_flax-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    assert "fmnist_flax/config.py" in names and "fmnist_flax/__main__.py" in names
-    assert {"fmnist_flax/runtime/checkpoint.py", "fmnist_flax/codelab/benchmark.py"} <= set(names)
-    assert {name.split("/")[0] for name in names if "dist-info" not in name} == {"fmnist_flax"}
 
 
 def test_config_mistakes_are_explained_in_process(tmp_path):

@@ -62,21 +62,3 @@ def test_a_module_of_config_imports_that_exits_is_one_line(tmp_path, monkeypatch
         "--config.imports: importing 'exiting_plug_in' called sys.exit(3); a module of "
         "config.imports must not exit"
     )
-
-
-@pytest.mark.slow
-def test_a_tuple_field_given_one_value_holds_it_alone_as_docs_configs_says(tmp_path):
-    """docs/configs.md's one conversion rule, as the command line applies it: one hidden
-    layer of 256, said in the model table before training."""
-    import json
-
-    from conftest import REPO, run_main
-
-    result = run_main(
-        "--config.model.hidden=256", "--steps=1", "--report=none", f"--workdir={tmp_path}"
-    )
-    assert result.returncode == 0, result.stderr
-    assert "MLP parameters: 203,530 trainable values" in result.stdout
-    assert json.loads((tmp_path / "summary.json").read_text())["config"]["model"]["hidden"] == [256]
-    rule = "`--config.model.hidden=256` is the one-hidden-layer MLP 784-256-10"
-    assert rule in (REPO / "docs" / "configs.md").read_text()

@@ -438,17 +438,18 @@ def test_more_class_names_than_supported_are_one_line(tmp_path):
     one_line(exc)
 
 
-def test_a_registered_loader_is_a_dataset_name(tmp_path, monkeypatch):
-    """The registry's promise: one decorated function makes a source the config can name."""
-    monkeypatch.setattr(datasets, "DATASETS", dict(datasets.DATASETS))
+def test_a_registered_loader_is_a_dataset_name(tmp_path, registries):
+    """The registry's promise: one decorated function makes a source the config can name; it
+    reads fields of its own from the run's config."""
 
-    @datasets.register("stripes", needs="nothing at all")
-    def load_stripes(data_dir):
-        images = np.zeros((8, 4, 4, 3), np.uint8)
+    @datasets.register("stripes_in_test", needs="nothing at all")
+    def load_stripes(data_dir, config):
+        side = config.dataset.side
+        images = np.zeros((8, side, side, 3), np.uint8)
         images[::2, :, :, 0] = 255
         split = (images, np.arange(8) % 2)
         return datasets.make_dataset(
-            "stripes",
+            "stripes_in_test",
             "Stripes",
             ("red", "black"),
             split,
@@ -458,13 +459,18 @@ def test_a_registered_loader_is_a_dataset_name(tmp_path, monkeypatch):
         )
 
     config = config_lib.get_config()
-    config.dataset.name = "stripes"
-    with pytest.raises(UserError, match=r"--config\.dataset\.name=stripes needs --data_dir=DIR"):
+    config.dataset.name, config.dataset.side = "stripes_in_test", 6
+    with pytest.raises(
+        UserError, match=r"--config\.dataset\.name=stripes_in_test needs --data_dir=DIR"
+    ):
         datasets.load(config)
     config.data_dir = str(tmp_path)
-    assert datasets.load(config).class_names == ("red", "black")
-    config.dataset.name = "stripe"
-    with pytest.raises(UserError, match=r"'stripe' is not one of fashion_mnist, mnist, idx"):
+    loaded = datasets.load(config)
+    assert loaded.class_names == ("red", "black") and loaded.image_shape == (6, 6, 3)
+    config.dataset.name = "stripe_in_test"
+    with pytest.raises(
+        UserError, match=r"'stripe_in_test' is not one of fashion_mnist, mnist, idx"
+    ):
         datasets.get(config)
 
 

@@ -125,19 +125,21 @@ def test_each_model_checks_its_own_fields_in_one_line(name, field, value, messag
     assert "\n" not in str(exc.value)
 
 
-def test_a_model_without_its_own_check_fails_in_one_line_not_a_traceback(monkeypatch):
+def test_a_model_without_its_own_check_fails_in_one_line_not_a_traceback(registries):
     class Tiny(nnx.Module):
         def __init__(self, width: int = 4, *, image_shape, num_classes, compute_dtype, rngs):
             self.head = nnx.Linear(math.prod(image_shape), width * num_classes, rngs=rngs)
 
-    monkeypatch.setitem(model_lib.MODELS, "tiny", Tiny)
+    model_lib.MODELS["tiny_in_test"] = Tiny
     config = load_config("default")
-    config.model = ml_collections.ConfigDict({"name": "tiny", "width": -1})
-    with pytest.raises(UserError, match=r"model 'tiny' cannot be built from --config\.model: "):
+    config.model = ml_collections.ConfigDict({"name": "tiny_in_test", "width": -1})
+    with pytest.raises(
+        UserError, match=r"model 'tiny_in_test' cannot be built from --config\.model: "
+    ):
         model_lib.create_model(config, (28, 28, 1), 10)
 
 
-def test_a_model_annotated_with_with_partitioning_builds_without_a_mesh(monkeypatch):
+def test_a_model_annotated_with_with_partitioning_builds_without_a_mesh(registries):
     """The issue's case: `nnx.with_partitioning` weights built by create_model (no mesh, no
     eager sharding), carrying the config's rules, then laid out on a mesh by parallel."""
 
@@ -148,9 +150,9 @@ def test_a_model_annotated_with_with_partitioning_builds_without_a_mesh(monkeypa
                 math.prod(image_shape), num_classes, kernel_init=init, rngs=rngs
             )
 
-    monkeypatch.setitem(model_lib.MODELS, "patches", Patches)
+    model_lib.MODELS["patches_in_test"] = Patches
     config = load_config("default")
-    config.model = ml_collections.ConfigDict({"name": "patches"})
+    config.model = ml_collections.ConfigDict({"name": "patches_in_test"})
     model = model_lib.create_model(config, (28, 28, 1), 10)
     kernel = model.embed.kernel
     assert kernel.get_metadata("out_sharding") == ("patch", "embed")
@@ -169,7 +171,7 @@ def test_the_mlp_and_cnn_layers_alternate_split_outputs_and_split_inputs():
     assert cnn.head.kernel.get_metadata("out_sharding") == ("mlp", "classes")
 
 
-def test_a_plug_in_cannot_replace_a_built_in_model(tmp_path, monkeypatch):
+def test_a_plug_in_cannot_replace_a_built_in_model(tmp_path, monkeypatch, registries):
     """A module of config.imports that sets MODELS["mlp"] to its own class is refused in one
     line naming both; registering the same class again, or a new name, is fine."""
     from fmnist_flax import model as model_lib
@@ -189,4 +191,4 @@ def test_a_plug_in_cannot_replace_a_built_in_model(tmp_path, monkeypatch):
     )
     assert model_lib.MODELS["mlp"] is model_lib.MLP
     model_lib.MODELS["mlp"] = model_lib.MLP  # the same entry again
-    monkeypatch.setitem(model_lib.MODELS, "my_mlp", model_lib.MLP)
+    model_lib.MODELS["mlp_in_test"] = model_lib.MLP

@@ -19,7 +19,7 @@ from conftest import load_config
 from fmnist_flax import optimizer
 from fmnist_flax.config import get_config
 from fmnist_flax.model import create_model
-from fmnist_flax.runtime import optimizers, param_groups, run_config
+from fmnist_flax.runtime import param_groups, run_config
 from fmnist_flax.runtime.errors import UserError
 
 
@@ -264,22 +264,24 @@ def test_a_resume_may_change_steps_only_under_a_schedule_that_does_not_end_there
         assert changed == (["steps"] if refused else []), name
 
 
-def test_a_project_registers_its_own_schedule_and_optimizer(monkeypatch):
+def test_a_project_registers_its_own_schedule_and_optimizer(registries):
     """What a project's module does on import: decorate, and its names become config values
     (its new fields checked by its own code, in one line)."""
-    monkeypatch.setattr(optimizers, "SCHEDULES", dict(optimizers.SCHEDULES))
-    monkeypatch.setattr(optimizers, "OPTIMIZERS", dict(optimizers.OPTIMIZERS))
 
-    @optimizer.schedule("halving", fields=("halve_every",))
+    @optimizer.schedule("halving_in_test", fields=("halve_every",))
     def halving(opt, steps):
         if not isinstance(opt.halve_every, int) or opt.halve_every < 1:
             raise UserError(f"--config.optimizer.halve_every={opt.halve_every!r} must be >= 1")
         return optax.exponential_decay(opt.learning_rate, opt.halve_every, 0.5, staircase=True)
 
-    optimizer.register("rmsprop", takes=("momentum",))(optimizer._l2(optax.rmsprop))
+    optimizer.register("rmsprop_in_test", takes=("momentum",))(optimizer._l2(optax.rmsprop))
     config = get_config()
-    config.optimizer.update({"name": "rmsprop", "schedule": "halving", "momentum": 0.9})
-    with pytest.raises(UserError, match=r"schedule=halving reads config\.optimizer\.halve_every"):
+    config.optimizer.update(
+        {"name": "rmsprop_in_test", "schedule": "halving_in_test", "momentum": 0.9}
+    )
+    with pytest.raises(
+        UserError, match=r"schedule=halving_in_test reads config\.optimizer\.halve_every"
+    ):
         optimizer.check_config(config.optimizer, config.steps)
     config.optimizer.halve_every = 0
     with pytest.raises(UserError, match=r"^--config\.optimizer\.halve_every=0 must be >= 1$"):

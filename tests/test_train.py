@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import load_config
 from flax import nnx
 
 from fmnist_flax import input_pipeline, train
@@ -295,7 +296,7 @@ def test_on_an_accelerator_evaluations_overlap_training_with_the_same_rows(
 
 
 def test_an_after_evaluation_hook_ends_the_run_and_a_resume_stays_there(
-    quick_config, tmp_path, monkeypatch
+    quick_config, tmp_path, registries
 ):
     """A hook returning True ends the run at that evaluation, saved, its summary written; the
     same call again trains no further."""
@@ -305,7 +306,7 @@ def test_an_after_evaluation_hook_ends_the_run_and_a_resume_stays_there(
         seen.append((step, "test_accuracy" in metrics, run.config.eval_every))
         return step == 20
 
-    monkeypatch.setattr(train, "AFTER_EVALUATION", [stop_at_20])
+    train.after_evaluation(stop_at_20)
     quick_config.steps, quick_config.log_every, quick_config.eval_every = 40, 10, 10
     quick_config.eval_examples = 1_000
     summary = train.train_and_evaluate(quick_config, tmp_path / "w")
@@ -589,3 +590,19 @@ def test_short_calls_queue_up_to_queued_seconds_of_work(monkeypatch, budget, mos
         assert len(queued) < 3 or queued[-1] == 1 or queued_seconds <= stopping.QUEUED_SECONDS
     assert queued[:2] == [1, 0]
     assert max(queued[2:]) == most and queued[-1] == most, queued
+
+
+def test_golden_first_steps_on_fixed_real_images(real_dataset):
+    """The codelab's model from seed 0 on the first 512 training images of the file: any
+    change to the init, the loss, the optimizer or the data scaling moves these numbers."""
+    config = load_config("default")
+    model, optimizer = train.create_train_state(config, (28, 28, 1), 10, parallel.make_mesh())
+    x = input_pipeline.prepare_images(real_dataset.train_images[:512])
+    y = real_dataset.train_labels[:512].astype(np.int32)
+    first = train.jit_train_step(model, optimizer, x, y, train.Config(config))
+    second = train.jit_train_step(model, optimizer, x, y, train.Config(config))
+    assert float(first["loss"]) == pytest.approx(2.5092971324920654, rel=1e-5)
+    assert float(first["grad_norm"]) == pytest.approx(1.989441990852356, rel=1e-5)
+    assert float(first["accuracy"]) == 27 / 512
+    assert float(second["loss"]) == pytest.approx(1.9706456661224365, rel=1e-5)
+    assert float(second["grad_norm"]) == pytest.approx(2.684241533279419, rel=1e-5)

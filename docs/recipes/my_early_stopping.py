@@ -11,7 +11,7 @@ best = {"accuracy": -1.0, "waited": 0}
 
 
 @datasets.register("fashion_mnist_val")
-def fashion_mnist_less_validation(data_dir):
+def fashion_mnist_less_validation(data_dir, config):
     """Fashion-MNIST, training on all but its last VALIDATION training examples."""
     full = datasets.load_dataset("fashion_mnist", data_dir)
     x, y = full.train_images, full.train_labels

@@ -10,7 +10,7 @@ from flax import nnx
 from fmnist_flax import datasets, model, optimizer
 
 
-class Linear(nnx.Module):
+class Logistic(nnx.Module):
     """Logistic regression: one dense layer from the pixels to the classes."""
 
     def __init__(self, *, image_shape, num_classes, compute_dtype=jnp.float32, rngs):
@@ -21,11 +21,11 @@ class Linear(nnx.Module):
         return self.dense(x.reshape(len(x), -1).astype(self.compute_dtype)).astype(jnp.float32)
 
 
-model.MODELS["linear"] = Linear
+model.MODELS["logistic"] = Logistic
 
 
 @datasets.register("stripes")
-def load_stripes(data_dir):
+def load_stripes(data_dir, config):
     """Generated 8x8 images: horizontal or vertical stripes, two classes."""
     rng = np.random.default_rng(0)
 

@@ -27,6 +27,7 @@ from fmnist_flax.runtime import (
     compilation_cache,
     device_batches,
     ensemble,
+    inference,
     parallel,
     report,
     tables,
@@ -71,6 +72,14 @@ class Codelab(Extension):
         table, check = gradient_check(run.model, *first_batch, run.config)
         run.show("Gradients", table)
         run.summary["gradient_check"] = check
+
+    def evaluation_rows(self, run: Run, evaluation: dict[str, Any]) -> dict[str, dict]:
+        """The codelab's own test metrics, over the test set's whole batches only (its
+        evaluation drops the last, partial one), also in summary.json as codelab_test_*."""
+        whole_batches = evaluation[inference.COUNT] // run.config.batch_size
+        codelab = inference.means(evaluation["batch_sums"], whole_batches)
+        run.summary |= {f"codelab_test_{k}": v for k, v in codelab.items()}
+        return {"test, codelab (whole batches only)": codelab}
 
     def after_training(self, run: Run) -> None:
         if run.config.report == "full":  # the timings share the CPU with no other thread:

@@ -7,9 +7,6 @@ Each step directory under `<workdir>/checkpoints` holds six items: `model` and `
 shape) and `changes` (accepted config changes), the last four as JSON. Nothing is pickled.
 Reading them back (resume, damaged steps) is `restore.py`; loading a model for inference is
 `inference.load_model`.
-
-API: `Checkpoints` (saves and their policies; `open_reader` for a reader), `checkpoint_dir`,
-`saved_item`, `warm_up`.
 """
 
 from __future__ import annotations
@@ -35,9 +32,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from fmnist_flax.runtime import errors, library_workarounds
-from fmnist_flax.runtime import workdir as workdir_lib
-from fmnist_flax.runtime.errors import UserError
+from . import errors, library_workarounds
+from . import workdir as workdir_lib
+from .errors import UserError
 
 CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never deleted

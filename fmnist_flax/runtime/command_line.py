@@ -2,9 +2,6 @@
 parser's, `--config`'s and those raised while a mode runs), the explanation of a bad `--config`
 file or `--config.FIELD=VALUE` override (which field is missing, which value its type
 refuses), for any ml_collections config, and --help listing each mode's flags.
-
-API: `fail`, `parse_flags`, `define_config_flag`, `one_line_errors`, `step_flag`,
-`check_mode_flags`, `help_text`, `explain_config_error`, `exists`.
 """
 
 from __future__ import annotations
@@ -28,9 +25,9 @@ from ml_collections import config_flags
 from ml_collections.config_flags import config_path as config_fields
 from ml_collections.config_flags import tuple_parser
 
-from fmnist_flax.runtime import errors, library_workarounds, stopping
-from fmnist_flax.runtime.checkpoint import BEST
-from fmnist_flax.runtime.errors import UserError, error_line
+from . import ensemble, errors, export, inference, library_workarounds, parallel, stopping
+from .checkpoint import BEST
+from .errors import UserError, error_line
 
 PIPE_CLOSED_STATUS = 128 + 13  # what a shell reports for a writer stopped by SIGPIPE
 HELP_FLAGS = {"-h", "--help", "-help", "--helpshort", "--helpfull"}
@@ -43,6 +40,106 @@ VALUE_PARSERS = {
     bool: flags.BooleanParser,
     tuple: tuple_parser.TupleParser,
 }
+
+
+# A multi-process run (jax.distributed) starts the same command on every host with these.
+MULTIPROCESS_FLAGS = (
+    "coordinator_address",
+    "num_processes",
+    "process_id",
+    "distributed",
+    "distributed_timeout",
+)
+
+
+def define_multiprocess_flags() -> None:
+    """Define MULTIPROCESS_FLAGS, which `start_processes` reads."""
+    flags.DEFINE_string(
+        "coordinator_address", None, "Multi-process: host:port of process 0, reachable from all."
+    )
+    flags.DEFINE_integer("num_processes", None, "Multi-process: how many in all.")
+    flags.DEFINE_integer("process_id", None, "Multi-process: this one's index, 0..N-1.")
+    flags.DEFINE_bool(
+        "distributed",
+        False,
+        "Multi-process on a cluster JAX detects (SLURM, Open MPI, Kubernetes).",
+    )
+    flags.DEFINE_integer(
+        "distributed_timeout", 300, "Multi-process: seconds to wait for every process to join."
+    )
+
+
+def multiprocess() -> bool:
+    """Whether the command line asks for a multi-process run."""
+    return bool(flags.FLAGS.coordinator_address or flags.FLAGS.distributed)
+
+
+def start_processes() -> None:
+    """Join the run's other processes as MULTIPROCESS_FLAGS say (`parallel.initialize`)."""
+    given = flags.FLAGS
+    parallel.initialize(
+        given.coordinator_address,
+        given.num_processes,
+        given.process_id,
+        auto=given.distributed,
+        timeout_s=given.distributed_timeout,
+    )
+
+
+def define_inference_flags() -> None:
+    """--step, --member, --ema and --images: what eval, predict and export read of a trained
+    workdir (`run_inference`)."""
+    flags.DEFINE_string(
+        "step",
+        None,
+        "eval/predict/export: checkpoint step, or 'best' (the best evaluation, kept with "
+        "--config.keep_best=True); default the newest.",
+    )
+    flags.DEFINE_string(
+        "member",
+        None,
+        "eval/predict/export of an ensemble run: a member number, 'best' (by test accuracy) or "
+        "'ensemble' (the members' mean probabilities, the default).",
+    )
+    flags.DEFINE_bool(
+        "ema",
+        False,
+        "eval/predict/export: the run's EMA of its parameters instead of the parameters (a run "
+        "trained with --config.ema.decay > 0).",
+    )
+    flags.DEFINE_list(
+        "images",
+        [],
+        "predict: pictures (PNG, JPEG, ...) or .npy arrays (H, W[, C]) or (N, H, W[, C]).",
+    )
+
+
+def run_inference(mode: str, workdir: str | None, output: str | None) -> None:
+    """--mode=eval, predict or export of `workdir`, as `define_inference_flags`' flags,
+    --compute_dtype and --data_dir say; `output`: the JSON file or the artifact."""
+    if not workdir:
+        raise UserError(f"--mode={mode} needs --workdir=DIR of a training run")
+    given = flags.FLAGS
+    chosen = {  # which step, member and parameters of the run
+        "step": step_flag(given.step),
+        "compute_dtype": given.compute_dtype,
+        "member": ensemble.parse_member(given.member),
+        "ema": given.ema,
+    }
+    if mode == "eval":
+        inference.run_eval(workdir, data_dir=given.data_dir, output=output, **chosen)
+    elif mode == "export":
+        meta = export.export_model(workdir, output, **chosen)
+        parallel.say(
+            f"wrote {output} (step {meta['source']['step']}, for "
+            f"{', '.join(meta['platforms'])}) and {output}{export.METADATA_SUFFIX}"
+        )
+    else:
+        _, failed = inference.run_predict(workdir, given.images, output=output, **chosen)
+        for line in failed:
+            error_line(line)
+        if failed:
+            sys.exit(1)
 
 
 def exists(name: str) -> bool:

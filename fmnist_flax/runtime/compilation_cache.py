@@ -9,8 +9,6 @@ follows saves it whole; a run says one line about the first fault.
 JAX's file lock (`jax_compilation_cache_max_size`) is left off: with it, every write reads the
 size and access time of every entry (O(entries), under the lock), and fails outright on a
 cache written without it.
-
-API: `use(directory)`.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import warnings
 
 import jax
 
-from fmnist_flax.runtime.errors import UserError, warning_line
+from .errors import UserError, warning_line
 
 # Programs that cost little to run and give booleans or figures only shown (the finiteness
 # check, the codelab's gradient check) compile with LLVM's lightest optimisation, in about

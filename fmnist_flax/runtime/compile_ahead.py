@@ -1,8 +1,5 @@
 """Compiling what the training loop runs first on a thread, while the set-up's tables and the
 extensions run on the main one (XLA compiles without the GIL).
-
-API: `start(train_chunk, state, sums, aug_key, first_call, model, optimizer, stop)`, a thread
-to join before the loop (`Compiling`).
 """
 
 from __future__ import annotations
@@ -14,8 +11,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from fmnist_flax.runtime import checkpoint as checkpoint_lib
-from fmnist_flax.runtime import parallel
+from . import checkpoint as checkpoint_lib
+from . import parallel
 
 
 class Compiling(threading.Thread):

@@ -2,10 +2,6 @@
 images (N, H, W, C), int32 labels, class names, where each split came from) and the readers of
 IDX files (found, downloaded, MD5-checked, decompressed once) and of .npz archives. Every fault
 in a file is one `UserError` line naming it.
-
-API: `Dataset`, `make_dataset`, `identity_changes`, `check_labels`, `check_class_count`,
-`read_class_names`, `split_images`, `split_labels`; `IdxFile`, `DatasetSpec`, `find_payload`,
-`verified_payload`, `parse_idx`; `read_npz`, `load_arrays`.
 """
 
 from __future__ import annotations
@@ -28,9 +24,9 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from fmnist_flax.runtime import errors
-from fmnist_flax.runtime.errors import UserError
-from fmnist_flax.runtime.inference import as_hwc
+from . import errors
+from .errors import UserError
+from .inference import as_hwc
 
 IMAGES_MAGIC = 2051
 LABELS_MAGIC = 2049

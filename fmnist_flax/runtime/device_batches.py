@@ -2,8 +2,6 @@
 a permutation made from (seed, epoch) (`epoch_order`, exactly `jax.random.permutation`'s), fed
 to the compiled step a chunk of steps per call (`DeviceBatches`). The gather and normalisation
 of a batch is the template's (`input_pipeline.batch_at`).
-
-API: `DeviceData`, `to_device`, `shard_batches`, `epoch_order`, `epoch_orders`, `DeviceBatches`.
 """
 
 from __future__ import annotations
@@ -20,9 +18,9 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
-from fmnist_flax.runtime import ensemble, parallel
-from fmnist_flax.runtime.data_files import Dataset
-from fmnist_flax.runtime.errors import UserError
+from . import ensemble, parallel
+from .data_files import Dataset
+from .errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,8 +8,6 @@ its parameter), checkpoints, resumes, an ensemble's stacked members. `update`, r
 `averaged(model)` is the model with the averages as its parameters, to evaluate, predict or
 export. BatchNorm statistics (`nnx.BatchStat`) are not averaged: an
 averaged model normalises with the trained model's running statistics.
-
-API: `attach`, `update`, `averaged`, `kept`.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from fmnist_flax.runtime.errors import UserError
+from .errors import UserError
 
 SUFFIX = "_ema"  # a parameter `kernel`'s twin is the attribute `kernel_ema` beside it
 TEST_PREFIX = "test_ema_"  # the averaged model's test metrics: test_ema_loss, ...

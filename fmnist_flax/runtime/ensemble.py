@@ -5,9 +5,6 @@ The members' arrays (and their optimizers') are stacked on a leading axis and tr
 at a time. Each metric has one value per member: metrics.jsonl gets their mean as `name` and
 member k's as `name/k`. Everything here is what differs from one model: the rest of the
 template sees a model (`Ensemble` gives the ensemble's logits) and a step function.
-
-API: `check_config`, `Ensemble`, `stack`, `member_optimizers`, `train_members`, `select_member`,
-`member_column`, `members_table_rows`, `default_config` (config.ensemble's fields).
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from fmnist_flax.runtime.errors import UserError, is_digits
+from .errors import UserError, is_digits
 
 MEMBER_SEPARATOR = "/"  # the column of member k's metric `name` (metrics.jsonl, evaluations)
 # On a CPU an ensemble's step runs this many members per device side by side; the members'

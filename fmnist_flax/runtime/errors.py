@@ -3,9 +3,6 @@
 
 FMNIST_FLAX_DEBUG=1 (or main.py's --debug) adds the full traceback above every error line;
 FMNIST_FLAX_DEBUG=0 or false leaves it out.
-
-API: `UserError`, `Stopped`, `stop_raises`, `error_line`, `warning_line`, `reason`,
-`print_traceback`, `is_digits`.
 """
 
 import errno

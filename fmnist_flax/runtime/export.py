@@ -10,8 +10,6 @@ probabilities (batch, classes), for CPU and CUDA. It holds the parameters as con
 gives `predict`'s probabilities with no Flax, Orbax or project code (JAX reads the file with
 the `flatbuffers` package). `FILE.json` beside it names the classes, the input and output
 contract and the checkpoint it came from.
-
-API: `export_model`, `export_probabilities`.
 """
 
 from __future__ import annotations
@@ -25,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fmnist_flax.runtime import inference, parallel
-from fmnist_flax.runtime import workdir as workdir_lib
-from fmnist_flax.runtime.errors import UserError
+from . import inference, parallel
+from . import workdir as workdir_lib
+from .errors import UserError
 
 PLATFORMS = ("cpu", "cuda")  # lowered for both on any machine: no GPU is needed to export
 METADATA_SUFFIX = ".json"  # the metadata is FILE + this, so it never replaces FILE itself

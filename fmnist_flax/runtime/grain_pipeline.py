@@ -8,8 +8,6 @@ data that does not fit, `records.RecordSource` (record files read a batch at a t
 steps' batches travel as one block and train in one compiled call. The iterator's position
 travels in the Orbax checkpoint, so a killed run resumes mid-epoch exactly. Augmentation stays
 on the device, in the compiled step, as in the device pipeline.
-
-API: `from_config`, `train_source`, `default_config` (config.grain's fields).
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
-from fmnist_flax.runtime import parallel
+from . import parallel
 
 if TYPE_CHECKING:  # imported only by the runs that read with Grain: a slow import
     import grain

@@ -19,10 +19,6 @@ What --mode=predict (`read_images`) and the Python `predict(model, images)` acce
   float rule; another size is resized to (H, W), with a note.
 
 A file that breaks the rule gets one error line naming it and the others are still classified.
-
-API: `load_model`, `predict`, `class_names`, `restore_model`, `run_eval`, `run_predict`,
-`confusion_matrix`, `means` (of an evaluation's batch sums, `COUNT` examples); `Template` and
-`use`, how the template hands in its parts.
 """
 
 from __future__ import annotations
@@ -43,10 +39,10 @@ from absl import logging
 from flax import nnx
 from PIL import Image
 
-from fmnist_flax.runtime import ema as ema_lib
-from fmnist_flax.runtime import ensemble, errors, parallel, plugins, restore, tables
-from fmnist_flax.runtime import workdir as workdir_lib
-from fmnist_flax.runtime.checkpoint import (
+from . import ema as ema_lib
+from . import ensemble, errors, parallel, plugins, restore, tables
+from . import workdir as workdir_lib
+from .checkpoint import (
     BEST,
     READ_ATTEMPTS,
     STEP_MARKER,
@@ -58,7 +54,7 @@ from fmnist_flax.runtime.checkpoint import (
     open_reader,
     saved_item,
 )
-from fmnist_flax.runtime.errors import UserError
+from .errors import UserError
 
 MAX_IMAGE_SIDE = 4096  # larger image files are refused before they are decoded
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # grayscale, scaled by 1/65535
@@ -75,7 +71,7 @@ PIXEL_SCALE = np.float32(1 / 255)
 @dataclasses.dataclass(frozen=True)
 class Template:
     """What inference calls of the template that trained a model: the runtime imports none of
-    its modules; `fmnist_flax/__init__.py` hands its own parts to `use` as it is imported."""
+    its modules; the template's `api.py` hands its own parts to `use` as it is imported."""
 
     with_defaults: Callable[[dict[str, Any]], ml_collections.ConfigDict]  # a saved config, whole
     create_model: Callable[[ml_collections.ConfigDict, tuple[int, int, int], int], nnx.Module]
@@ -99,7 +95,7 @@ def use(template: Template) -> None:
 def template() -> Template:
     """The template `use` was given."""
     if _template is None:
-        raise RuntimeError("no template: fmnist_flax/__init__.py calls inference.use(...)")
+        raise RuntimeError("no template: the template's api.py calls inference.use(...)")
     return _template
 
 

@@ -3,8 +3,6 @@
 Importing this changes nothing: the command line calls `install()` as it starts, and tests
 that drive the library in their own process call `quiet_orbax()`. Each item names the
 versions it was written against and why it exists, to be deleted once they no longer need it.
-
-API: `install`, `serial_cpu_dispatch`, `quiet_orbax`, `exit_after_hooks`.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from absl import logging
 
-from fmnist_flax.runtime import workdir as workdir_lib
+from . import workdir as workdir_lib
 
 if TYPE_CHECKING:
     import orbax.checkpoint as ocp

@@ -3,9 +3,6 @@ line naming the field, before they are built. Host memory is the least of /proc/
 MemAvailable, every enclosing cgroup's limit less its use and `ulimit -d`; a device's is its
 `memory_stats`. A model's size is sized from abstract shapes (`member_bytes`), with the
 template's model, optimizer and evaluation call handed in.
-
-API: `check_memory`, `check_threads`, `abstract_state`, `member_bytes`, `Memory`,
-`host_memory`, `device_memory`, `tree_bytes`, `size_text`.
 """
 
 from __future__ import annotations
@@ -25,9 +22,9 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from fmnist_flax.runtime import ema, ensemble, grain_pipeline, parallel
-from fmnist_flax.runtime.data_files import Dataset
-from fmnist_flax.runtime.errors import UserError
+from . import ema, ensemble, grain_pipeline, parallel
+from .data_files import Dataset
+from .errors import UserError
 
 # The model's bytes: (config, image_shape, num_classes, saved_copy) -> bytes each model holds.
 MemberBytes = Callable[[ml_collections.ConfigDict, tuple[int, int, int], int, bool], int]

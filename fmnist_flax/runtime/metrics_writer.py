@@ -1,11 +1,6 @@
 """The metrics writer: where each logged row of training goes (metrics.jsonl, TensorBoard with
 examples/sec, the progress bar), written on a thread of its own so the loop never waits for a
 row's values to reach the host; a non-finite loss among them stops the run.
-
-API: `MetricsWriter(workdir, config, start_step, per_step, checkpoints, learning_rate, ...)`,
-a context manager, with `sums` (the running row's sums, which each compiled chunk adds to),
-`write(step, rows, eval_seconds, tested)`, `wait_timed()`, `flush()`, `check()` and
-`state()`; `RunningRow`; `host_rows`.
 """
 
 from __future__ import annotations
@@ -22,11 +17,11 @@ import ml_collections
 import numpy as np
 import optax
 
-from fmnist_flax.runtime import checkpoint as checkpoint_lib
-from fmnist_flax.runtime import ensemble, parallel, summaries, tables
-from fmnist_flax.runtime import workdir as workdir_lib
-from fmnist_flax.runtime.schedule import Schedule
-from fmnist_flax.runtime.stopping import Stop, diverged
+from . import checkpoint as checkpoint_lib
+from . import ensemble, parallel, summaries, tables
+from . import workdir as workdir_lib
+from .schedule import Schedule
+from .stopping import Stop, diverged
 
 Metrics = dict[str, jax.Array]
 # The rows one compiled call ended: the steps, the rows' values (each metric's sum over its

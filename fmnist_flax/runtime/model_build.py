@@ -4,8 +4,6 @@ compiled program, an ensemble's members stacked, or only its shapes for sizing a
 
 A model class takes its config fields, then keyword-only `image_shape`, `num_classes`,
 `compute_dtype` and `rngs`.
-
-API: `check_config`, `static_args`, `create_model`, `abstract_model`.
 """
 
 from __future__ import annotations
@@ -21,25 +19,28 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from fmnist_flax.runtime import errors, parallel
-from fmnist_flax.runtime.ensemble import Ensemble, stack
-from fmnist_flax.runtime.errors import UserError
+from . import errors, parallel
+from .ensemble import Ensemble, stack
+from .errors import UserError
+from .registry import Registry
 
 
 def check_config(
-    models: Mapping[str, type],
-    model_config: ml_collections.ConfigDict,
+    models: Registry,
+    config: ml_collections.ConfigDict,
     image_shape: tuple[int, int, int],
     built_in_args: tuple[str, ...],
 ) -> None:
-    """Refuse an unknown model name, a field its constructor does not take, or (through the
-    model's own `check_config`) a value it cannot use: one line each, before anything builds.
-    `built_in_args`: the constructor's arguments that are not config fields."""
-    fields = model_config.to_dict()
+    """Refuse a model name the run does not see (`models.active(config.imports)`), a field its
+    constructor does not take, or (through the model's own `check_config`) a value it cannot
+    use: one line each, before anything builds. `built_in_args`: the constructor's arguments
+    that are not config fields."""
+    fields = config.model.to_dict()
     name = fields.pop("name", "mlp")
-    if name not in models:
-        raise UserError(f"--config.model.name={name!r} is not one of {', '.join(models)}")
-    cls = models[name]
+    imports = config.get("imports", ())
+    if name not in models.active(imports):
+        raise UserError(f"--config.model.name={name!r} {models.absent(name, imports)}")
+    cls = models.active(imports)[name]
     parameters = inspect.signature(cls.__init__).parameters
     takes = [p for p in parameters if p not in ("self", *built_in_args)]
     for field in fields:

@@ -2,23 +2,22 @@
 (`register`, `schedule`), and `config.optimizer` -> an Optax optimizer (`create`): the rate on
 its schedule, weight decay on the parameters `decay_mask` picks, per-group rate multipliers
 and optional global-norm clipping, every field checked in one line first (`check_config`).
-The template registers its optimizers and schedules in `fmnist_flax/optimizer.py`.
-
-API: `register`, `schedule`, `OPTIMIZERS`, `SCHEDULES`, `DECAY_MASKS`, `create`,
-`learning_rate`, `over_steps`, `check_config`.
+The template registers its optimizers and schedules in its `optimizer.py`; a module of
+`config.imports` adds its own for the runs that import it (`registry.Registry`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import ml_collections
 import optax
 
-from fmnist_flax.runtime import ensemble, param_groups
-from fmnist_flax.runtime.errors import UserError
+from . import ensemble, param_groups
+from .errors import UserError
+from .registry import Registry
 
 # Every field of config.optimizer that is not one optimizer's or one schedule's own.
 COMMON_FIELDS = (
@@ -53,8 +52,8 @@ class Schedule(NamedTuple):
     over_steps: bool
 
 
-OPTIMIZERS: dict[str, Optimizer] = {}  # config.optimizer.name -> Optimizer
-SCHEDULES: dict[str, Schedule] = {}  # config.optimizer.schedule -> Schedule
+OPTIMIZERS = Registry("optimizer")  # config.optimizer.name -> Optimizer
+SCHEDULES = Registry("schedule")  # config.optimizer.schedule -> Schedule
 
 
 def register(name: str, takes: tuple[str, ...] = ()) -> Callable:
@@ -87,32 +86,35 @@ def learning_rate(config: ml_collections.ConfigDict) -> optax.ScalarOrSchedule:
     """The rate `config.optimizer.schedule` gives: a number (`constant`) or a function of the
     step."""
     opt = config.optimizer
-    return SCHEDULES[opt.schedule].build(opt, config.steps)
+    return SCHEDULES.active(config.imports)[opt.schedule].build(opt, config.steps)
 
 
-def over_steps(name: Any) -> bool:
+def over_steps(name: Any, imports: Sequence[str] = ()) -> bool:
     """Whether schedule `name`'s rates depend on --steps (one not registered is assumed to)."""
-    return name not in SCHEDULES or SCHEDULES[name].over_steps
+    schedules = SCHEDULES.active(imports)
+    return name not in schedules or schedules[name].over_steps
 
 
 # --- Decay masks (parameter groups by name: runtime/param_groups.py) ------------------------
 
 # config.optimizer.decay_mask -> the mask (params -> a tree of bools) handed to the optimizer;
 # None: every parameter is decayed.
-DECAY_MASKS: dict[str, Callable[[Any], Any] | None] = {"all": None, "kernels": param_groups.kernels}
+DECAY_MASKS = Registry("decay mask", {"all": None, "kernels": param_groups.kernels})
 
 
 # --- The optimizer of a config ---------------------------------------------------------------
 
 
-def own_field_names() -> tuple[str, ...]:
-    """Every registered optimizer's own fields, each once, in order of registration."""
-    return tuple(dict.fromkeys(f for entry in OPTIMIZERS.values() for f in entry.takes))
+def own_field_names(imports: Sequence[str] = ()) -> tuple[str, ...]:
+    """Every optimizer's own fields (of those a run with `imports` sees), each once, in order of
+    registration."""
+    entries = OPTIMIZERS.active(imports).values()
+    return tuple(dict.fromkeys(f for entry in entries for f in entry.takes))
 
 
-def own_fields(opt: ml_collections.ConfigDict) -> dict[str, Any]:
+def own_fields(opt: ml_collections.ConfigDict, imports: Sequence[str] = ()) -> dict[str, Any]:
     """The chosen optimizer's own fields that are set (not left to Optax's default)."""
-    return {f: opt[f] for f in own_field_names() if opt.get(f) not in (None, False)}
+    return {f: opt[f] for f in own_field_names(imports) if opt.get(f) not in (None, False)}
 
 
 def create(
@@ -128,8 +130,9 @@ def create(
     one compiled step serves any sweep.
     """
     opt = config.optimizer
-    build = OPTIMIZERS[opt.name].build
-    fields = {**own_fields(opt), "mask": DECAY_MASKS[opt.decay_mask]}
+    build = OPTIMIZERS.active(config.imports)[opt.name].build
+    mask = DECAY_MASKS.active(config.imports)[opt.decay_mask]
+    fields = {**own_fields(opt, config.imports), "mask": mask}
     rate = learning_rate(config)
     if member is None:
         tx = build(rate, weight_decay=opt.weight_decay, **fields)
@@ -159,23 +162,25 @@ def _number(field: str, value: Any, low: float, high: float = math.inf) -> None:
         raise UserError(f"--config.optimizer.{field}={value!r} must be {bounds}")
 
 
-def check_config(opt: ml_collections.ConfigDict, steps: int) -> None:
+def check_config(opt: ml_collections.ConfigDict, steps: int, imports: Sequence[str] = ()) -> None:
     """Refuse an unknown optimizer, schedule or field, a field the optimizer does not take, or
-    a value it cannot use: one line each, before anything is built."""
-    if opt.name not in OPTIMIZERS:
+    a value it cannot use: one line each, before anything is built. `imports`: the run's
+    config.imports, whose modules' optimizers, schedules and masks it may name."""
+    if opt.name not in OPTIMIZERS.active(imports):
         raise UserError(
-            f"--config.optimizer.name={opt.name!r} is not one of {', '.join(OPTIMIZERS)}"
+            f"--config.optimizer.name={opt.name!r} {OPTIMIZERS.absent(opt.name, imports)}"
         )
-    schedule_fields = (f for entry in SCHEDULES.values() for f in entry.fields)
-    known = tuple(dict.fromkeys((*COMMON_FIELDS, *own_field_names(), *schedule_fields)))
+    schedules = SCHEDULES.active(imports)
+    schedule_fields = (f for entry in schedules.values() for f in entry.fields)
+    known = tuple(dict.fromkeys((*COMMON_FIELDS, *own_field_names(imports), *schedule_fields)))
     for field in opt:
         if field not in known:
             raise UserError(
                 f"--config.optimizer.{field}: config.optimizer has no field {field!r}; its "
                 f"fields are {', '.join(known)}"
             )
-    takes = OPTIMIZERS[opt.name].takes
-    for field, value in own_fields(opt).items():
+    takes = OPTIMIZERS.active(imports)[opt.name].takes
+    for field, value in own_fields(opt, imports).items():
         if field not in takes:
             raise UserError(
                 f"--config.optimizer.{field}={value!r}: optimizer {opt.name!r} does not take "
@@ -194,10 +199,9 @@ def check_config(opt: ml_collections.ConfigDict, steps: int) -> None:
         raise UserError(f"--config.optimizer.accumulate={opt.accumulate!r} must be a whole number")
     if opt.accumulate < 1:
         raise UserError(f"--config.optimizer.accumulate={opt.accumulate} must be >= 1")
-    if opt.schedule not in SCHEDULES:
-        raise UserError(
-            f"--config.optimizer.schedule={opt.schedule!r} is not one of {', '.join(SCHEDULES)}"
-        )
+    if opt.schedule not in schedules:
+        why = SCHEDULES.absent(opt.schedule, imports)
+        raise UserError(f"--config.optimizer.schedule={opt.schedule!r} {why}")
     if isinstance(opt.final_fraction, bool) or not (
         isinstance(opt.final_fraction, int | float) and 0 <= opt.final_fraction <= 1
     ):  # a negative end rate climbs the loss; NaN or inf ends in a non-finite loss
@@ -205,16 +209,17 @@ def check_config(opt: ml_collections.ConfigDict, steps: int) -> None:
             f"--config.optimizer.final_fraction={opt.final_fraction!r} must be in [0, 1] (the "
             "last rate of warmup_cosine or one_cycle, as a fraction of the peak)"
         )
-    for field in SCHEDULES[opt.schedule].fields:
+    for field in schedules[opt.schedule].fields:
         if field not in opt:
             raise UserError(
                 f"--config.optimizer.schedule={opt.schedule} reads config.optimizer.{field}, "
                 "which this config lacks: give it a value in the config's get_config()"
             )
-    SCHEDULES[opt.schedule].build(opt, steps)  # the schedule's own checks
-    if opt.decay_mask not in DECAY_MASKS:
+    schedules[opt.schedule].build(opt, steps)  # the schedule's own checks
+    if opt.decay_mask not in DECAY_MASKS.active(imports):
         raise UserError(
-            f"--config.optimizer.decay_mask={opt.decay_mask!r} is not one of "
-            f"{', '.join(DECAY_MASKS)} (the parameters weight decay applies to)"
+            f"--config.optimizer.decay_mask={opt.decay_mask!r} "
+            f"{DECAY_MASKS.absent(opt.decay_mask, imports)} (the parameters weight decay "
+            "applies to)"
         )
     param_groups.check_multipliers(opt.lr_multipliers)

@@ -6,9 +6,6 @@ split as `config.mesh.rules` maps those names to mesh axes (e.g. `mlp` -> `model
 `config.mesh.model`-sized axis); the rest is replicated, or sharded along `data` (FSDP) with
 `param_sharding="fsdp"`. XLA inserts the collectives (gradient all-reduce, parameter
 all-gathers), so the compiled steps are the same code for 1 device and for N.
-
-API: `initialize`, `make_mesh`, `place`, `place_module`, `batch_sharding`, `shard_host_array`,
-`to_host`, `computed`, `is_primary`, `say`.
 """
 
 from __future__ import annotations
@@ -32,8 +29,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fmnist_flax.runtime import compilation_cache, errors
-from fmnist_flax.runtime.errors import UserError, error_line
+from . import compilation_cache, errors
+from .errors import UserError, error_line
 
 DATA_AXIS = "data"
 MEMBER_AXIS = "member"  # an ensemble's members split over devices (config.ensemble.shards)

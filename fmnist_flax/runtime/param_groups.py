@@ -1,8 +1,6 @@
 """Parameter groups by name: a parameter's tree path as `layers/0/kernel`, the kernels mask
 weight decay uses, and per-group multipliers of the updates (`lr_multipliers`), each pattern
 checked in one line.
-
-API: `parameter_name`, `kernels`, `scale_groups`, `check_multipliers`.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from typing import Any
 import jax
 import optax
 
-from fmnist_flax.runtime.errors import UserError
+from .errors import UserError
 
 
 def parameter_name(path: Sequence[Any]) -> str:

@@ -1,8 +1,6 @@
-"""The project's own modules that `config.imports` names: importing them, and which of them a
-checkpoint may import. A workdir is data: no file in it, or in the current directory, runs as
-code because a checkpoint names it.
-
-API: `import_modules`, `pending_imports`, `import_recorded`, `NotInstalled`.
+"""The project's own modules that `config.imports` names: importing them, which runs their
+entries apply to, and which of them a checkpoint may import. A workdir is data: no file in it,
+or in the current directory, runs as code because a checkpoint names it.
 """
 
 from __future__ import annotations
@@ -13,20 +11,26 @@ import importlib.util
 import os
 import pathlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from fmnist_flax.runtime.errors import QUOTE_CHARS, UserError, clip
-from fmnist_flax.runtime.parallel import say
+from .errors import QUOTE_CHARS, UserError, clip
+from .parallel import say
+
+# Every module some config.imports has named in this process: what they register applies only
+# to the runs that name them (`applies`).
+PLUG_INS: set[str] = set()
 
 
 def import_modules(names: Any) -> None:
-    """Import the project's modules of `config.imports`, so that what they register exists."""
+    """Import the project's modules of `config.imports`, so that what they register exists
+    (for the runs whose config.imports names them: `applies`)."""
     if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
         raise UserError(
             f"--config.imports={names!r} must be a tuple of module names, e.g. "
             "--config.imports=\"('my_models',)\""
         )
+    PLUG_INS.update(names)
     for name in names:
         try:
             importlib.import_module(name)
@@ -42,6 +46,24 @@ def import_modules(names: Any) -> None:
                 f"--config.imports: importing {name!r} failed ({type(exc).__name__}: {exc}); "
                 "put the module on PYTHONPATH or beside main.py"
             ) from exc
+
+
+def is_plug_in(module: str | None) -> bool:
+    """Whether `module` (None: built in) is a plug-in: a module some config.imports has named,
+    or one of its package's."""
+    return module is not None and any(_within(module, plug_in) for plug_in in PLUG_INS)
+
+
+def applies(owner: str | None, imports: Sequence[str]) -> bool:
+    """Whether an entry registered by module `owner` (None: built in) applies to a run whose
+    config.imports is `imports`: a plug-in's only where `imports` names it; any other's
+    everywhere."""
+    return not is_plug_in(owner) or any(_within(owner, name) for name in imports)
+
+
+def _within(module: str, name: str) -> bool:
+    """`module` is the module `name` or one of its package's."""
+    return module == name or module.startswith(name + ".")
 
 
 class NotInstalled(UserError):

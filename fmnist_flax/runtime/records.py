@@ -15,9 +15,6 @@ Python object a record, and few NumPy calls a block, so a thread seldom waits to
 back). Each record's check and label is compared with what was written, once for the block (a
 damaged record, a shard of another set or edited labels: one line naming the file). The mapped
 pages a source holds stay within RESIDENT_BYTES: past it, all are let go at once.
-
-API: `prepare` (--mode=prepare), `write_dataset`, `read_splits`, `load_dataset`,
-`RecordSource`.
 """
 
 from __future__ import annotations
@@ -42,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from fmnist_flax.runtime import errors, parallel
-from fmnist_flax.runtime.data_files import Dataset, check_class_count, check_labels, npz_headers
-from fmnist_flax.runtime.errors import UserError
+from . import errors, parallel
+from .data_files import Dataset, check_class_count, check_labels, npz_headers
+from .errors import UserError
 
 INFO_FILE = "info.json"
 LABELS_FILE = "labels.npz"
@@ -200,7 +197,7 @@ def write_dataset(dataset: Any, output: str | os.PathLike, shards: int = 4) -> d
     the end, so a stopped or failed prepare never leaves a half-written record set behind: a
     SIGINT or SIGTERM removes it and is one line (`PrepareStopped`); a killed one's goes at the
     next prepare of the same output."""
-    from fmnist_flax.runtime import workdir as workdir_lib
+    from . import workdir as workdir_lib
 
     check_output(output, shards)
     smallest = min(SPLITS, key=lambda split: len(getattr(dataset, f"{split}_labels")))
@@ -264,7 +261,7 @@ def check_output(output: str | os.PathLike, shards: int) -> None:
     """Refuse, before anything is read, an --output inside a training run's own files and a
     --shards the reader could not hold open: a split's shards are all open while it is read,
     both splits' at once, under the open-file limit (`ulimit -n`)."""
-    from fmnist_flax.runtime import workdir as workdir_lib
+    from . import workdir as workdir_lib
 
     if shards < 1:
         raise UserError(f"--shards={shards}: must be >= 1")

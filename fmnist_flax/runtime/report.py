@@ -3,8 +3,6 @@
 A report is a dict of sections (heading -> tables, figures, notes) that the run and its
 extensions fill; a `Painter` draws each figure into PNG bytes on its own thread while the run
 goes on, and `write_report` orders the sections, writes each PNG and inlines it.
-
-API: `Painter`, `write_report` and the figure builders.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fmnist_flax.runtime.tables import Table
+from .tables import Table
 
 if TYPE_CHECKING:  # matplotlib, a slow import, is imported by the first figure drawn
     from matplotlib.figure import Figure

@@ -3,8 +3,6 @@ check shapes, and resume a run exactly (model, optimizer, data position, running
 
 A reader of a live run (eval, predict, export) never moves anything: it skips a damaged step
 and starts over when the trainer rotates the step it was reading away.
-
-API: `restore`, `resume`, `check_best`, `ShapeMismatch`.
 """
 
 from __future__ import annotations
@@ -17,8 +15,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from fmnist_flax.runtime import errors, parallel
-from fmnist_flax.runtime.checkpoint import (
+from . import errors, parallel
+from .checkpoint import (
     ARRAY_ITEMS,
     DAMAGED_DIR,
     Checkpoints,
@@ -30,8 +28,8 @@ from fmnist_flax.runtime.checkpoint import (
     tree_metadata_problem,
     wrap_keys,
 )
-from fmnist_flax.runtime.errors import UserError
-from fmnist_flax.runtime.tables import path_name
+from .errors import UserError
+from .tables import path_name
 
 
 class Damaged(UserError):

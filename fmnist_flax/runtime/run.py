@@ -1,7 +1,5 @@
 """One run as the stages of the template see it (`Run`), what an extension adds to it
 (`Extension`), the thread drawing its report's figures, and `--init_from`'s value parsed.
-
-API: `Run`, `Extension`, `start_painter`, `parse_init_from`.
 """
 
 from __future__ import annotations
@@ -15,12 +13,12 @@ from typing import Any
 import ml_collections
 from flax import nnx
 
-from fmnist_flax.runtime import checkpoint as checkpoint_lib
-from fmnist_flax.runtime import ensemble, parallel, report
-from fmnist_flax.runtime.data_files import Dataset
-from fmnist_flax.runtime.device_batches import DeviceData
-from fmnist_flax.runtime.errors import is_digits
-from fmnist_flax.runtime.tables import Table
+from . import checkpoint as checkpoint_lib
+from . import ensemble, parallel, report
+from .data_files import Dataset
+from .device_batches import DeviceData
+from .errors import is_digits
+from .tables import Table
 
 
 @dataclasses.dataclass
@@ -73,6 +71,11 @@ class Extension:
 
     def before_training(self, run: Run) -> None:
         """After the set-up tables, before the first step."""
+
+    def evaluation_rows(self, run: Run, evaluation: dict[str, Any]) -> dict[str, dict]:
+        """Rows to show above the test set's in the final Evaluation table, by label;
+        `evaluation` is that one's, with each batch's sums (`batch_sums`)."""
+        return {}
 
     def after_training(self, run: Run) -> None:
         """After the evaluation, before the summary and report are written."""

@@ -1,9 +1,6 @@
 """The generic fields of a run's config: their checks (`check_fields`, `check_parts`), a saved
 config completed with today's defaults (`with_defaults`), and which changes a resume may make
 (`training_changes`, `check_changes`).
-
-API: `check_fields`, `check_parts`, `with_defaults`, `training_changes`, `check_changes`,
-`OPTIMIZER_FIELDS`.
 """
 
 from __future__ import annotations
@@ -15,10 +12,10 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from fmnist_flax.runtime import data_files, ensemble, optimizers
-from fmnist_flax.runtime.checkpoint import Checkpoints
-from fmnist_flax.runtime.errors import UserError, is_whole
-from fmnist_flax.runtime.parallel import PARAM_SHARDINGS, check_mesh_config
+from . import data_files, ensemble, optimizers
+from .checkpoint import Checkpoints
+from .errors import UserError, is_whole
+from .parallel import PARAM_SHARDINGS, check_mesh_config
 
 REPORT_CHOICES = ("full", "basic", "none")
 INPUT_PIPELINES = ("device", "grain")
@@ -178,7 +175,10 @@ def training_changes(
     RESUMABLE_FIELDS, and `steps` too under a schedule that decays over it. `saved` is
     completed with `defaults` first (`with_defaults`)."""
     before, after = _flatten(with_defaults(saved, defaults).to_dict()), _flatten(now)
-    decays = any(optimizers.over_steps(c.get("optimizer.schedule")) for c in (before, after))
+    decays = any(
+        optimizers.over_steps(c.get("optimizer.schedule"), c.get("imports") or ())
+        for c in (before, after)
+    )
     free = set(RESUMABLE_FIELDS) - ({"steps"} if decays else set())
     return [
         {"field": key, "saved": before.get(key), "now": after.get(key)}

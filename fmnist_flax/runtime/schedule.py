@@ -1,9 +1,5 @@
 """When the training loop's host looks between compiled chunks, and what it does there: log a
 row, evaluate on the test set, save a checkpoint; and where the data order stands at a step.
-
-API: `Schedule(config, batches_per_epoch, platform)` with `next_stop(step, most, checkpoints)`,
-`evaluates(step)`, `writes_row(step)`, `row_steps(after, step)`, `saves(step, signum,
-checkpoints)`, `eval_period`, `accelerated`, `rows_per_call` and `progress(step)`.
 """
 
 from __future__ import annotations
@@ -12,7 +8,7 @@ from typing import Any
 
 import ml_collections
 
-from fmnist_flax.runtime import checkpoint as checkpoint_lib
+from . import checkpoint as checkpoint_lib
 
 ROWS_PER_CALL = 8  # logged rows one accelerator call may run past (see `Schedule`)
 

@@ -3,9 +3,6 @@ models sized against the machine (`place_data`), the set-up tables (`show_setup`
 training log (`show_training`), the final evaluation's tables and figures (`evaluate_model`),
 then summary.json and report/ (`write_outputs`). The test set is evaluated with the template's
 `evaluate` (`inference.use`).
-
-API: `claim_workdir`, `place_data`, `show_setup`, `test_set`, `evaluate_test`, `test_metrics`,
-`show_training`, `evaluate_model`, `write_outputs`.
 """
 
 from __future__ import annotations
@@ -16,14 +13,14 @@ import pathlib
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import ml_collections
 from flax import nnx
 
-from fmnist_flax.runtime import (
+from . import (
     device_batches,
     ensemble,
     inference,
@@ -33,11 +30,11 @@ from fmnist_flax.runtime import (
     summaries,
     tables,
 )
-from fmnist_flax.runtime import workdir as workdir_lib
-from fmnist_flax.runtime.data_files import Dataset
-from fmnist_flax.runtime.errors import UserError, warning_line
-from fmnist_flax.runtime.inference import COUNT, means
-from fmnist_flax.runtime.run import Run
+from . import workdir as workdir_lib
+from .data_files import Dataset
+from .errors import UserError, warning_line
+from .inference import COUNT
+from .run import Extension, Run
 
 REPORT_TITLE = "fmnist-flax: {dataset} with Flax NNX, {workdir}"
 
@@ -170,23 +167,21 @@ def show_training(run: Run) -> None:
     )
 
 
-def evaluate_model(run: Run) -> dict[str, Any]:
+def evaluate_model(run: Run, extensions: Sequence[Extension] = ()) -> dict[str, Any]:
     """The evaluation over the test set (the last step's, when it was evaluated), its tables
-    and figures."""
+    (with the rows `extensions` add) and figures."""
     d = run.dataset
     if run.evaluation and run.evaluation[0] == run.config.steps:  # done at the last step
         full = run.evaluation[1]
     else:
         full = evaluate_test(run, run.model)
-    whole_batches = full[COUNT] // run.config.batch_size
-    codelab = means(full["batch_sums"], whole_batches)
     labels = test_set(run)[1]
     counts = inference.confusion_matrix(labels, full["predictions"], d.num_classes)
-    result = {"full": metrics_of(full), "codelab": codelab, "confusion": counts}
+    result = {"full": metrics_of(full), "confusion": counts}
     if not parallel.is_primary():
         return result
     last = run.history[-1] if run.history else {}
-    rows = {"test, codelab (whole batches only)": codelab} if run.config.demonstrations else {}
+    rows = {k: v for e in extensions for k, v in e.evaluation_rows(run, full).items()}
     rows["test, full (last batch padded, masked)"] = result["full"]
     if "loss" in last:
         since = run.history[-2]["step"] if len(run.history) > 1 else 0
@@ -268,7 +263,6 @@ def write_report(run: Run, test_accuracy: float) -> pathlib.Path | None:
 def write_outputs(run: Run, evaluation: dict[str, Any], wall_seconds: float) -> dict[str, Any]:
     """summary.json and report/ (process 0), then the results where a person looks first."""
     full = evaluation["full"]
-    codelab = evaluation["codelab"]
     if not parallel.is_primary():
         return {"test_accuracy": full["accuracy"], "process_index": jax.process_index()}
     config = run.config
@@ -277,7 +271,6 @@ def write_outputs(run: Run, evaluation: dict[str, Any], wall_seconds: float) -> 
     last = run.history[-1] if run.history else {}
     summary = {
         **prefixed("test_", full),
-        **{f"codelab_test_{k}": v for k, v in codelab.items()},
         # The last row's training metrics (its test metrics are the test_* above).
         **{f"final_train_{k}": v for k, v in last.items() if k != "step" and "test_" not in k},
         "train_examples_per_sec": run.examples_per_sec,
@@ -304,10 +297,8 @@ def write_outputs(run: Run, evaluation: dict[str, Any], wall_seconds: float) -> 
         **run.summary,
     }
     workdir_lib.write_json(run.workdir / workdir_lib.SUMMARY_FILE, summary)
-    whole = f" ({codelab['accuracy']:.4f} on the codelab's {codelab['examples']:,})"
     print(
-        f"test accuracy {full['accuracy']:.4f} on {full['examples']:,} examples"
-        + (whole if codelab["examples"] and config.demonstrations else ""),
+        f"test accuracy {full['accuracy']:.4f} on {full['examples']:,} examples",
         f"report: {report_path}" if report_path else "report: none (--report=none)",
         f"workdir: {run.workdir}",
         sep="\n",

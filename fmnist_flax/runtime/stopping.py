@@ -1,11 +1,6 @@
 """How a run stops before its last step, always with one line and its checkpoints kept: on
 SIGINT or SIGTERM, after saving the step it reached; when the loss or the parameters stop being
 finite, keeping the last good checkpoint.
-
-API: `Stop()`, a context manager, with `requested`, `early_step(...)`, `steps_per_call`,
-`before_training()`,
-`interrupted(signum, step, checkpoints)` and `after_training(step, checkpoints)`;
-`Interrupted`; `diverged(...)`; `save_if_finite(...)`.
 """
 
 from __future__ import annotations
@@ -18,9 +13,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-from fmnist_flax.runtime import checkpoint as checkpoint_lib
-from fmnist_flax.runtime import ema, parallel
-from fmnist_flax.runtime.errors import UserError
+from . import checkpoint as checkpoint_lib
+from . import ema, parallel
+from .errors import UserError
 
 # The longest a training call should run, and the most work queued ahead of the host once the
 # devices' pace is known (two calls before): a signal is acted on within about a second on any

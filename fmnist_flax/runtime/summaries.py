@@ -8,9 +8,6 @@ should be is an OSError at once, in the thread that writes the row (the metrics 
 no tensorboardX writer thread to die and block it), and every event written before a kill
 is in the file. Each start writes a purge marker, so TensorBoard drops the events a killed
 run logged past the checkpoint this one resumes from: one event per tag and step.
-
-API: `Summaries(workdir, config, start_step, schedule)` with `write(*rows)` and `close()`;
-`write_members`.
 """
 
 from __future__ import annotations
@@ -31,8 +28,8 @@ from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.record_writer import masked_crc32c
 
-from fmnist_flax.runtime import workdir as workdir_lib
-from fmnist_flax.runtime.errors import warning_line
+from . import workdir as workdir_lib
+from .errors import warning_line
 
 TENSORBOARD_DIR = "tensorboard"
 TEST_PREFIX = "test_"  # metrics.jsonl names the evaluation's metrics test_loss, test_accuracy

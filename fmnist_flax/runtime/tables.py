@@ -1,7 +1,4 @@
-"""The codelab's tables as plain data: built once, printed in the terminal, reused by reports.
-
-API: `Table`, `ProgressBar` and the `*_table` builders.
-"""
+"""The codelab's tables as plain data: built once, printed in the terminal, reused by reports."""
 
 from __future__ import annotations
 
@@ -16,7 +13,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from fmnist_flax.runtime.ensemble import MEMBER_SEPARATOR, member_values
+from .ensemble import MEMBER_SEPARATOR, member_values
 
 MAX_WIDTH = 100  # a table's widest line, in columns: it fits a terminal as it is
 MIN_WRAPPED = 20  # a wrapped column keeps at least this width

@@ -1,8 +1,4 @@
-"""Where a run's outputs go: the work directory, its JSON files and what they record.
-
-API: `prepare_workdir`, `MetricsLog`, `Lock`, `write_json`, `read_json`, `write_atomically`,
-`check_output_path`, `disk_problem`, `versions`.
-"""
+"""Where a run's outputs go: the work directory, its JSON files and what they record."""
 
 from __future__ import annotations
 
@@ -23,8 +19,8 @@ import flax
 import jax
 import optax
 
-from fmnist_flax.runtime import errors
-from fmnist_flax.runtime.errors import UserError, is_digits, warning_line
+from . import errors
+from .errors import UserError, is_digits, warning_line
 
 RUNS_DIR = pathlib.Path("runs")
 SUMMARY_FILE = "summary.json"

@@ -9,7 +9,7 @@ from fmnist_flax import config as default_config
 def get_config():
     config = default_config.get_config()
     config.imports = ("my_project",)
-    config.model = ml_collections.ConfigDict({"name": "linear"})
+    config.model = ml_collections.ConfigDict({"name": "logistic"})
     config.dataset.name = "stripes"
     config.optimizer.name, config.optimizer.schedule = "sgd_plain", "halving"
     config.optimizer.learning_rate, config.batch_size = 0.1, 32

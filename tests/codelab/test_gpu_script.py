@@ -10,7 +10,8 @@ import sys
 
 import pytest
 from conftest import REPO, env_without_device_count
-from test_benchmark import assert_every_field
+
+from .test_benchmark import assert_every_field
 
 DATA = pathlib.Path("/usr/share/datasets/fashion-mnist")
 

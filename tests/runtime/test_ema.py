@@ -82,18 +82,17 @@ def test_the_twins_hold_the_debiased_average_and_training_is_unchanged(batches):
     assert not np.array_equal(with_ema[-1][1][0], with_ema[-1][0][0])
 
 
-def test_hooks_run_after_each_update_and_the_ema_averages_what_they_leave(batches, monkeypatch):
+def test_hooks_run_after_each_update_and_the_ema_averages_what_they_leave(batches, registries):
     """A hook added with `after_update` runs inside the compiled step; the EMA's update runs
     after it, so the average of clamped parameters is clamped too."""
     limit = 0.01
-    monkeypatch.setattr(train, "UPDATE_HOOKS", [])
 
     @train.after_update
     def clamp(model, optimizer, config):
         for _, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
             param[...] = jnp.clip(param[...], -limit, limit)
 
-    assert [clamp] == train.UPDATE_HOOKS
+    assert clamp in train.UPDATE_HOOKS.active().values()
     config = small_config(0.9, hidden=(12,))  # a model no other test compiled a step for
     params, twins = trained(config, batches[:2])[-1]
     assert max(np.abs(p).max() for p in params) == np.float32(limit)
@@ -154,11 +153,10 @@ def test_a_decay_that_is_1_in_float32_is_one_line():
 
 
 def test_an_average_that_turns_non_finite_stops_the_run_keeping_the_good_checkpoint(
-    quick_config, tmp_path, monkeypatch
+    quick_config, tmp_path, registries
 ):
     """A save checks the parameters' EMA as it checks the parameters: an average that is no
     longer finite stops the run in one line, and the last good checkpoint stays."""
-    monkeypatch.setattr(train, "UPDATE_HOOKS", [])
 
     @train.after_update
     def poison_after_step_10(model, optimizer, config):

@@ -1,4 +1,4 @@
-"""Run by tests/test_parallel.py in a subprocess that has 8 virtual CPU devices:
+"""Run by tests/runtime/test_parallel.py in a subprocess that has 8 virtual CPU devices:
 `mesh_worker.py WORKDIR CACHE [MODEL [CONFIG_FILE]]`, CACHE being the tests' JAX compilation
 cache.
 

@@ -9,11 +9,12 @@ import subprocess
 import jax
 import numpy as np
 import pytest
-import scanned_model
 from conftest import assert_one_line_error, assert_same_models, load_config, run_main
 
 from fmnist_flax import CLASS_NAMES, load_model, model, predict, train
 from fmnist_flax.runtime import export, inference
+
+from . import scanned_model
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +116,9 @@ def test_cnn_exports_with_a_symbolic_batch():
 
 
 @pytest.fixture
-def scanned(monkeypatch) -> None:
+def scanned(registries) -> None:
     """The scanned test model registered as docs/extending.md "Add a model" says."""
-    monkeypatch.setitem(model.MODELS, "scanned", scanned_model.ScannedMLP)
+    model.MODELS["scanned"] = scanned_model.ScannedMLP
 
 
 @pytest.mark.parametrize("members", [1, 2])

@@ -18,15 +18,17 @@ from conftest import EVERY_DUE_SAVE, REPO, load_config
 from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
-from mesh_worker import MESHES
 
 from fmnist_flax import evaluate
 from fmnist_flax.runtime import inference, library_workarounds, parallel
 from fmnist_flax.runtime.errors import UserError
 
+from .mesh_worker import MESHES
+
 # Over 50 AdamW steps at batch 128 the 8-device runs differ from the 1-device run only by the
 # order of float32 sums in the gradient all-reduce; the bounds are several times the largest
 # difference seen in loss and in any parameter.
+MESH_WORKER = REPO / "tests" / "runtime" / "mesh_worker.py"  # run with tests/ on its path
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 2e-4
 
@@ -59,8 +61,8 @@ def main_py(*flags: str, devices: int = 1, timeout: int = 120) -> subprocess.Com
 def test_eight_devices_train_like_one_and_arrays_are_really_sharded(tmp_path, pytestconfig):
     cache = pytestconfig.cache.mkdir("jax")
     worker = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "mesh_worker.py"), str(tmp_path), str(cache)],
-        env=env_with_devices(8),
+        [sys.executable, str(MESH_WORKER), str(tmp_path), str(cache)],
+        env={**env_with_devices(8), "PYTHONPATH": str(REPO / "tests")},
         capture_output=True,
         text=True,
         timeout=240,
@@ -118,13 +120,13 @@ def model_parallel_worker(tmp_path, pytestconfig, name, *, project=REPO, config_
     worker = subprocess.run(
         [
             sys.executable,
-            str(REPO / "tests" / "mesh_worker.py"),
+            str(MESH_WORKER),
             str(tmp_path),
             str(cache),
             name,
             *([str(config_file)] if config_file else []),
         ],
-        env={**env_with_devices(8), "PYTHONPATH": str(project)},
+        env={**env_with_devices(8), "PYTHONPATH": f"{project}{os.pathsep}{REPO / 'tests'}"},
         cwd=project,
         capture_output=True,
         text=True,

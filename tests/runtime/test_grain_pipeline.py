@@ -10,11 +10,12 @@ import jax
 import numpy as np
 import pytest
 from conftest import EVERY_DUE_SAVE, run_main
-from test_faults import saved_steps, start, wait_for
-from test_parallel import LOSS_RTOL, main_py, start_two_processes
 
 from fmnist_flax import load_model
 from fmnist_flax.runtime import grain_pipeline, parallel
+
+from .test_faults import saved_steps, start, wait_for
+from .test_parallel import LOSS_RTOL, main_py, start_two_processes
 
 GRAIN = "--config.input_pipeline=grain"
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -73,6 +75,33 @@ def test_a_full_run_with_the_codelab_adds_its_tables_figures_and_summary(tmp_pat
         assert f"<h3>{title}" in page, title
     assert "Projection, not a measurement" in page
     assert f"{summary['train_examples_per_sec'] * codelab.TOKENS_PER_EXAMPLE:,.0f}" in page
+
+
+@pytest.mark.slow
+def test_the_default_run_keeps_the_codelabs_result(tmp_path):
+    """`python main.py --steps=400`'s config: the template's changes leave its result as it
+    was (0.8728 on all 10,000 test images, 0.8721 on the codelab's whole batches, 9,728)."""
+    config = load_config("default")
+    config.report = "none"
+    summary = train.train_and_evaluate(config, tmp_path / "run", [codelab.Codelab()])
+    assert summary["test_accuracy"] == pytest.approx(0.8728, abs=5e-4)
+    assert summary["codelab_test_accuracy"] == pytest.approx(0.8721, abs=5e-4)
+    assert summary["codelab_test_examples"] == 9_728
+
+
+@pytest.mark.parametrize(("examples", "whole"), [(1_000, 512), (5, 0)])
+def test_the_codelab_row_counts_whole_batches_and_none_is_null_not_nan(
+    quick_config, tmp_path, capsys, examples, whole
+):
+    """The codelab's metrics cover the whole batches of the evaluated test set; with none to
+    average, summary.json holds null for them (NaN is not JSON)."""
+    quick_config.steps, quick_config.eval_examples, quick_config.report = 5, examples, "basic"
+    train.train_and_evaluate(quick_config, tmp_path / "w", [codelab.Codelab()])
+    text = (tmp_path / "w" / "summary.json").read_text()
+    summary = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert summary["test_examples"] == examples and summary["codelab_test_examples"] == whole
+    assert (summary["codelab_test_accuracy"] is None) == (whole == 0)
+    assert "test, codelab (whole batches only)" in capsys.readouterr().out
 
 
 def test_basic_report_skips_the_timing_comparisons(quick_config, tmp_path):

@@ -6,11 +6,8 @@ Speed itself is never asserted here (shared, noisy machines); ratios come from o
 
 from __future__ import annotations
 
-import pathlib
-
 import pytest
 from conftest import REPO, load_config
-from test_docs import BENCHMARK_FLAGS, COMMAND_PAGES, main_commands, unknown_flags
 
 from fmnist_flax.codelab import benchmark, profiling
 from fmnist_flax.runtime import records
@@ -182,21 +179,6 @@ def test_the_benchmark_times_the_reader_alone_by_thread_count(fmnist_records):
     assert rows[0]["gather_ratio"] == 1.0 and rows[1]["gather_ratio"] > 0
     assert all(r["range"][0] <= r["records_per_sec"] <= r["range"][1] for r in rows)
     assert "Record reader alone" in benchmark.record_reads_table(rows)
-
-
-@pytest.mark.parametrize("page", COMMAND_PAGES, ids=lambda p: str(p.relative_to(REPO)))
-def test_every_benchmark_flag_the_docs_use_is_one_main_py_takes(
-    page: pathlib.Path, help_flags: set[str]
-) -> None:
-    """The docs' `--bench_*` flags, which test_docs.py leaves to this file: a project that
-    deletes the codelab deletes this test with the benchmark and the docs' lines about it."""
-    unknown = {
-        arg
-        for args in main_commands(page.read_text())
-        for arg in unknown_flags(args, help_flags)
-        if arg.startswith(BENCHMARK_FLAGS)
-    }
-    assert not unknown, f"{page.name} uses benchmark flags main.py does not take: {sorted(unknown)}"
 
 
 @pytest.mark.slow
