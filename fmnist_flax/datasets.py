@@ -14,6 +14,7 @@ the files is runtime/data_files.py's; its `Dataset` and `make_dataset` are impor
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import pathlib
 from collections.abc import Callable
 
@@ -58,6 +59,10 @@ def register(name: str, needs: str | None = None) -> Callable:
     `needs="what --data_dir holds"` when it reads only from --data_dir."""
 
     def add(load: Callable[[pathlib.Path | None, ml_collections.ConfigDict], Dataset]) -> Callable:
+        try:
+            inspect.signature(load).bind(None, None)
+        except TypeError:
+            raise UserError(f"@register({name!r}): a loader takes (data_dir, config)") from None
         DATASETS[name] = Source(load, needs)
         return load
 

@@ -555,3 +555,13 @@ def test_a_gz_is_decompressed_once_and_a_damaged_cache_entry_is_written_again(
     blocked.write_text("")
     monkeypatch.setattr(data_files, "CACHE_ROOT", blocked)
     assert data_files.verified_payload(path, spec) == payload
+
+
+def test_a_loader_of_the_wrong_shape_is_refused_where_it_is_registered(registries):
+    """A loader of `data_dir` alone (before loaders received the config) is one line when its
+    module registers it, not a TypeError when a run loads it."""
+    with pytest.raises(
+        UserError, match=r"^@register\('old_style'\): a loader takes \(data_dir, config\)$"
+    ):
+        datasets.register("old_style")(lambda data_dir: None)
+    assert "old_style" not in datasets.DATASETS

@@ -62,3 +62,8 @@ def test_the_guides_recipes_use_the_public_api_only():
     assert used, "the recipes import something of the runtime"
     outside = sorted(f"{m}.{n}" for m, n in used if n not in API.get(m, ()))
     assert not outside, outside
+
+
+def test_the_runtime_page_lists_every_module():
+    page = (REPO / "docs" / "runtime.md").read_text()
+    assert not [path.name for path in MODULES if path.name not in page]

@@ -672,7 +672,7 @@ def test_ctrl_c_while_prepare_reads_the_dataset_says_nothing_was_written(tmp_pat
         "import sys, time\n"
         "from fmnist_flax import datasets\n\n\n"
         "@datasets.register('slow')\n"
-        "def load_slow(data_dir):\n"
+        "def load_slow(data_dir, config):\n"
         "    print('reading', flush=True)\n"
         "    time.sleep(60)\n"
     )
