@@ -33,6 +33,7 @@ BENCHMARK_MODULE = "fmnist_flax.codelab.benchmark"  # --mode=benchmark, offered 
 BENCHMARK = exists(BENCHMARK_MODULE)
 FLAGS = flags.FLAGS
 _CONFIG: flags.FlagHolder | None = None  # defined by run(): see define_config_flag
+_STARTED: float | None = None  # when the command started (run's `started`)
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory for the run's outputs; default: a fresh directory under runs/."
 )
@@ -199,6 +200,7 @@ def main(argv: Sequence[str]) -> None:
                 _WORKDIR.value,
                 extensions(config),
                 accept_config_change=_ACCEPT_CONFIG_CHANGE.value,
+                started=_STARTED,
             )
         else:
             run_mode(_MODE.value, config)
@@ -252,8 +254,11 @@ def define_config_flag() -> None:
     _CONFIG = command_line.define_config_flag(DEFAULT_CONFIG)
 
 
-def run() -> None:
-    """Entry point of `main.py`, `python -m fmnist_flax` and the `fmnist-flax` script."""
+def run(started: float | None = None) -> None:
+    """Entry point of `main.py`, `python -m fmnist_flax` and the `fmnist-flax` script;
+    `started`: the time.perf_counter() reading at the command's start."""
+    global _STARTED
+    _STARTED = started
     library_workarounds.install()
     define_config_flag()
     try:

@@ -38,6 +38,7 @@ from fmnist_flax.runtime.stages import show_training as show_training
 from fmnist_flax.runtime.stages import test_metrics as test_metrics
 from fmnist_flax.runtime.stages import test_set as test_set
 from fmnist_flax.runtime.stages import write_outputs as write_outputs
+from fmnist_flax.runtime.stages import write_summary as write_summary
 
 # One model of a config and its optimizer as shapes only, and the bytes each model of a run
 # holds: what `memory.check_memory` sizes a run by.

@@ -49,6 +49,7 @@ from fmnist_flax.runtime import (
     stopping,
 )
 from fmnist_flax.runtime import workdir as workdir_lib
+from fmnist_flax.runtime.clock import StageClock
 from fmnist_flax.runtime.ensemble import Ensemble
 from fmnist_flax.runtime.registry import Registry
 from fmnist_flax.runtime.schedule import Schedule
@@ -453,9 +454,12 @@ def finished_summary(
 ) -> dict[str, Any] | None:
     """The summary to return when the workdir already holds the run, to `config.steps` or to
     `end` where an after-evaluation hook ended it (saying so), else None. An unreadable
-    summary.json (a kill while it was replaced is not one: it is written atomically) is
-    written again from the final checkpoint."""
+    summary.json (a kill while it was replaced is not one: it is written atomically), or one
+    of a run stopped before its outputs were finished, is written again from the final
+    checkpoint."""
     summary = workdir_lib.read_json(workdir / workdir_lib.SUMMARY_FILE)
+    if summary and summary.get("finished") is False and start_step == end:
+        return None
     if start_step > config.steps or (start_step == end and summary):
         parallel.say(
             f"workdir {workdir} already holds step {start_step}; nothing to do for "
@@ -489,12 +493,12 @@ class Evaluations:
     """The test-set evaluations during training, each of the newest state.
 
     The loop waits for one whose metrics something needs at once (a save, `keep_best`, an
-    after-evaluation hook) and for the first (it compiles): its time is left out of the
-    training rate (`run.eval_seconds`), and the model is brought up to date for the hooks.
-    With `overlap` (an accelerator) the others are only queued on the devices between
-    training's calls, on the test set kept there: the chip does not idle while the host
-    looks, the metrics reach the host on the metrics writer's thread, and their time counts
-    as training's."""
+    after-evaluation hook) and for the first unless `compile_ahead` compiled its program: its
+    time is left out of the training rate (`run.eval_seconds`), and the model is brought up to
+    date for the hooks. With `overlap` (an accelerator) the others are only queued on the
+    devices between training's calls, on the test set kept there: the chip does not idle
+    while the host looks, the metrics reach the host on the metrics writer's thread, and their
+    time counts as training's."""
 
     def __init__(
         self, run: experiment.Run, model: nnx.Module, optimizer: nnx.Optimizer, overlap: bool
@@ -508,9 +512,16 @@ class Evaluations:
         self.resident = (
             list(evaluate.test_calls(*self.test, config.batch_size, mesh)) if overlap else None
         )
-        self.compiled = False  # the first evaluation compiles `outputs`
+        self.compiled = False  # until `compile_ahead`, the first evaluation compiles `outputs`
         self.averaged: dict[str, float] = {}  # the EMA's metrics at the last one waited for
         self.outputs = test_program(split_state(model, optimizer)[0], config)
+
+    def compile_ahead(self, state: Any) -> None:
+        """Compile the evaluation of the resident test set (an accelerator's), on the thread
+        compiling ahead: no evaluation during training then waits for its program."""
+        if self.resident:
+            self.outputs.lower(state, *self.resident[0]).compile()
+            self.compiled = True
 
     def evaluate(
         self, step: int, state: Any, writer: metrics_writer.MetricsWriter, wait: bool
@@ -555,21 +566,30 @@ def finish(
     extensions: Sequence[experiment.Extension],
     stop: stopping.Stop,
     averaged: dict[str, float],
-    wall_start: float,
 ) -> dict[str, Any]:
-    """After training: the training table, the final evaluation, the extensions' tables and
-    figures, summary.json and report/ (a signal stops it between them); returns the summary.
-    `averaged`: the EMA's test metrics at the last evaluation during training."""
-    experiment.show_training(run)
-    # summary.json's EMA test metrics: the last step's, or evaluated now if none was.
-    run.summary |= averaged if run.evaluation else ema_test_metrics(run, run.model)
-    steps = run.summary.get(STOPPED_AT, run.config.steps)
-    stop.after_training(steps, run.checkpoints)
-    evaluation = experiment.evaluate_model(run, extensions)
-    for extension in extensions:
-        extension.after_training(run)
-        stop.after_training(steps, run.checkpoints)
-    return experiment.write_outputs(run, evaluation, time.perf_counter() - wall_start)
+    """After training: the final save on disk and summary.json with the training rate, the
+    training table, the final evaluation, summary.json again, the extensions' tables and
+    figures, report/ and the finished summary; returns it. A signal stops it at once, with its
+    line (`stop.after_training`): the same command finishes the outputs. `averaged`: the
+    EMA's test metrics at the last evaluation during training."""
+    clock = run.clock
+    clock.stage("checkpoint waits")
+    run.checkpoints.wait()
+    with stop.after_training(run.summary.get(STOPPED_AT, run.config.steps), run.checkpoints):
+        experiment.write_summary(run, None, finished=False)
+        clock.stage("final evaluation")
+        experiment.show_training(run)
+        # summary.json's EMA test metrics: the last step's, or evaluated now if none was.
+        run.summary |= averaged if run.evaluation else ema_test_metrics(run, run.model)
+        evaluation = experiment.evaluate_model(run, extensions)
+        experiment.write_summary(run, evaluation, finished=False)
+        clock.stage("demonstrations")
+        for extension in extensions:
+            stop.look()
+            extension.after_training(run)
+        stop.look()
+        clock.stage("report")
+        return experiment.write_outputs(run, evaluation)
 
 
 def train_and_evaluate(
@@ -579,17 +599,22 @@ def train_and_evaluate(
     *,
     accept_config_change: bool = False,
     devices: list[jax.Device] | None = None,
+    started: float | None = None,
 ) -> dict[str, Any]:
     """Train (resuming from the workdir's checkpoints), evaluate and write every output.
 
     Writes summary.json, metrics.jsonl, tensorboard/, checkpoints/ and report/ in the workdir
     and returns the summary. SIGINT and SIGTERM stop it with a saved checkpoint and one line,
     whenever they come; resuming with values that change the computation needs
-    `accept_config_change`. `devices`: what to train on (default: every device).
+    `accept_config_change`. `devices`: what to train on (default: every device). `started`:
+    the time.perf_counter() reading at which the command started, for summary.json's
+    `stage_seconds` (the time before this call is its start-up).
     """
-    wall_start = time.perf_counter()
+    clock = StageClock(since=started)
     with contextlib.ExitStack() as cleanup:
         stop = cleanup.enter_context(stopping.Stop())
+        jax.devices()  # JAX's backend, part of the start-up
+        clock.stage("data")
         workdir, dataset, device_data = experiment.prepare(
             config, workdir, cleanup, devices, step=train_step
         )
@@ -599,6 +624,7 @@ def train_and_evaluate(
         schedule = Schedule(config, device_data.batches_per_epoch, mesh.devices.flat[0].platform)
 
         # The state: the newest intact checkpoint's, the model of --init_from's, or fresh.
+        clock.stage("model")
         checkpoints = checkpoint_lib.Checkpoints(
             workdir,
             max_to_keep=config.max_to_keep,
@@ -623,6 +649,7 @@ def train_and_evaluate(
             optimizer,
             start_step,
             painter=painter,
+            clock=clock,
         )
         run.summary["config_changes"] = changes
         if config.init_from:
@@ -631,6 +658,9 @@ def train_and_evaluate(
         hooks = AFTER_EVALUATION.active(config.imports).values()
         if (summary := finished_summary(workdir, start_step, config, end)) is not None:
             return summary
+        if start_step == end:  # trained, its outputs unfinished: the rate it trained at
+            saved = workdir_lib.read_json(workdir / workdir_lib.SUMMARY_FILE) or {}
+            run.examples_per_sec = saved.get("train_examples_per_sec", float("nan"))
         stop.before_training()
 
         # The loop: compiled chunks of steps (`make_train_chunk`) between the steps where the
@@ -642,21 +672,35 @@ def train_and_evaluate(
         train_chunk = make_train_chunk(graphdef, frozen, dataset.image_shape, mesh, schedule)
         zeros = zero_sums(model, frozen, dataset.image_shape, mesh)
         aug_key = input_pipeline.augment_key(config)
+        evaluations = Evaluations(run, model, optimizer, overlap=schedule.accelerated)
         # Its first programs compile on a thread while the set-up tables and extensions run.
         first_call = batches.first_call(start_step)
         ahead = compile_ahead.start(
-            train_chunk, state, zeros, aug_key, first_call, model, optimizer, stop
+            train_chunk,
+            state,
+            zeros,
+            aug_key,
+            first_call,
+            model,
+            optimizer,
+            stop,
+            also=(functools.partial(evaluations.compile_ahead, state),),
         )
+        clock.stage("set-up tables")
         experiment.show_setup(run)
+        clock.stage("demonstrations")
         for extension in extensions:
             extension.before_training(run)
+        clock.stage("compilation")
         ahead.join()
-        run.figures_drawn()  # the set-up's figures do not share the CPU with training
+        # The set-up's figures do not share the host with training (drawn beside the loop, they
+        # slow an accelerator's host-bound loop too).
+        run.figures_drawn()
         stop.before_training()
         _, state = split_state(model, optimizer)  # as the extensions left it
         step = start_step
-        clock = None  # (time, step) once the first call, which compiles, is done
-        evaluations = Evaluations(run, model, optimizer, overlap=schedule.accelerated)
+        timed_from = None  # (time, step) once the first call, which compiles, is done
+        trained = None  # (time, eval_seconds) when the last step is computed, before its save
         # Examples/sec counts every model's: an ensemble of 8 at 1x does the work of 8 runs.
         per_step = device_data.examples_per_step * config.ensemble.size
         writer = metrics_writer.MetricsWriter(
@@ -671,6 +715,8 @@ def train_and_evaluate(
             stop=stop,
             schedule=schedule,
         )
+        clock.stage("training")
+        began = time.perf_counter()
         with writer:
             while step < end:
                 # A call runs at most about half a second (`stop.steps_per_call`, timed), and
@@ -683,9 +729,13 @@ def train_and_evaluate(
                         next_stop = early  # a signal: saved at this step, a row's sums too
                         break
                 step = next_stop
-                if clock is None:  # the first call compiled: the clock starts once it is done
+                if timed_from is None:  # the first call compiled: timed once it is done
                     jax.block_until_ready(rows)
-                    clock = (time.perf_counter(), step)
+                    timed_from = (time.perf_counter(), step)
+                    clock.move(timed_from[0] - began, "training", "compilation")
+                if step == end:  # training's time ends here; the last save's is not its
+                    jax.block_until_ready(state)
+                    trained = (time.perf_counter(), run.eval_seconds)
                 writer.check()  # a row written since the last stop had a non-finite loss
 
                 # Where the host looks. A signal to any process stops all of them at the same
@@ -720,9 +770,11 @@ def train_and_evaluate(
         jax.block_until_ready(state)
         nnx.update((model, optimizer), state)
         model.eval()
-        if clock is not None and clock[1] < step:  # else nothing was timed
-            seconds = time.perf_counter() - clock[0] - run.eval_seconds
-            run.examples_per_sec = (step - clock[1]) * per_step / seconds
+        if timed_from is not None and timed_from[1] < step:  # else nothing was timed
+            trained = trained or (time.perf_counter(), run.eval_seconds)  # a hook's early stop
+            seconds = trained[0] - timed_from[0] - trained[1]
+            run.examples_per_sec = (step - timed_from[1]) * per_step / seconds
+        clock.move(run.eval_seconds, "training", "evaluations")
         if end < config.steps:
             run.summary[STOPPED_AT] = end
-        return finish(run, extensions, stop, evaluations.averaged, wall_start)
+        return finish(run, extensions, stop, evaluations.averaged)

@@ -52,6 +52,10 @@ def test_a_100_step_real_data_run_learns_and_writes_its_outputs(quick_config, tm
     assert not [name for name in rows[0] if name.startswith("test_")]  # step 1 is not evaluated
     assert rows[-1]["loss"] < rows[0]["loss"] / 2
     assert "gradient_check" not in summary  # the codelab's extension was not added
+    stages = summary["stage_seconds"]  # where the run's time went, from the call's start
+    assert {"data", "model", "compilation", "training", "final evaluation"} <= stages.keys()
+    assert sum(stages.values()) == pytest.approx(summary["wall_seconds"], rel=0.01)
+    assert summary["finished"] is True
 
 
 def test_same_seed_gives_bitwise_identical_runs(quick_config, tmp_path):

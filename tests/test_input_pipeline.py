@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import jax
 import numpy as np
 import pytest
@@ -36,6 +38,18 @@ def test_the_host_sorted_order_is_jax_random_permutation(seed, epoch, n):
     np.testing.assert_array_equal(np.asarray(device_batches.epoch_order(seed, epoch, n)), expected)
     drawn = device_batches._permutation(np.uint32(seed), epoch, n)  # an accelerator's path
     np.testing.assert_array_equal(np.asarray(drawn), expected)
+
+
+def test_the_program_compiled_for_an_accelerator_draws_the_same_orders(monkeypatch):
+    """On an accelerator the orders come from NumPy until `compile_permutation`'s program is
+    compiled, then from it: a run switching mid-way trains on the orders it always did."""
+    n = 1234
+    numpy_order = np.asarray(device_batches.epoch_order(7, 3, n))
+    compiled = concurrent.futures.Future()
+    compiled.set_result(device_batches._permutation.lower(np.uint32(0), 0, n).compile())
+    monkeypatch.setitem(device_batches._COMPILED, n, compiled)
+    device_batches.epoch_order.cache_clear()
+    np.testing.assert_array_equal(np.asarray(device_batches.epoch_order(7, 3, n)), numpy_order)
 
 
 def test_another_prng_setting_gets_its_own_jax_random_permutation():

@@ -9,6 +9,7 @@ working trainer.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from fmnist_flax import input_pipeline, train
 from fmnist_flax.experiment import Extension, Run
 from fmnist_flax.runtime import (
     compilation_cache,
+    console,
     device_batches,
     ensemble,
     inference,
@@ -52,6 +54,7 @@ TITLES = {
     DISPATCH: "Python dispatch vs jitted step",
     PRECISION: "Mixed-precision timing after warm-up",
 }
+KEYS = {DISPATCH: "mode", PRECISION: "dtype"}  # each comparison's variant column
 
 
 class Codelab(Extension):
@@ -82,18 +85,20 @@ class Codelab(Extension):
         return {"test, codelab (whole batches only)": codelab}
 
     def after_training(self, run: Run) -> None:
-        if run.config.report == "full":  # the timings share the CPU with no other thread:
-            run.checkpoints.wait()  # the final save's writer
-            run.figures_drawn()  # and the figure thread
-            self._timing(run, DISPATCH, "mode", dispatch_vs_jit(run), "dispatch_vs_jit")
-            self._timing(run, PRECISION, "dtype", precision_comparison(run), "precision")
+        if run.config.report == "full":
+            timings = Timings(run)  # warmed up while the figures are drawn
+            run.checkpoints.wait()  # the timings share the devices' host with no other thread:
+            run.figures_drawn()  # the final save's writer and the figure thread are done
+            self._timing(run, DISPATCH, timings.timed(DISPATCH), "dispatch_vs_jit")
+            self._timing(run, PRECISION, timings.timed(PRECISION), "precision")
         heading = "Throughput in tokens"
         run.show(heading, tokens_table(run.examples_per_sec))
         run.note(heading, PROJECTION_NOTE)
 
     @staticmethod
-    def _timing(run: Run, heading: str, key: str, rows: list[dict[str, Any]], name: str) -> None:
+    def _timing(run: Run, heading: str, rows: list[dict[str, Any]], name: str) -> None:
         """A timing comparison's table, bar chart (`name`.png) and summary entry (`name`)."""
+        key = KEYS[heading]
         run.summary[name] = rows
         run.show(heading, timing_table(TITLES[heading], key, rows))
         rates = [r["examples_per_sec"] for r in rows]
@@ -165,35 +170,111 @@ def gradient_check(
     return table, check
 
 
-def time_steps(
-    step_fn: Callable[..., train.Metrics],
-    model: nnx.Module,
-    optimizer: nnx.Optimizer,
-    device_data: input_pipeline.DeviceData,
-    steps: int,
-    config: ml_collections.ConfigDict,
-) -> dict[str, float]:
-    """One untimed warm-up step, then `steps` timed ones until the state is ready.
+@dataclasses.dataclass
+class Timing:
+    """One variant of a timing comparison, warm: its step function (eager or jitted), a
+    fresh model and optimizer that took its untimed first step, and how many steps to time."""
+
+    label: str
+    step_fn: Callable[..., train.Metrics]
+    model: nnx.Module
+    optimizer: nnx.Optimizer
+    steps: int
+
+
+class Timings:
+    """The timing comparisons' variants, warmed up before any is timed, while the report's
+    figures are drawn on their thread: the batches gathered once, each variant's fresh state
+    built and its first step taken (compiling it). `timed()` then times each variant alone on
+    the devices, once the figures are drawn. (Warmed on a thread beside training instead,
+    they slowed an accelerator's host-bound training loop several times over.)"""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self._variants = self._warm_up()
+
+    def _warm_up(self) -> dict[str, list[Timing]]:
+        run = self.run
+        d = with_train_set(run)
+        n = run.dataset.num_classes
+        self.batches = first_batches(d, max(EAGER_STEPS, JIT_STEPS, PRECISION_STEPS) + 1)
+        variants = {
+            DISPATCH: [
+                ("Python dispatch", train.train_step, None, EAGER_STEPS),
+                ("jitted step", train.jit_train_step, None, JIT_STEPS),
+            ],
+            PRECISION: [
+                (dtype, train.jit_train_step, dtype, PRECISION_STEPS)
+                for dtype in ("float32", "bfloat16")
+            ],
+        }
+        frozen = ml_collections.FrozenConfigDict(run.config)
+        x, y = self.batches[0][0], self.batches[1][0]
+        warmed = {}
+        for heading, rows in variants.items():
+            warmed[heading] = []
+            for label, step_fn, dtype, steps in rows:
+                console.status(f"warming up the timings: {label} (--report=basic skips them)")
+                model, optimizer = fresh_state(run.config, d, n, dtype)
+                jax.block_until_ready(step_fn(model, optimizer, x, y, frozen))
+                warmed[heading].append(Timing(label, step_fn, model, optimizer, steps))
+        return warmed
+
+    def timed(self, heading: str) -> list[dict[str, Any]]:
+        """The rows of one comparison, each variant timed alone on the devices."""
+        rows = []
+        for timing in self._variants[heading]:
+            rows.append({KEYS[heading]: timing.label, **time_steps(timing, self.batches, self.run)})
+        return rows
+
+
+def first_batches(d: input_pipeline.DeviceData, count: int) -> tuple[jax.Array, jax.Array]:
+    """The first `count` batches of epoch 0's order (from COMPARISON_SEED), gathered and
+    normalised on the device by one compiled program, as `input_pipeline.batch_at` picks them:
+    the timed steps index their own, as the codelab's `batch_at(step)` does."""
+    count = min(count, d.batches_per_epoch)
+    order = device_batches.epoch_order(COMPARISON_SEED, 0, len(d.train_labels))
+    return _gather(
+        d.train_images,
+        d.train_labels,
+        order,
+        count,
+        d.batch_size,
+        d.image_shape,
+        d.mesh,
+        d.accumulate,
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
+def _gather(images, labels, order, count, batch_size, image_shape, mesh, accumulate):
+    picks = order[: count * batch_size * accumulate].reshape(count, accumulate, batch_size)
+    if accumulate == 1:
+        picks = picks[:, 0]
+    if mesh is not None:
+        picks = jax.lax.with_sharding_constraint(
+            picks, parallel.batch_sharding(mesh, axis=picks.ndim - 1)
+        )
+    x = input_pipeline.normalize(images[picks]).reshape(*picks.shape, *image_shape)
+    return x, labels[picks]
+
+
+def time_steps(timing: Timing, batches: tuple[jax.Array, jax.Array], run: Run) -> dict[str, float]:
+    """`timing.steps` timed steps of a warm variant, until its state is ready.
 
     The codelab's protocol: the batches of epoch 0's order are stacked on the device before
     the clock starts (at most one epoch of them), and each timed step indexes its own, as the
     codelab's `batch_at(step)` does; that per-step dispatch is part of what a loop of jitted
     steps costs, and what the fused training path removes.
     """
-    d = device_data
-    frozen = ml_collections.FrozenConfigDict(config)
-    order = device_batches.epoch_order(COMPARISON_SEED, 0, len(d.train_labels))
-    shape = (d.batch_size, d.image_shape, d.mesh, d.accumulate)
-    batches = (
-        input_pipeline.batch_at(d.train_images, d.train_labels, order, i, *shape)
-        for i in range(min(steps + 1, d.batches_per_epoch))
-    )
-    xs, ys = (jnp.stack(parts) for parts in zip(*batches, strict=True))
-    jax.block_until_ready(step_fn(model, optimizer, xs[0], ys[0], frozen))
+    xs, ys = batches
+    frozen = ml_collections.FrozenConfigDict(run.config)
+    model, optimizer, steps = timing.model, timing.optimizer, timing.steps
+    console.status(f"timing: {timing.label}, {steps} steps (--report=basic skips the timings)")
     start = time.perf_counter()
     for i in range(steps):
         j = (i + 1) % len(xs)
-        metrics = step_fn(model, optimizer, xs[j], ys[j], frozen)
+        metrics = timing.step_fn(model, optimizer, xs[j], ys[j], frozen)
     jax.block_until_ready((metrics, nnx.state((model, optimizer))))
     seconds = time.perf_counter() - start
     metrics = parallel.to_host(metrics)
@@ -202,7 +283,7 @@ def time_steps(
         "loss": float(metrics["loss"]),
         "accuracy": float(metrics["accuracy"]),
         "seconds": seconds,
-        "examples_per_sec": steps * d.examples_per_step / seconds,
+        "examples_per_sec": steps * run.device_data.examples_per_step / seconds,
     }
 
 
@@ -227,42 +308,13 @@ def with_train_set(run: Run) -> input_pipeline.DeviceData:
     """The run's device data with the train set on the device, where the timing demonstrations
     (--report=full) pick their batches; a run fed by Grain gets it placed here, for them only."""
     if run.device_data.train_images is None:
-        run.device_data = device_batches.to_device(
+        return device_batches.to_device(
             run.dataset,
             run.config.batch_size,
             run.device_data.mesh,
             accumulate=run.config.optimizer.accumulate,
         )
     return run.device_data
-
-
-def dispatch_vs_jit(run: Run) -> list[dict[str, Any]]:
-    """Section 7: the same AdamW step run op by op from Python, and compiled with nnx.jit."""
-    d = with_train_set(run)
-    n = run.dataset.num_classes
-    config = run.config
-    eager = time_steps(train.train_step, *fresh_state(config, d, n), d, EAGER_STEPS, config)
-    jitted = time_steps(train.jit_train_step, *fresh_state(config, d, n), d, JIT_STEPS, config)
-    return [{"mode": "Python dispatch", **eager}, {"mode": "jitted step", **jitted}]
-
-
-def precision_comparison(run: Run) -> list[dict[str, Any]]:
-    """Section 13: float32 and bfloat16 compute (params stay float32), fresh init each."""
-    d = with_train_set(run)
-    n = run.dataset.num_classes
-    return [
-        {
-            "dtype": dtype,
-            **time_steps(
-                train.jit_train_step,
-                *fresh_state(run.config, d, n, dtype),
-                d,
-                PRECISION_STEPS,
-                run.config,
-            ),
-        }
-        for dtype in ("float32", "bfloat16")
-    ]
 
 
 def tokens_table(examples_per_sec: float) -> Table:

@@ -4,8 +4,9 @@ extensions run on the main one (XLA compiles without the GIL).
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -38,18 +39,27 @@ def start(
     model: nnx.Module,
     optimizer: nnx.Optimizer,
     stop: Any = None,
+    also: Sequence[Callable[[], None]] = (),
 ) -> Compiling:
     """A thread compiling the chunk for `first_call`'s arguments (when they are known before
-    the loop), the finiteness check and the save's state copy. It compiles only, never runs:
-    with several processes a run beside the main thread's could interleave their
-    collectives. `stop`: a `stopping.Stop` whose signal ends a wait for it."""
+    the loop), the finiteness check, the save's state copy and each of `also` (the
+    evaluation's). It compiles only, never runs: with several processes a run beside the main
+    thread's could interleave their collectives. `stop`: a `stopping.Stop` whose signal ends a
+    wait for it."""
     params = nnx.state(model, nnx.Param)
 
-    def compile_first() -> None:
-        if first_call is not None:
-            train_chunk.lower(state, sums, *first_call, aug_key).compile()
-        parallel.finite.lower(params).compile()
-        checkpoint_lib.warm_up(model, optimizer)
+    jobs = [
+        lambda: parallel.finite.lower(params).compile(),
+        lambda: checkpoint_lib.warm_up(model, optimizer),
+        *also,
+    ]
+    if first_call is not None:
+        jobs.insert(0, lambda: train_chunk.lower(state, sums, *first_call, aug_key).compile())
+
+    def compile_first() -> None:  # each program on a thread of its own: XLA compiles apart
+        with concurrent.futures.ThreadPoolExecutor(len(jobs), "compile") as pool:
+            for done in [pool.submit(job) for job in jobs]:
+                done.result()
 
     thread = Compiling(compile_first, stop)
     thread.start()

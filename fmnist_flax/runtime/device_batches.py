@@ -137,13 +137,31 @@ def _permutation(seed: int, epoch: int, num_examples: int) -> jax.Array:
     return jax.random.permutation(jax.random.fold_in(jax.random.key(seed), epoch), num_examples)
 
 
+# An accelerator's permutation program per train-set size, compiled on its own thread
+# (`compile_permutation`): a TPU compiles its sort slowly, and the set-up need not wait for it.
+_COMPILED: dict[int, Any] = {}
+_COMPILER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-order")
+
+
+def compile_permutation(num_examples: int) -> None:
+    """On an accelerator, compile the permutation of `num_examples` on a thread; until it is
+    compiled, `epoch_order` draws the orders with NumPy (the same orders)."""
+    if jax.default_backend() != "cpu" and _draws_keys_in_numpy() and num_examples not in _COMPILED:
+        _COMPILED[num_examples] = _COMPILER.submit(
+            lambda: _permutation.lower(np.uint32(0), 0, num_examples).compile()
+        )
+
+
 @functools.lru_cache(maxsize=2)  # the set-up asks for epoch 0's twice (the loop, the codelab)
 def epoch_order(seed: int, epoch: int, num_examples: int) -> jax.Array:
     """The permutation of the train set for one epoch, from (seed, epoch): exactly
     `jax.random.permutation`'s (a test checks). An accelerator draws it in its queue, in
-    microseconds; on the CPU NumPy draws its keys and sorts them, since XLA's CPU sort is
-    several times slower."""
-    if jax.default_backend() != "cpu" or not _draws_keys_in_numpy():
+    microseconds, once `compile_permutation` compiled the program; on the CPU, and until
+    then, NumPy draws its keys and sorts them (XLA's CPU sort is several times slower)."""
+    compiled = _COMPILED.get(num_examples)
+    if compiled is not None and compiled.done():
+        return compiled.result()(np.uint32(seed), epoch)
+    if (jax.default_backend() != "cpu" and compiled is None) or not _draws_keys_in_numpy():
         return _permutation(np.uint32(seed), epoch, num_examples)
     order = np.arange(num_examples, dtype=np.int32)
     for keys in _sort_keys(seed, epoch, num_examples):
@@ -166,6 +184,7 @@ class DeviceBatches:
 
     def __init__(self, data: DeviceData, config: ml_collections.ConfigDict):
         self.data = data
+        compile_permutation(data.train_examples)
         self.seeds = ensemble.data_seeds(config)
         self.fused = config.fused_steps
         self.next = 0  # the step the newest call ends at

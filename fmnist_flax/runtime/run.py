@@ -15,6 +15,7 @@ from flax import nnx
 
 from . import checkpoint as checkpoint_lib
 from . import ensemble, parallel, report
+from .clock import StageClock
 from .data_files import Dataset
 from .device_batches import DeviceData
 from .errors import is_digits
@@ -40,6 +41,7 @@ class Run:
     evaluation: tuple[int, dict[str, Any]] | None = None  # newest waited for: (step, full one)
     eval_seconds: float = 0.0  # waited for evaluations in training, outside examples_per_sec
     painter: report.Painter | None = None  # draws the figures where this process reports
+    clock: StageClock = dataclasses.field(default_factory=StageClock)  # the stages' seconds
 
     @property
     def reporting(self) -> bool:

@@ -260,14 +260,15 @@ def write_report(run: Run, test_accuracy: float) -> pathlib.Path | None:
         return None
 
 
-def write_outputs(run: Run, evaluation: dict[str, Any], wall_seconds: float) -> dict[str, Any]:
-    """summary.json and report/ (process 0), then the results where a person looks first."""
-    full = evaluation["full"]
-    if not parallel.is_primary():
-        return {"test_accuracy": full["accuracy"], "process_index": jax.process_index()}
-    config = run.config
-    mesh = run.device_data.mesh
-    report_path = write_report(run, full["accuracy"]) if run.reporting else None
+def write_summary(
+    run: Run, evaluation: dict[str, Any] | None, finished: bool = True
+) -> dict[str, Any]:
+    """summary.json (process 0): the training rate, each stage's seconds so far (`run.clock`)
+    and, once the final evaluation is done (`evaluation`), the test metrics. Written as soon as
+    training ends and again before the demonstrations, with `finished` False: a run stopped
+    after training keeps its true rate, and the same command finishes the outputs."""
+    config, mesh = run.config, run.device_data.mesh
+    full = evaluation["full"] if evaluation else {}
     last = run.history[-1] if run.history else {}
     summary = {
         **prefixed("test_", full),
@@ -288,19 +289,34 @@ def write_outputs(run: Run, evaluation: dict[str, Any], wall_seconds: float) -> 
         "param_sharding": config.param_sharding,
         "layout": parallel.layout(mesh, config.batch_size, config.param_sharding),
         "param_layouts": parallel.param_layouts(run.model),
-        "confusion_matrix": evaluation["confusion"].tolist(),
-        "report": str(report_path) if report_path else None,
-        "wall_seconds": wall_seconds,
+        **({"confusion_matrix": evaluation["confusion"].tolist()} if evaluation else {}),
+        "stage_seconds": run.clock.totals(),
+        "wall_seconds": run.clock.wall(),
         "peak_rss_mb": workdir_lib.peak_rss_mb(),
         "versions": workdir_lib.versions(),
         "config": config.to_dict(),
         **run.summary,
+        "finished": finished,
     }
-    workdir_lib.write_json(run.workdir / workdir_lib.SUMMARY_FILE, summary)
+    if parallel.is_primary():
+        workdir_lib.write_json(run.workdir / workdir_lib.SUMMARY_FILE, summary)
+    return summary
+
+
+def write_outputs(run: Run, evaluation: dict[str, Any]) -> dict[str, Any]:
+    """report/ and the finished summary.json (process 0), then the results where a person
+    looks first, and where the run's time went."""
+    full = evaluation["full"]
+    if not parallel.is_primary():
+        return {"test_accuracy": full["accuracy"], "process_index": jax.process_index()}
+    report_path = write_report(run, full["accuracy"]) if run.reporting else None
+    run.summary["report"] = str(report_path) if report_path else None
+    summary = write_summary(run, evaluation)
     print(
         f"test accuracy {full['accuracy']:.4f} on {full['examples']:,} examples",
         f"report: {report_path}" if report_path else "report: none (--report=none)",
         f"workdir: {run.workdir}",
+        run.clock.line(),
         sep="\n",
         flush=True,
     )

@@ -6,8 +6,10 @@ finite, keeping the last good checkpoint.
 from __future__ import annotations
 
 import collections
+import contextlib
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -38,6 +40,7 @@ class Stop:
     def __init__(self):
         self.signum = 0  # the signal this process got (0: none)
         self._previous = {}
+        self._trained: tuple[int, checkpoint_lib.Checkpoints] | None = None  # `after_training`
         self._in_flight = collections.deque()  # the queued calls' outputs and last steps
         self._done: int | None = None  # the last step known done
         # The last step and time a call was seen to end, the devices busy with it till then.
@@ -55,6 +58,8 @@ class Stop:
 
     def _handle(self, signum, frame) -> None:
         self.signum = signum
+        if self._trained is not None and jax.process_count() == 1:
+            raise self._stopped_after_training(signum)
 
     @property
     def requested(self) -> int:
@@ -121,12 +126,35 @@ class Stop:
             signum,
         )
 
-    def after_training(self, step: int, checkpoints: checkpoint_lib.Checkpoints) -> None:
-        """After training, a signal still stops the run with its line and exit code; the final
-        checkpoint is on disk and the same command finishes the outputs."""
+    @contextlib.contextmanager
+    def after_training(self, step: int, checkpoints: checkpoint_lib.Checkpoints) -> Iterator[None]:
+        """Within, training is done and its checkpoint of `step` on disk: a signal stops the
+        run at once (not at the next look), with its line and exit code, and the same command
+        finishes the outputs. A multi-process run's processes stop together, at `look()`."""
         if signum := self.requested:
-            unfinished = "; the summary and report were not written"
-            raise self.interrupted(signum, step, checkpoints, unfinished)
+            raise self._stopped_after_training(signum, step, checkpoints)
+        self._trained = (step, checkpoints)
+        try:
+            yield
+        finally:
+            self._trained = None
+
+    def look(self) -> None:
+        """Between the stages after training: where a multi-process run's processes stop
+        together on a signal any of them got."""
+        if self._trained is not None and (signum := self.requested):
+            raise self._stopped_after_training(signum)
+
+    def _stopped_after_training(
+        self,
+        signum: int,
+        step: int | None = None,
+        checkpoints: checkpoint_lib.Checkpoints | None = None,
+    ) -> Interrupted:
+        step, checkpoints = (step, checkpoints) if checkpoints else self._trained
+        self._trained = None  # one line, however many signals come
+        unfinished = "; its outputs (summary.json, the report) were not finished"
+        return self.interrupted(signum, step, checkpoints, unfinished)
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
