@@ -25,6 +25,7 @@ from fmnist_flax import model as model_lib
 from fmnist_flax import optimizer as optimizer_lib
 from fmnist_flax.runtime import checkpoint as checkpoint_lib
 from fmnist_flax.runtime import memory, run_config, stages
+from fmnist_flax.runtime.clock import StageClock
 
 # What a project's extensions and the loop use, under the names they had here.
 from fmnist_flax.runtime.run import Extension as Extension
@@ -60,10 +61,15 @@ def prepare(
     devices: list[jax.Device] | None = None,
     *,
     step: Callable[..., Any],
-) -> tuple[pathlib.Path, datasets.Dataset, input_pipeline.DeviceData]:
+    started: float | None = None,
+) -> tuple[pathlib.Path, datasets.Dataset, input_pipeline.DeviceData, StageClock]:
     """Check everything a user can get wrong, claim the workdir (released on `cleanup`), load
     the data and place it on a mesh over `devices` (default: all). `step`: the training step
-    (`train.train_step`), whose memory is checked with the models' (`memory.check_memory`)."""
+    (`train.train_step`), whose memory is checked with the models' (`memory.check_memory`).
+    Returns them with the run's stage clock, started at `started` (`train_and_evaluate`'s)."""
+    clock = StageClock(since=started)
+    jax.devices()  # JAX's backend, part of the start-up
+    clock.stage("data")
     config_lib.validate(config)
     memory.check_threads(config)
     datasets.get(config)  # an unknown dataset or a missing --data_dir, before any I/O
@@ -72,7 +78,7 @@ def prepare(
     model_lib.check_config(config, dataset.image_shape)
     input_pipeline.check_augment(config.augment, dataset.image_shape)
     device_data = stages.place_data(config, dataset, devices, member_bytes, step, abstract_state)
-    return workdir, dataset, device_data
+    return workdir, dataset, device_data, clock
 
 
 def check_config_changes(

@@ -49,7 +49,6 @@ from fmnist_flax.runtime import (
     stopping,
 )
 from fmnist_flax.runtime import workdir as workdir_lib
-from fmnist_flax.runtime.clock import StageClock
 from fmnist_flax.runtime.ensemble import Ensemble
 from fmnist_flax.runtime.registry import Registry
 from fmnist_flax.runtime.schedule import Schedule
@@ -449,16 +448,16 @@ def restore_train_state(
     return model, optimizer, start_step, resumed, changes
 
 
-def finished_summary(
-    workdir: pathlib.Path, start_step: int, config: ml_collections.ConfigDict, end: int
-) -> dict[str, Any] | None:
-    """The summary to return when the workdir already holds the run, to `config.steps` or to
-    `end` where an after-evaluation hook ended it (saying so), else None. An unreadable
-    summary.json (a kill while it was replaced is not one: it is written atomically), or one
-    of a run stopped before its outputs were finished, is written again from the final
-    checkpoint."""
+def finished_summary(run: experiment.Run, end: int) -> dict[str, Any] | None:
+    """The summary to return when the run's workdir already holds the run, to
+    `config.steps` or to `end` where an after-evaluation hook ended it (saying so), else None.
+    An unreadable summary.json (a kill while it was replaced is not one: it is written
+    atomically), or one of a run stopped before its outputs were finished, is written again
+    from the final checkpoint, with the training rate that one saved."""
+    workdir, start_step, config = run.workdir, run.start_step, run.config
     summary = workdir_lib.read_json(workdir / workdir_lib.SUMMARY_FILE)
-    if summary and summary.get("finished") is False and start_step == end:
+    if start_step == end and summary and summary.get("finished") is False:
+        run.examples_per_sec = float(summary.get("train_examples_per_sec") or "nan")
         return None
     if start_step > config.steps or (start_step == end and summary):
         parallel.say(
@@ -610,13 +609,10 @@ def train_and_evaluate(
     the time.perf_counter() reading at which the command started, for summary.json's
     `stage_seconds` (the time before this call is its start-up).
     """
-    clock = StageClock(since=started)
     with contextlib.ExitStack() as cleanup:
         stop = cleanup.enter_context(stopping.Stop())
-        jax.devices()  # JAX's backend, part of the start-up
-        clock.stage("data")
-        workdir, dataset, device_data = experiment.prepare(
-            config, workdir, cleanup, devices, step=train_step
+        workdir, dataset, device_data, clock = experiment.prepare(
+            config, workdir, cleanup, devices, step=train_step, started=started
         )
         # The report's figures are drawn on a thread, which imports matplotlib now.
         painter = experiment.start_painter(config, cleanup)
@@ -656,11 +652,8 @@ def train_and_evaluate(
             run.summary |= {"init_from": config.init_from, "init_from_step": init_step}
         end = resumed.get(STOPPED_AT, config.steps)  # where an after-evaluation hook stopped it
         hooks = AFTER_EVALUATION.active(config.imports).values()
-        if (summary := finished_summary(workdir, start_step, config, end)) is not None:
+        if (summary := finished_summary(run, end)) is not None:
             return summary
-        if start_step == end:  # trained, its outputs unfinished: the rate it trained at
-            saved = workdir_lib.read_json(workdir / workdir_lib.SUMMARY_FILE) or {}
-            run.examples_per_sec = saved.get("train_examples_per_sec", float("nan"))
         stop.before_training()
 
         # The loop: compiled chunks of steps (`make_train_chunk`) between the steps where the

@@ -10,6 +10,7 @@ other relatively, so the runtime does not depend on the name of the package arou
 
 API: dict[str, tuple[str, ...]] = {
     "checkpoint": ("Checkpoints", "checkpoint_dir", "open_reader", "saved_item", "warm_up"),
+    "clock": ("DOING", "START_UP", "StageClock"),
     "command_line": (
         "MULTIPROCESS_FLAGS",
         "check_mode_flags",
@@ -29,6 +30,7 @@ API: dict[str, tuple[str, ...]] = {
     ),
     "compilation_cache": ("QUICK_COMPILE", "use"),
     "compile_ahead": ("Compiling", "start"),
+    "console": ("clear", "status"),
     "data_files": (
         "ARRAY_FILES",
         "CACHE_ROOT",
@@ -157,7 +159,7 @@ API: dict[str, tuple[str, ...]] = {
         "is_plug_in",
         "pending_imports",
     ),
-    "project_template": ("Template", "create"),
+    "project_template": ("Template", "create", "main"),
     "records": ("RecordSource", "load_dataset", "prepare", "read_splits", "write_dataset"),
     "registry": ("Registry", "call"),
     "report": ("Painter", "bars", "write_report"),
@@ -172,6 +174,7 @@ API: dict[str, tuple[str, ...]] = {
         "with_defaults",
     ),
     "schedule": ("Schedule",),
+    "startup": ("ACCELERATOR_FILES", "BEFORE_BACKEND_FLAGS", "begin"),
     "stages": (
         "claim_workdir",
         "evaluate_model",
@@ -182,6 +185,7 @@ API: dict[str, tuple[str, ...]] = {
         "test_metrics",
         "test_set",
         "write_outputs",
+        "write_summary",
     ),
     "stopping": ("Interrupted", "Stop", "diverged", "save_if_finite"),
     "summaries": ("Summaries", "write_members"),

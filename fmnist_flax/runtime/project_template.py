@@ -6,6 +6,7 @@ imports the runtime as a library, whatever the template's package was called.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -13,8 +14,10 @@ import keyword
 import pathlib
 import re
 import shutil
+import sys
+from collections.abc import Sequence
 
-from .errors import UserError
+from .errors import UserError, error_line
 
 # What a template's checkout holds beside its package (copied when present), and the files of
 # it that are data, copied as they are.
@@ -66,6 +69,32 @@ def create(template: Template, directory: str, name: str, *, with_optional: bool
         f"wrote {target}: package {name}/ ({_package_lines(target / name):,} lines), configs/, "
         f"main.py, tests/; it depends on {distribution[0]}=={distribution[1]} for the runtime"
     )
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not argparse's usage and message
+        error_line(f"{message} (usage: {self.format_usage().strip().removeprefix('usage: ')})")
+        sys.exit(2)
+
+
+def main(template: Template, prog: str, argv: Sequence[str] | None, optional_flag: str) -> None:
+    """The command line of a template's `new_project`: DIR, --name=NAME and `--optional_flag`
+    (the template's optional parts); every mistake is one line, exit status 2 or 1."""
+    parser = _Parser(prog=prog, description="A new project from this template.")
+    parser.add_argument("directory", help="the new project's directory (new or empty)")
+    parser.add_argument("--name", required=True, help="its package, e.g. my_project")
+    parser.add_argument(
+        f"--{optional_flag}", action="store_true", help=", ".join(template.optional)
+    )
+    args = parser.parse_args(argv)
+    try:
+        done = create(
+            template, args.directory, args.name, with_optional=getattr(args, optional_flag)
+        )
+    except UserError as exc:
+        error_line(str(exc))
+        sys.exit(1)
+    print(done)
 
 
 def _check(template: Template, target: pathlib.Path, name: str) -> None:
