@@ -45,7 +45,9 @@ from fmnist_flax.runtime import (
     inference,
     metrics_writer,
     parallel,
+    plugins,
     restore,
+    run_config,
     stopping,
 )
 from fmnist_flax.runtime import workdir as workdir_lib
@@ -178,9 +180,10 @@ def after_update(hook: UpdateHook) -> UpdateHook:
 
 
 # hook(step, metrics, run) -> True to end the run (an early stop), called after each evaluation
-# in training with its `test_*` metrics and the run (its model, dataset and config), for the
-# runs that import the module adding it.
-EvaluationHook = Callable[[int, dict[str, float], experiment.Run], bool]
+# in training with (a copy of) its `test_*` metrics and the run (its model, dataset and config),
+# for the runs that import the module adding it; what it adds to `metrics` must be a number
+# under a name of its own (`plugins.after_evaluation` checks each call).
+EvaluationHook = Callable[[int, dict[str, float], experiment.Run], bool | None]
 AFTER_EVALUATION = Registry("after-evaluation hook")
 STOPPED_AT = "stopped_at"  # the progress and summary entry of a step where a hook ended the run
 
@@ -188,7 +191,9 @@ STOPPED_AT = "stopped_at"  # the progress and summary entry of a step where a ho
 def after_evaluation(hook: EvaluationHook) -> EvaluationHook:
     """Decorator: call `hook(step, metrics, run)` after each evaluation during training; what it
     adds to `metrics` (`val_loss`) is logged and saved with them. A True return ends the run
-    there, saved and its outputs written; the same command again does not train past it."""
+    there, saved, said in one line and its outputs written; the same command again does not
+    train past it. A hook that fails stops the run in one line naming it, the steps since the
+    last save saved first."""
     AFTER_EVALUATION[f"{hook.__module__}.{hook.__qualname__}"] = hook
     return hook
 
@@ -628,7 +633,9 @@ def train_and_evaluate(
         if config.init_from:
             run.summary |= {"init_from": config.init_from, "init_from_step": init_step}
         end = resumed.get(STOPPED_AT, config.steps)  # where an after-evaluation hook stopped it
-        hooks = AFTER_EVALUATION.active(config.imports).values()
+        hooks = AFTER_EVALUATION.active(config.imports)
+        metrics = (task.LOSS_TERMS, task.METRICS)  # a hook's best_metric needs a hook:
+        run_config.check_best_metric(config, task.BUILT_IN, metrics, hooked=bool(hooks))
         if (summary := finished_summary(workdir, start_step, config, end)) is not None:
             return summary
         stop.before_training()
@@ -670,6 +677,7 @@ def train_and_evaluate(
             saved_row=resumed.get("row"),
             stop=stop,
             schedule=schedule,
+            loss_terms=tuple(task.LOSS_TERMS.active(config.imports)),
         )
         with writer:
             while step < end:
@@ -692,18 +700,29 @@ def train_and_evaluate(
                 # step (saving is collective).
                 signum = stop.requested
                 saving = schedule.saves(step, signum, checkpoints) or step == end
-                tested = {}
+                tested, stopper, failed = {}, None, None
                 if schedule.evaluates(step):
                     # Waited for where its metrics are needed now; else queued on the devices.
                     wait = saving or config.keep_best or bool(hooks)
                     tested = evaluations.evaluate(step, state, writer, wait)
-                    if any([hook(step, tested, run) for hook in hooks]):
+                    if hooks:  # `tested` was waited for
+                        try:
+                            taken = writer.sums.keys()  # the training metrics' names
+                            added, stopper = plugins.after_evaluation(
+                                hooks, step, tested, run, taken
+                            )
+                            tested |= added
+                        except plugins.PluginFailed as failure:
+                            failed = failure  # the steps since the last save are saved first
+                    failed = failed or checkpoints.unranked(step, tested)
+                    if stopper:
                         end = step  # an early stop: saved below, and kept on resume
                 # Written by the writer's thread while the next chunks run.
                 writer.write(step, rows, run.eval_seconds, tested)
 
-                # Save: at the end, on a signal, when due; with keep_best, at each evaluation.
-                if saving or step == end or (tested and config.keep_best):
+                # Save: at the end, on a signal, when due; with keep_best, at each evaluation;
+                # before a plug-in's failure stops the run.
+                if saving or step == end or (tested and config.keep_best) or failed:
                     writer.flush()
                     progress = schedule.progress(step) | batches.state() | writer.state()
                     if step == end < config.steps:
@@ -711,7 +730,14 @@ def train_and_evaluate(
                     if init_step is not None:
                         progress["init_from_step"] = init_step
                     stopping.save_if_finite(
-                        checkpoints, step, model, optimizer, state, progress | tested
+                        checkpoints, step, model, optimizer, state, progress | tested, failed
+                    )
+                if failed:
+                    raise stopping.failed(failed, step, checkpoints)
+                if stopper and step < config.steps:
+                    parallel.say(
+                        f"{stopper} ended the run at step {step} of {config.steps}: an early "
+                        "stop, saved at that step"
                     )
                 # Stop on a signal, the checkpoint of this step saved.
                 if signum:

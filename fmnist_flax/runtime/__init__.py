@@ -151,10 +151,14 @@ API: dict[str, tuple[str, ...]] = {
     "param_groups": ("check_multipliers", "kernels", "parameter_name", "scale_groups"),
     "plugins": (
         "NotInstalled",
+        "PROJECT_NAMES",
+        "PluginFailed",
+        "after_evaluation",
         "applies",
         "import_modules",
         "import_recorded",
         "is_plug_in",
+        "name_problem",
         "pending_imports",
     ),
     "project_template": ("Template", "create"),
@@ -165,6 +169,7 @@ API: dict[str, tuple[str, ...]] = {
     "run": ("Extension", "Run", "parse_init_from", "start_painter"),
     "run_config": (
         "OPTIMIZER_FIELDS",
+        "check_best_metric",
         "check_changes",
         "check_fields",
         "check_parts",
@@ -183,7 +188,7 @@ API: dict[str, tuple[str, ...]] = {
         "test_set",
         "write_outputs",
     ),
-    "stopping": ("Interrupted", "Stop", "diverged", "save_if_finite"),
+    "stopping": ("Interrupted", "Stop", "diverged", "failed", "save_if_finite"),
     "summaries": ("Summaries", "write_members"),
     "tables": ("ProgressBar", "Table", "path_name"),
     "workdir": (

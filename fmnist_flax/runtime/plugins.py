@@ -1,5 +1,6 @@
 """The project's own modules that `config.imports` names: importing them, which runs their
-entries apply to, and which of them a checkpoint may import. A workdir is data: no file
+entries apply to, which of them a checkpoint may import, the names their values may not take,
+and the after-evaluation hooks called with every fault in one line. A workdir is data: no file
 in it, under a `runs/` directory or in the current directory runs as code because a checkpoint
 names it.
 """
@@ -13,12 +14,14 @@ import importlib.util
 import os
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from . import workdir as workdir_lib
-from .checkpoint import CHECKPOINT_DIR, STEP_MARKER
-from .errors import QUOTE_CHARS, UserError, clip
+from .checkpoint import CHECKPOINT_DIR, FIELD_RULES, ITEM_FIELDS, STEP_MARKER
+from .errors import QUOTE_CHARS, UserError, clip, reason
 from .parallel import say
 
 # Every module some config.imports has named in this process: what they register applies only
@@ -209,3 +212,119 @@ def _is_workdir(directory: pathlib.Path) -> bool:
         return any((directory / CHECKPOINT_DIR).glob(f"*/{STEP_MARKER}"))
     except OSError:
         return False
+
+
+# --- What a plug-in's values may be called, and the after-evaluation hooks ---------------------
+
+TEST_PREFIX = "test_"  # the evaluation's metrics: test_loss, test_accuracy, ...
+# The names the project writes itself: a metrics row's step and training values, a checkpoint's
+# progress item (whose fields are checked when it is read back) and TensorBoard's train/ tags.
+# A plug-in's metric, loss term or after-evaluation value cannot take one, nor a name starting
+# with TEST_PREFIX.
+PROJECT_NAMES = frozenset(
+    {
+        *ITEM_FIELDS["progress"],
+        *FIELD_RULES,
+        "row",  # the running row's sums
+        "data_iterator",  # Grain's position
+        "stopped_at",  # where an after-evaluation hook ended the run
+        "init_from_step",
+        "loss",
+        "accuracy",
+        "grad_norm",
+        "learning_rate",
+        "examples_per_sec",
+    }
+)
+
+
+def name_problem(name: object, taken: Collection[str] = ()) -> str | None:
+    """Why a plug-in's metric, loss term or hook value cannot be called `name` (None: it
+    can): not an identifier, a name the project writes (PROJECT_NAMES, TEST_PREFIX...), or
+    one of `taken`."""
+    if not isinstance(name, str) or not name.isidentifier():
+        return f"{clip(repr(name), QUOTE_CHARS)} is not an identifier"
+    if name.startswith(TEST_PREFIX):
+        return f"{name!r} starts with {TEST_PREFIX} (the evaluation's metrics)"
+    if name in PROJECT_NAMES:
+        return f"{name!r} is a name the project writes itself"
+    if name in taken:
+        return f"{name!r} is taken by one of the run's metrics"
+    return None
+
+
+class PluginFailed(UserError):
+    """A plug-in failed while the run trained: the loop saves the steps since the last save,
+    then stops with this line."""
+
+
+def failure(exc: BaseException) -> str:
+    """What a plug-in's exception (or sys.exit) says, in a few words."""
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r})"
+    return f"{type(exc).__name__}: {reason(exc)}"
+
+
+def number(value: Any) -> float | None:
+    """`value` as a float where it is one real number (a Python, NumPy or JAX scalar), else
+    None (a bool, a string, an array of several values)."""
+    try:
+        array = np.asarray(value)
+    except Exception:  # whatever an object's __array__ raises
+        return None
+    if array.shape != () or array.dtype.kind not in "iuf":
+        return None
+    return float(array)
+
+
+EvaluationHook = Callable[[int, dict[str, float], Any], Any]
+
+
+def after_evaluation(
+    hooks: Mapping[str, EvaluationHook],
+    step: int,
+    tested: dict[str, float],
+    run: Any,
+    taken: Collection[str],
+) -> tuple[dict[str, float], str | None]:
+    """Call each hook (name -> hook) with a copy of the evaluation's metrics `tested` at `step`
+    and the values the hooks before it added; returns every value they added, each a float,
+    and the first hook that asked to end the run (None: none did). A hook that raises or
+    exits, returns anything but True, False or None, or adds a value that is no number or
+    whose name is `taken` (the run's training metrics) or the project's (`name_problem`) is
+    a PluginFailed line naming it."""
+    added: dict[str, float] = {}
+    stopper = None
+    for name, hook in hooks.items():
+        given = tested | added
+        metrics = dict(given)
+        what = f"after-evaluation hook {name}"
+        try:
+            asked = hook(step, metrics, run)
+        except (Exception, SystemExit) as exc:
+            raise PluginFailed(f"{what} failed at step {step} ({failure(exc)})") from exc
+        if asked is not None and not isinstance(asked, bool | np.bool_):
+            raise PluginFailed(
+                f"{what} returned {clip(repr(asked), QUOTE_CHARS)} ({type(asked).__name__}) at "
+                f"step {step}; it must return True to end the run there, or False or None"
+            )
+        for key, value in metrics.items():
+            if key in given and value is given[key]:
+                continue
+            problem = name_problem(key, taken)
+            if key in given or problem:
+                raise PluginFailed(
+                    f"{what} set metrics[{clip(repr(key), QUOTE_CHARS)}] at step {step}: "
+                    f"{problem or 'an earlier value of the row'}; give it a name of its own, "
+                    "e.g. val_loss"
+                )
+            if (value := number(value)) is None:
+                raise PluginFailed(
+                    f"{what} set metrics[{key!r}] at step {step} to "
+                    f"{clip(repr(metrics[key]), QUOTE_CHARS)} ({type(metrics[key]).__name__}), "
+                    "not a number; set a float, e.g. float(value)"
+                )
+            added[key] = value
+        if asked and stopper is None:
+            stopper = name
+    return added, stopper
