@@ -91,15 +91,18 @@ def pending_imports(names: Any, source: str) -> list[str]:
 def import_recorded(names: list[str], source: str, workdir: pathlib.Path) -> None:
     """Import `pending_imports`' modules, each only if it is installed: found on the import
     path with no file of it (nor of a package above it) in the current directory, `workdir`,
-    any other workdir or a `runs/` directory beside an import path entry (the repository's,
-    which Python imports as a namespace package). A workdir is data: no file in one runs as
-    code because a checkpoint names it."""
+    any other workdir, a `runs/` directory beside an import path entry (the repository's,
+    which Python imports as a namespace package) or an entry that holds a workdir
+    (PYTHONPATH=runs). A workdir is data: no file in one runs as code because a checkpoint
+    names it."""
     if not names:
         return
     data = [os.path.realpath(workdir)]
     with contextlib.suppress(OSError):  # a removed current directory holds nothing
         data.append(os.path.realpath(os.getcwd()))
-    data += [os.path.realpath(os.path.join(p or ".", workdir_lib.RUNS_DIR)) for p in sys.path]
+    entries = {os.path.realpath(entry) for entry in sys.path if entry}  # '': the current one
+    data += [os.path.realpath(os.path.join(entry, workdir_lib.RUNS_DIR)) for entry in entries]
+    data += [entry for entry in entries if _holds_a_workdir(entry)]
     missing = [name for name in names if not _installed(name, data)]
     if missing:
         raise NotInstalled(
@@ -202,6 +205,14 @@ def _in_a_workdir(path: str) -> bool:
     metrics.jsonl, a summary.json or a checkpoint step this project wrote."""
     directory = pathlib.Path(os.path.realpath(path))
     return any(_is_workdir(candidate) for candidate in (directory, *directory.parents))
+
+
+def _holds_a_workdir(entry: str) -> bool:
+    """Whether an import path entry holds a workdir among its directories (runs/)."""
+    try:
+        return any(_is_workdir(child) for child in pathlib.Path(entry).iterdir() if child.is_dir())
+    except OSError:  # not a directory (a zip file), or gone
+        return False
 
 
 def _is_workdir(directory: pathlib.Path) -> bool:

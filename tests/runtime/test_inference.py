@@ -266,9 +266,10 @@ def test_a_checkpoint_never_imports_from_runs_or_any_workdir_on_the_search_path(
 ):
     """A repository root on the import path (main.py's directory, or PYTHONPATH) makes its
     runs/ a namespace package: a checkpoint naming `runs.w.evil_mod` (a file dropped into
-    a workdir there), `runs.evil_mod`, or a module inside another workdir under a search
-    path entry, is refused in one line from any current directory, and nothing is run; a
-    module of that same entry outside them is still imported."""
+    a workdir there), `runs.evil_mod`, a module inside another workdir under a search path
+    entry, or one in an entry that holds a workdir (PYTHONPATH=shared), is refused in one line
+    from any current directory, and nothing is run; a module of the repository's own entry
+    outside them is still imported."""
     repo, elsewhere = tmp_path / "repo", tmp_path / "elsewhere"
     workdir = repo / "runs" / "w"
     quick_config.steps = 2
@@ -280,10 +281,12 @@ def test_a_checkpoint_never_imports_from_runs_or_any_workdir_on_the_search_path(
         "runs.w.evil_mod": marking_module(workdir, "evil_mod", tmp_path / "w.ran"),
         "runs.evil_mod": marking_module(repo / "runs", "evil_mod", tmp_path / "runs.ran"),
         "shared.w2.evil_mod": marking_module(other, "evil_mod", tmp_path / "w2.ran"),
+        "loose_mod": marking_module(repo / "shared", "loose_mod", tmp_path / "loose.ran"),
     }
     kept = marking_module(repo, "beside_main", tmp_path / "beside.ran")
     forget_modules += ["runs", "runs.w", "shared", "shared.w2", *ran, "beside_main"]
     monkeypatch.syspath_prepend(str(repo))
+    monkeypatch.syspath_prepend(str(repo / "shared"))  # PYTHONPATH=shared, beside w2
     for cwd in (elsewhere, workdir):
         monkeypatch.chdir(cwd)
         for name in ran:
