@@ -169,7 +169,11 @@ def test_set_metrics(
     columns = {}
     for name in names:
         metric = TEST_SET_METRICS.active(imports)[name]
-        value = np.asarray(metric(labels, predictions, num_classes), np.float64)
+        try:
+            value = np.asarray(metric(labels, predictions, num_classes), np.float64)
+        except (Exception, SystemExit) as exc:  # training saves first, then says this
+            what = f"whole-test-set metric {name!r} failed"
+            raise plugins.PluginFailed(f"{what}: {plugins.failure(exc)}") from exc
         if value.ndim == 0:
             columns[name] = float(value)
         else:

@@ -704,16 +704,16 @@ def train_and_evaluate(
                 if schedule.evaluates(step):
                     # Waited for where its metrics are needed now; else queued on the devices.
                     wait = saving or config.keep_best or bool(hooks)
-                    tested = evaluations.evaluate(step, state, writer, wait)
-                    if hooks:  # `tested` was waited for
-                        try:
+                    try:
+                        tested = evaluations.evaluate(step, state, writer, wait)
+                        if hooks:  # `tested` was waited for
                             taken = writer.sums.keys()  # the training metrics' names
                             added, stopper = plugins.after_evaluation(
                                 hooks, step, tested, run, taken
                             )
                             tested |= added
-                        except plugins.PluginFailed as failure:
-                            failed = failure  # the steps since the last save are saved first
+                    except plugins.PluginFailed as failure:
+                        failed = failure  # the steps since the last save are saved first
                     failed = failed or checkpoints.unranked(step, tested)
                     if stopper:
                         end = step  # an early stop: saved below, and kept on resume

@@ -876,3 +876,21 @@ def test_a_hooks_best_metric_missing_from_its_evaluation_is_one_line_after_the_s
     assert saved_steps(tmp_path / "w") == [10, 15]
     quick_config.best_metric = "val_accuracy"
     assert hooked_run(quick_config, tmp_path / "w", name)["resumed_from_step"] == 15
+
+
+def test_a_whole_test_set_metric_that_fails_in_training_is_one_line_after_the_save(
+    quick_config, tmp_path, plug_in
+):
+    """A plug-in's TEST_SET_METRICS entry that raises at an evaluation during training was a
+    traceback, the steps since the last save lost."""
+    name = plug_in(
+        "def broken(labels, predictions, num_classes):\n    return 1 / 0\n\n\n"
+        "task.TEST_SET_METRICS['broken'] = broken\n"
+    )
+    with pytest.raises(UserError) as failed:
+        hooked_run(quick_config, tmp_path / "w", name, test_set_metrics=("broken",))
+    assert str(failed.value).startswith(
+        "whole-test-set metric 'broken' failed: ZeroDivisionError: division by zero; checkpoint "
+        "15 saved in "
+    )
+    assert saved_steps(tmp_path / "w") == [10, 15]

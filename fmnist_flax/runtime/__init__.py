@@ -155,6 +155,7 @@ API: dict[str, tuple[str, ...]] = {
         "PluginFailed",
         "after_evaluation",
         "applies",
+        "failure",
         "import_modules",
         "import_recorded",
         "is_plug_in",
