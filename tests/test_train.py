@@ -434,14 +434,21 @@ def test_rows_the_writer_fetches_together_share_one_rate(tmp_path, quick_config)
 
     checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
     sums = {"loss": jax.numpy.float32(2.0), "accuracy": jax.numpy.float32(1.0)}
-    release, held = threading.Event(), 0.5
+    entered, release, held = threading.Event(), threading.Event(), 0.5
     written = []
+
+    def evaluation() -> dict[str, float]:  # one the writer waits for, until released
+        entered.set()
+        release.wait()
+        return {"test_loss": 0.5}
+
     with metrics_writer.MetricsWriter(tmp_path, quick_config, 0, 512, checkpoints, 0.1) as log:
         write = log._write_rows
         log._write_rows = lambda rows, rate: (written.append(rate), write(rows, rate))
         log.submit(parts(10, sums, 10), 0.0)
         log.flush()  # the first row's interval holds the compilation: no rate
-        log.submit(parts(20, sums, 10), 0.0, lambda: (release.wait(), {"test_loss": 0.5})[1])
+        log.submit(parts(20, sums, 10), 0.0, evaluation)
+        assert entered.wait(30)  # the writer holds row 20 alone
         for step in (30, 40):
             log.submit(parts(step, sums, 10), 0.0)
         time.sleep(held)
