@@ -52,7 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval_every = 0  # test-set evaluation every this many steps (0: each epoch's end)
     config.eval_examples = 0  # evaluate on the first this many test examples (0: all of them)
     config.keep_best = False  # also keep the best evaluation's checkpoint (--step=best)
-    config.best_metric = "test_accuracy"  # what keep_best ranks by, higher better: val_accuracy
+    config.best_metric = "test_accuracy"  # keep_best ranks by it: *loss lowest first, else highest
     config.max_to_keep = 3  # newest checkpoints kept in <workdir>/checkpoints
     config.fused_steps = True  # several steps per compiled call (False: one step per call)
     config.label_smoothing = 0.0  # optax.smooth_labels on the one-hot targets when > 0
@@ -124,6 +124,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     run_config.check_fields(config, tuple(COMPUTE_DTYPES))
     optimizer.check_config(config.optimizer, config.steps, config.imports)
     task.check_test_set_metrics(config)
+    run_config.check_best_metric(config, task.BUILT_IN, (task.LOSS_TERMS, task.METRICS))
     run_config.check_parts(config)
 
 

@@ -27,8 +27,9 @@ import ml_collections
 import numpy as np
 import optax
 
+from fmnist_flax.runtime import plugins
 from fmnist_flax.runtime.errors import UserError
-from fmnist_flax.runtime.registry import Registry, call
+from fmnist_flax.runtime.registry import Registry
 
 # fn(logits, labels, config, *, images=..., model=..., key=...) -> one float32 value per example.
 PerExample = Callable[..., jax.Array]
@@ -45,11 +46,10 @@ METRICS = Registry("metric", extras=EXTRAS)
 
 
 def _register(registry: Registry, kind: str, name: str):
-    taken = (*BUILT_IN, *LOSS_TERMS, *METRICS)
-    if not name.isidentifier() or name.startswith("test_") or name in taken:
+    if problem := plugins.name_problem(name, (*BUILT_IN, *LOSS_TERMS, *METRICS)):
         raise UserError(
-            f"@task.{kind}({name!r}): a name must be an identifier, not start with test_ (the "
-            f"test set's prefix) and not be one of {', '.join(taken)}"
+            f"@task.{kind}({name!r}): a name must be one of its own, and {problem} (the project "
+            "writes step, epoch and the other progress fields, loss, accuracy, grad_norm, test_*)"
         )
 
     def add(fn: PerExample) -> PerExample:
@@ -77,8 +77,8 @@ def per_example(
 ) -> dict[str, jax.Array]:
     """Every metric of a batch, one float32 value per example; `loss` is what training
     minimises (softmax cross-entropy, labels smoothed when `config.label_smoothing` > 0, plus
-    each of LOSS_TERMS the run imports). `extras`: what a term may ask for (EXTRAS). Names
-    containing `accuracy` are shown as percentages."""
+    each of LOSS_TERMS the run imports; one failing or of another shape is one line). `extras`:
+    what a term may ask for (EXTRAS). Names containing `accuracy` are shown as percentages."""
     if config.label_smoothing:
         targets = optax.smooth_labels(
             jax.nn.one_hot(labels, logits.shape[-1]), config.label_smoothing
@@ -88,12 +88,12 @@ def per_example(
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     imports = config.get("imports", ())
     args = (logits, labels, config)
-    terms = {name: call(fn, *args, **extras) for name, fn in LOSS_TERMS.active(imports).items()}
+    terms = LOSS_TERMS.apply(imports, *args, shape=labels.shape, **extras)
     return {
         "loss": functools.reduce(operator.add, terms.values(), loss),
         "accuracy": (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32),
         **terms,
-        **{name: call(fn, *args, **extras) for name, fn in METRICS.active(imports).items()},
+        **METRICS.apply(imports, *args, shape=labels.shape, **extras),
     }
 
 
@@ -169,7 +169,11 @@ def test_set_metrics(
     columns = {}
     for name in names:
         metric = TEST_SET_METRICS.active(imports)[name]
-        value = np.asarray(metric(labels, predictions, num_classes), np.float64)
+        try:
+            value = np.asarray(metric(labels, predictions, num_classes), np.float64)
+        except (Exception, SystemExit) as exc:  # training saves first, then says this
+            what = f"whole-test-set metric {name!r} failed"
+            raise plugins.PluginFailed(f"{what}: {plugins.failure(exc)}") from exc
         if value.ndim == 0:
             columns[name] = float(value)
         else:

@@ -45,11 +45,14 @@ from fmnist_flax.runtime import (
     inference,
     metrics_writer,
     parallel,
+    plugins,
     restore,
+    run_config,
     stopping,
 )
 from fmnist_flax.runtime import workdir as workdir_lib
 from fmnist_flax.runtime.ensemble import Ensemble
+from fmnist_flax.runtime.errors import UserError
 from fmnist_flax.runtime.registry import Registry
 from fmnist_flax.runtime.schedule import Schedule
 
@@ -178,9 +181,10 @@ def after_update(hook: UpdateHook) -> UpdateHook:
 
 
 # hook(step, metrics, run) -> True to end the run (an early stop), called after each evaluation
-# in training with its `test_*` metrics and the run (its model, dataset and config), for the
-# runs that import the module adding it.
-EvaluationHook = Callable[[int, dict[str, float], experiment.Run], bool]
+# in training with (a copy of) its `test_*` metrics and the run (its model, dataset and config),
+# for the runs that import the module adding it; what it adds to `metrics` must be a number
+# under a name of its own (`plugins.after_evaluation` checks each call).
+EvaluationHook = Callable[[int, dict[str, float], experiment.Run], bool | None]
 AFTER_EVALUATION = Registry("after-evaluation hook")
 STOPPED_AT = "stopped_at"  # the progress and summary entry of a step where a hook ended the run
 
@@ -188,7 +192,9 @@ STOPPED_AT = "stopped_at"  # the progress and summary entry of a step where a ho
 def after_evaluation(hook: EvaluationHook) -> EvaluationHook:
     """Decorator: call `hook(step, metrics, run)` after each evaluation during training; what it
     adds to `metrics` (`val_loss`) is logged and saved with them. A True return ends the run
-    there, saved and its outputs written; the same command again does not train past it."""
+    there, saved, said in one line and its outputs written; the same command again does not
+    train past it. A hook that fails stops the run in one line naming it, the steps since the
+    last save saved first."""
     AFTER_EVALUATION[f"{hook.__module__}.{hook.__qualname__}"] = hook
     return hook
 
@@ -514,6 +520,30 @@ class Evaluations:
         self.compiled = False  # until `compile_ahead`, the first evaluation compiles `outputs`
         self.averaged: dict[str, float] = {}  # the EMA's metrics at the last one waited for
         self.outputs = test_program(split_state(model, optimizer)[0], config)
+        self.hooks = AFTER_EVALUATION.active(config.imports)
+        self.stopped_by: str | None = None  # the hook that ended the run, when one did
+        metrics = (task.LOSS_TERMS, task.METRICS)  # a hook's best_metric needs a hook:
+        run_config.check_best_metric(config, task.BUILT_IN, metrics, hooked=bool(self.hooks))
+
+    def at(
+        self, step: int, state: Any, writer: metrics_writer.MetricsWriter, saving: bool
+    ) -> tuple[metrics_writer.Tested, UserError | None]:
+        """The evaluation at `step` (`evaluate`) with what the run's after-evaluation hooks
+        add, and a plug-in's failure there (the loop saves the step, then stops with it);
+        `stopped_by` names a hook that asked to end the run at `step`."""
+        wait = saving or self.config.keep_best or bool(self.hooks)
+        tested = {}
+        try:
+            tested = self.evaluate(step, state, writer, wait)
+            if self.hooks:  # `tested` was waited for
+                taken = writer.sums.keys()  # the training metrics' names
+                added, self.stopped_by = plugins.after_evaluation(
+                    self.hooks, step, tested, self.run, taken
+                )
+                tested |= added
+        except plugins.PluginFailed as failure:
+            return tested, failure
+        return tested, self.run.checkpoints.unranked(step, tested)
 
     def compile_ahead(self, state: Any) -> None:
         """Compile the evaluation of the resident test set (an accelerator's), on the thread
@@ -564,13 +594,20 @@ def finish(
     run: experiment.Run,
     extensions: Sequence[experiment.Extension],
     stop: stopping.Stop,
-    averaged: dict[str, float],
+    evaluations: Evaluations,
 ) -> dict[str, Any]:
     """After training: the final save on disk and summary.json with the training rate, the
     training table, the final evaluation, summary.json again, the extensions' tables and
     figures, report/ and the finished summary; returns it. A signal stops it at once, with its
-    line (`stop.after_training`): the same command finishes the outputs. `averaged`: the
-    EMA's test metrics at the last evaluation during training."""
+    line (`stop.after_training`): the same command finishes the outputs. `evaluations`: the
+    training's, whose last one waited for gives the EMA's test metrics."""
+    steps = run.config.steps
+    if evaluations.stopped_by and run.summary.get(STOPPED_AT, steps) < steps:
+        stopped = run.summary[STOPPED_AT]
+        parallel.say(
+            f"{evaluations.stopped_by} ended the run at step {stopped} of {steps}: an early "
+            "stop, saved at that step"
+        )
     clock = run.clock
     clock.stage("checkpoint waits")
     run.checkpoints.wait()
@@ -579,6 +616,7 @@ def finish(
         clock.stage("final evaluation")
         experiment.show_training(run)
         # summary.json's EMA test metrics: the last step's, or evaluated now if none was.
+        averaged = evaluations.averaged
         run.summary |= averaged if run.evaluation else ema_test_metrics(run, run.model)
         evaluation = experiment.evaluate_model(run, extensions)
         experiment.write_summary(run, evaluation, finished=False)
@@ -651,7 +689,6 @@ def train_and_evaluate(
         if config.init_from:
             run.summary |= {"init_from": config.init_from, "init_from_step": init_step}
         end = resumed.get(STOPPED_AT, config.steps)  # where an after-evaluation hook stopped it
-        hooks = AFTER_EVALUATION.active(config.imports).values()
         if (summary := finished_summary(run, end)) is not None:
             return summary
         stop.before_training()
@@ -702,11 +739,11 @@ def train_and_evaluate(
             start_step,
             per_step,
             checkpoints,
-            optimizer_lib.learning_rate(config),
             zeros=zeros,
             saved_row=resumed.get("row"),
             stop=stop,
             schedule=schedule,
+            loss_terms=tuple(task.LOSS_TERMS.active(config.imports)),
         )
         clock.stage("training")
         began = time.perf_counter()
@@ -735,18 +772,19 @@ def train_and_evaluate(
                 # step (saving is collective).
                 signum = stop.requested
                 saving = schedule.saves(step, signum, checkpoints) or step == end
-                tested = {}
+                tested, failed = {}, None
                 if schedule.evaluates(step):
                     # Waited for where its metrics are needed now; else queued on the devices.
-                    wait = saving or config.keep_best or bool(hooks)
-                    tested = evaluations.evaluate(step, state, writer, wait)
-                    if any([hook(step, tested, run) for hook in hooks]):
+                    # A plug-in's failure: the steps since the last save are saved first.
+                    tested, failed = evaluations.at(step, state, writer, saving)
+                    if evaluations.stopped_by:
                         end = step  # an early stop: saved below, and kept on resume
                 # Written by the writer's thread while the next chunks run.
                 writer.write(step, rows, run.eval_seconds, tested)
 
-                # Save: at the end, on a signal, when due; with keep_best, at each evaluation.
-                if saving or step == end or (tested and config.keep_best):
+                # Save: at the end, on a signal, when due; with keep_best, at each evaluation;
+                # before a plug-in's failure stops the run.
+                if saving or step == end or (tested and config.keep_best) or failed:
                     writer.flush()
                     progress = schedule.progress(step) | batches.state() | writer.state()
                     if step == end < config.steps:
@@ -754,8 +792,10 @@ def train_and_evaluate(
                     if init_step is not None:
                         progress["init_from_step"] = init_step
                     stopping.save_if_finite(
-                        checkpoints, step, model, optimizer, state, progress | tested
+                        checkpoints, step, model, optimizer, state, progress | tested, failed
                     )
+                if failed:
+                    raise stop.failed(failed, step, checkpoints)
                 # Stop on a signal, the checkpoint of this step saved.
                 if signum:
                     raise stop.interrupted(signum, step, checkpoints)
@@ -770,4 +810,4 @@ def train_and_evaluate(
         clock.move(run.eval_seconds, "training", "evaluations")
         if end < config.steps:
             run.summary[STOPPED_AT] = end
-        return finish(run, extensions, stop, evaluations.averaged)
+        return finish(run, extensions, stop, evaluations)

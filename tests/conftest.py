@@ -116,10 +116,12 @@ def help_flags() -> set[str]:
     return flags
 
 
-def run_main(*args, cwd=REPO, timeout=300, **kwargs) -> subprocess.CompletedProcess:
-    """`python main.py ARGS` in a process of its own, as a user runs it."""
+def run_main(
+    *args, cwd=REPO, timeout=300, script=REPO / "main.py", **kwargs
+) -> subprocess.CompletedProcess:
+    """`python main.py ARGS` (or `script`) in a process of its own, as a user runs it."""
     return subprocess.run(
-        [sys.executable, str(REPO / "main.py"), *args],
+        [sys.executable, str(script), *args],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import re
 import signal
 import threading
 import time
@@ -12,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_config
+from conftest import load_config, run_main
 from flax import nnx
 
 from fmnist_flax import input_pipeline, train
@@ -21,8 +23,10 @@ from fmnist_flax.runtime import (
     checkpoint,
     device_batches,
     ensemble,
+    inference,
     metrics_writer,
     parallel,
+    plugins,
     stopping,
 )
 from fmnist_flax.runtime.errors import UserError
@@ -421,6 +425,43 @@ def test_an_evaluation_waits_for_the_rows_before_to_be_timed_not_written(tmp_pat
     checkpoints.close()
 
 
+def test_rows_the_writer_fetches_together_share_one_rate(tmp_path, quick_config):
+    """While the writer's thread is held up (a save's thread holding the GIL; here, a row
+    whose evaluation it waits for), the next rows queue and are fetched together: each was
+    timed on its own, the second microseconds after the first, and TensorBoard's
+    train/examples_per_sec read 20-100x the true rate. They share the rate of their steps
+    over the time since the row before."""
+    from fmnist_flax.runtime import checkpoint
+
+    checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
+    sums = {"loss": jax.numpy.float32(2.0), "accuracy": jax.numpy.float32(1.0)}
+    entered, release, held = threading.Event(), threading.Event(), 0.5
+    written = []
+
+    def evaluation() -> dict[str, float]:  # one the writer waits for, until released
+        entered.set()
+        release.wait()
+        return {"test_loss": 0.5}
+
+    with metrics_writer.MetricsWriter(tmp_path, quick_config, 0, 512, checkpoints, 0.1) as log:
+        write = log._write_rows
+        log._write_rows = lambda rows, rate: (written.append(rate), write(rows, rate))
+        log.submit(parts(10, sums, 10), 0.0)
+        log.flush()  # the first row's interval holds the compilation: no rate
+        log.submit(parts(20, sums, 10), 0.0, evaluation)
+        assert entered.wait(30)  # the writer holds row 20 alone
+        for step in (30, 40):
+            log.submit(parts(step, sums, 10), 0.0)
+        time.sleep(held)
+        release.set()
+        log.flush()
+    assert len(written) == 3 and written[0] is None  # 10, 20, then 30 and 40 in one write
+    # Their 20 steps took at least about the time the writer was held (half of it, allowing
+    # for the writer to time row 20 late); each alone, row 40's took microseconds.
+    assert 0 < written[2] <= (40 - 20) * 512 / (held / 2), written
+    checkpoints.close()
+
+
 def test_waits_for_rows_after_a_non_finite_one_end_and_stop_the_run(tmp_path, quick_config):
     """Rows handed over after a non-finite one are skipped but still count as timed and
     handled: a wait before an evaluation or a save ends and stops the run, not hangs."""
@@ -607,3 +648,257 @@ def test_golden_first_steps_on_fixed_real_images(real_dataset):
     assert float(first["accuracy"]) == 27 / 512
     assert float(second["loss"]) == pytest.approx(1.9706456661224365, rel=1e-5)
     assert float(second["grad_norm"]) == pytest.approx(2.684241533279419, rel=1e-5)
+
+
+# --- A plug-in's faults: one line naming it, the steps since the last save saved first ---------
+
+FAULTY = "faulty_plug_in"  # one module name for every variant: the compiled steps are shared
+
+
+@pytest.fixture
+def plug_in(tmp_path, monkeypatch, forget_modules, registries):
+    """`write(source)`: a module of the project, FAULTY, holding `source` after the imports
+    a plug-in uses, on the import path; returns its name for config.imports."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    forget_modules.append(FAULTY)
+
+    def write(source: str) -> str:
+        header = "import sys\nimport jax.numpy as jnp\nimport numpy as np\n"
+        header += "from fmnist_flax import task, train\n"
+        (site / f"{FAULTY}.py").write_text(header + source)
+        return FAULTY
+
+    return write
+
+
+def hooked_run(quick_config, workdir, imports=None, **fields):
+    """30 steps, saved every 10 and evaluated at 15 and 30 on 1,000 test images; `imports`:
+    the module config.imports names (None: none)."""
+    quick_config.update(steps=30, log_every=5, checkpoint_every=10, eval_every=15)
+    quick_config.update(eval_examples=1_000, imports=(imports,) if imports else (), **fields)
+    return train.train_and_evaluate(quick_config, workdir)
+
+
+def saved_steps(workdir) -> list[int]:
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ("raise RuntimeError('boom')", "failed at step 15 (RuntimeError: boom)"),
+        ("sys.exit(3)", "failed at step 15 (it called sys.exit(3))"),
+        ("return 'no'", "returned 'no' (str) at step 15; it must return True"),
+        ("return np.float32(0.5)", "returned np.float32(0.5) (float32) at step 15"),
+        ("return np.ones(3)", "returned array([1., 1., 1.]) (ndarray) at step 15"),
+        ("metrics['val_x'] = 'high'", "set metrics['val_x'] at step 15 to 'high' (str), not a"),
+        ("metrics['val_x'] = np.ones(3)", "set metrics['val_x'] at step 15 to array"),
+        ("metrics['epoch'] = 1.0", "set metrics['epoch'] at step 15: 'epoch' is a name the"),
+        ("metrics['test_accuracy'] = 1.0", "set metrics['test_accuracy'] at step 15: 'test_"),
+        ("metrics['accuracy'] = 1.0", "set metrics['accuracy'] at step 15: 'accuracy' is a"),
+        ("metrics['name'] = 1.0", "set metrics['name'] at step 15: 'name' is a name the"),
+    ],
+)
+def test_a_failing_after_evaluation_hook_is_one_line_the_steps_since_the_save_saved(
+    quick_config, tmp_path, plug_in, body, said
+):
+    """A hook that raises, exits, returns anything but True/False/None, or adds a value that
+    is no number or takes a name the project writes (`epoch` made every checkpoint damaged;
+    `test_accuracy` and `accuracy` overwrote the row's): one line naming the hook, after
+    checkpoint 15 (the steps since the save at 10) is saved, intact, with the row of 15."""
+    name = plug_in(f"@train.after_evaluation\ndef check(step, metrics, run):\n    {body}\n")
+    with pytest.raises(UserError) as failed:
+        hooked_run(quick_config, tmp_path / "w", name)
+    line = str(failed.value)
+    assert line.startswith(f"after-evaluation hook {FAULTY}.check ") and said in line
+    assert f"checkpoint 15 saved in {tmp_path / 'w' / 'checkpoints'}" in line
+    assert "\n" not in line
+    assert saved_steps(tmp_path / "w") == [10, 15]
+    progress = checkpoint.saved_item(tmp_path / "w" / "checkpoints", 15, "progress")
+    assert progress["epoch"] == 0 and "test_accuracy" in progress  # intact, its evaluation kept
+    rows = rows_of(tmp_path / "w")
+    assert rows[-1]["step"] == 15 and rows[-1]["test_accuracy"] == progress["test_accuracy"]
+    assert rows[-1]["accuracy"] != 1.0
+
+
+def test_an_early_stop_is_said_in_one_line_and_the_names_the_project_writes_are_reserved(
+    quick_config, tmp_path, plug_in, capsys
+):
+    """A hook's True (or np.bool_) ends the run with one line; the values it adds (np.float32
+    and 0-d arrays taken as floats) are saved. Every field of a saved progress item but the
+    evaluation's test_* is one of plugins.PROJECT_NAMES: none is a plug-in's to take."""
+    name = plug_in(
+        "@train.after_evaluation\ndef check(step, metrics, run):\n"
+        "    metrics.update(val_a=np.float32(0.25), val_b=jnp.asarray(2))\n"
+        "    return np.bool_(step == 15)\n"
+    )
+    summary = hooked_run(quick_config, tmp_path / "w", name, keep_best=True)
+    assert summary["stopped_at"] == 15
+    said = capsys.readouterr().out
+    assert f"{FAULTY}.check ended the run at step 15 of 30: an early stop" in said
+    progress = checkpoint.saved_item(tmp_path / "w" / "checkpoints", 15, "progress")
+    assert progress["val_a"] == 0.25 and progress["val_b"] == 2.0
+    written = {k for k in progress if not k.startswith("test_")} - {"val_a", "val_b"}
+    assert written <= plugins.PROJECT_NAMES and {"step", "epoch", "row"} <= written
+
+
+@pytest.mark.slow
+def test_a_hook_calling_sys_exit_is_one_line_from_main(tmp_path):
+    """`sys.exit(3)` in a hook ended main.py with status 3 and no line, steps 11-15 lost."""
+    (tmp_path / "exits.py").write_text(
+        "import sys\nfrom fmnist_flax import train\n\n\n@train.after_evaluation\n"
+        "def leave(step, metrics, run):\n    sys.exit(3)\n"
+    )
+    result = run_main(
+        "--config=configs/smoke.py",
+        "--config.eval_every=15",
+        "--config.demonstrations=False",
+        "--config.imports=('exits',)",
+        f"--workdir={tmp_path / 'w'}",
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ['PYTHONPATH']}"},
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    [line] = [s for s in result.stderr.splitlines() if s.strip() and "No GPU found" not in s]
+    assert line.startswith("error: after-evaluation hook exits.leave failed at step 15 (it ")
+    assert saved_steps(tmp_path / "w") == [10, 15]
+
+
+@pytest.mark.parametrize(
+    ("source", "said"),
+    [
+        (
+            "@task.metric('step')\ndef m(logits, labels, config):\n    return labels * 0.0\n",
+            "importing 'faulty_plug_in': @task.metric('step'): a name must be one of its own, "
+            "and 'step' is a name the project writes itself",
+        ),
+        (
+            "@task.loss_term('grad_norm')\ndef m(logits, labels, config):\n    return 0 * labels\n",
+            "@task.loss_term('grad_norm'): a name must be one of its own, and 'grad_norm' is a",
+        ),
+        (
+            "@task.metric('wide')\ndef m(logits, labels, config):\n    return logits\n",
+            "metric 'wide' (faulty_plug_in.m) returned shape (512, 10), not (512,)",
+        ),
+        (
+            "@task.metric('broken')\ndef m(logits, labels, config):\n    return labels.nope\n",
+            "metric 'broken' (faulty_plug_in.m) failed: AttributeError:",
+        ),
+    ],
+)
+def test_a_metric_named_as_the_project_writes_or_of_the_wrong_shape_is_one_line_before_training(
+    quick_config, tmp_path, plug_in, source, said
+):
+    """`@task.metric("step")` overwrote each row's step; a metric of (B, 10) values, or one
+    that raises, was a traceback. Each is one line naming it before any step is trained."""
+    name = plug_in(source)
+    with pytest.raises(UserError, match=re.escape(said)) as refused:
+        hooked_run(quick_config, tmp_path / "w", name)
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "w" / "checkpoints").exists() or not saved_steps(tmp_path / "w")
+
+
+def test_a_non_finite_loss_term_is_named(quick_config, tmp_path, plug_in):
+    """A loss term of NaN made the loss NaN, said as `lower --learning_rate` alone."""
+    name = plug_in(
+        "@task.loss_term('bad_term')\ndef m(logits, labels, config):\n"
+        "    return jnp.log(labels * 0.0 - 1.0)\n"
+    )
+    with pytest.raises(UserError) as stopped:
+        hooked_run(quick_config, tmp_path / "w", name)
+    assert str(stopped.value) == (
+        "the loss became nan between steps 0 and 1 (its term bad_term too); training stopped, "
+        "the last good checkpoint is none; check the loss term bad_term, or lower "
+        "--learning_rate and retry"
+    )
+
+
+def test_values_that_are_not_finite_are_shown_and_kept_not_a_crash(
+    quick_config, tmp_path, plug_in, capsys
+):
+    """A hook's NaN or inf, a metric of 0/0 and a row someone else wrote into metrics.jsonl
+    (`{"step": 12, "loss": 1e999}`, no accuracy) crashed the closing table (a TypeError on
+    the null they are written as), so no summary.json was written and every rerun crashed.
+    They are shown as nan, the run finishes and resumes."""
+    name = plug_in(
+        "@task.metric('ratio')\ndef ratio(logits, labels, config):\n"
+        "    return (labels * 0.0) / (labels * 0.0)\n\n\n"
+        "@train.after_evaluation\ndef check(step, metrics, run):\n"
+        "    metrics.update(val_nan=float('nan'), val_inf=float('inf'))\n"
+    )
+    summary = hooked_run(quick_config, tmp_path / "w", name)
+    table = capsys.readouterr().out
+    assert "Val nan" in table and "Ratio" in table and " nan" in table
+    assert np.isnan(summary["final_train_ratio"]) and (tmp_path / "w" / "summary.json").exists()
+    lines = (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()
+    lines.insert(3, '{"step": 12, "loss": 1e999}')
+    (tmp_path / "w" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    summary = hooked_run(quick_config, tmp_path / "w", name, steps=40, eval_every=20)
+    assert summary["resumed_from_step"] == 30
+    assert [row["step"] for row in rows_of(tmp_path / "w")][2:5] == [10, 12, 15]
+    assert "\n  12     nan\n" in capsys.readouterr().out
+
+
+def test_best_by_test_loss_is_the_lowest_loss_and_a_misspelt_metric_is_refused_before_training(
+    quick_config, tmp_path
+):
+    """keep_best with best_metric=test_loss kept and returned the step of the *highest* test
+    loss; a loss (a name ending in `loss`) now ranks lowest first. best_metric=test_acc was
+    found at the first evaluation, after the steps since the last save were lost; any name no
+    evaluation has is now one line before the workdir is made."""
+    quick_config.update(keep_best=True, best_metric="test_loss", max_to_keep=1)
+    hooked_run(quick_config, tmp_path / "w", eval_every=10)
+    losses = {
+        step: checkpoint.saved_item(tmp_path / "w" / "checkpoints", step, "progress")["test_loss"]
+        for step in saved_steps(tmp_path / "w")
+    }
+    assert list(losses) == [30]  # the lowest of 10, 20 and 30: the newest, kept alone
+    assert inference.restore_model(tmp_path / "w", checkpoint.BEST)[1] == 30
+    for wrong in ("test_acc", "accuracy", "test_ema_loss", "val_accuracy"):
+        quick_config.best_metric = wrong
+        with pytest.raises(UserError, match=f"^--config.best_metric='{wrong}' is not a metric"):
+            hooked_run(quick_config, tmp_path / wrong)
+        assert not (tmp_path / wrong / "checkpoints").exists() or not saved_steps(tmp_path / wrong)
+    quick_config.update(best_metric="test_class_accuracy_3", test_set_metrics=("class_accuracy",))
+    hooked_run(quick_config, tmp_path / "per_class", steps=15)
+
+
+def test_a_hooks_best_metric_missing_from_its_evaluation_is_one_line_after_the_save(
+    quick_config, tmp_path, plug_in
+):
+    """keep_best by a value a hook adds (val_acuracy, a typo for the hook's val_accuracy)
+    cannot be checked before the hook runs: at that evaluation the steps since the last save
+    are saved, then one line names what the evaluation has; the fixed name resumes."""
+    name = plug_in(
+        "@train.after_evaluation\ndef check(step, metrics, run):\n"
+        "    metrics['val_accuracy'] = metrics['test_accuracy']\n"
+    )
+    quick_config.update(keep_best=True, best_metric="val_acuracy")
+    with pytest.raises(UserError) as refused:
+        hooked_run(quick_config, tmp_path / "w", name)
+    assert str(refused.value).startswith(
+        "--config.best_metric=val_acuracy: the evaluation at step 15 has no such metric; name "
+        "one it has: test_accuracy, test_loss, val_accuracy; checkpoint 15 saved in "
+    )
+    assert saved_steps(tmp_path / "w") == [10, 15]
+    quick_config.best_metric = "val_accuracy"
+    assert hooked_run(quick_config, tmp_path / "w", name)["resumed_from_step"] == 15
+
+
+def test_a_whole_test_set_metric_that_fails_in_training_is_one_line_after_the_save(
+    quick_config, tmp_path, plug_in
+):
+    """A plug-in's TEST_SET_METRICS entry that raises at an evaluation during training was a
+    traceback, the steps since the last save lost."""
+    name = plug_in(
+        "def broken(labels, predictions, num_classes):\n    return 1 / 0\n\n\n"
+        "task.TEST_SET_METRICS['broken'] = broken\n"
+    )
+    with pytest.raises(UserError) as failed:
+        hooked_run(quick_config, tmp_path / "w", name, test_set_metrics=("broken",))
+    assert str(failed.value).startswith(
+        "whole-test-set metric 'broken' failed: ZeroDivisionError: division by zero; checkpoint "
+        "15 saved in "
+    )
+    assert saved_steps(tmp_path / "w") == [10, 15]

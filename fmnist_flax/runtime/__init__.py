@@ -153,10 +153,15 @@ API: dict[str, tuple[str, ...]] = {
     "param_groups": ("check_multipliers", "kernels", "parameter_name", "scale_groups"),
     "plugins": (
         "NotInstalled",
+        "PROJECT_NAMES",
+        "PluginFailed",
+        "after_evaluation",
         "applies",
+        "failure",
         "import_modules",
         "import_recorded",
         "is_plug_in",
+        "name_problem",
         "pending_imports",
     ),
     "project_template": ("Template", "create", "main"),
@@ -167,6 +172,7 @@ API: dict[str, tuple[str, ...]] = {
     "run": ("Extension", "Run", "parse_init_from", "start_painter"),
     "run_config": (
         "OPTIMIZER_FIELDS",
+        "check_best_metric",
         "check_changes",
         "check_fields",
         "check_parts",

@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -177,16 +178,33 @@ def _options(
 
 
 def best_metric(config: dict[str, Any] | None) -> str:
-    """What keep_best and --step=best rank a run's steps by (higher is better): its config's
-    `best_metric` (a metric of each evaluation's row, `val_accuracy`), else BEST_METRIC."""
+    """What keep_best and --step=best rank a run's steps by: its config's `best_metric` (a
+    metric of each evaluation's row, `val_accuracy`), else BEST_METRIC."""
     return (config or {}).get("best_metric") or BEST_METRIC
 
 
+def lower_is_better(metric: str) -> bool:
+    """A loss (`test_loss`, `test_ema_loss`, a hook's `val_loss`: a name ending in `loss`) ranks
+    lowest first; every other metric highest first."""
+    return metric.endswith("loss")
+
+
+def _score(metric: str, value: Any) -> float | None:
+    """A step's rank by `metric` of value `value`, higher better (None: it ranks nowhere: no
+    finite number)."""
+    if not isinstance(value, float) or not math.isfinite(value):
+        return None
+    return -value if lower_is_better(metric) else value
+
+
 def _scores(
-    directory: pathlib.Path, steps: Sequence[int], metric: str | None = None
+    directory: pathlib.Path,
+    steps: Sequence[int],
+    metric: str | None = None,
+    damage: list[UserError] | None = None,
 ) -> dict[int, float]:
-    """Each step saved at an evaluation, its `metric` (default: the one its config names)
-    from its progress item."""
+    """Each step saved at an evaluation, its rank (`_score`) by `metric` (default: the one its
+    config names) from its progress item; why a step could not be read goes to `damage`."""
     scores = {}
     for step in steps:
         try:
@@ -194,10 +212,12 @@ def _scores(
             name = metric or best_metric(saved_item(directory, step, "config"))
         except errors.FileRefused:
             raise
-        except UserError:  # damaged: restore() sets it aside; it ranks nowhere
+        except UserError as exc:  # damaged: restore() sets it aside; it ranks nowhere
+            if damage is not None:
+                damage.append(exc)
             continue
-        if isinstance(progress.get(name), float):
-            scores[step] = progress[name]
+        if (score := _score(name, progress.get(name))) is not None:
+            scores[step] = score
     return scores
 
 
@@ -398,20 +418,13 @@ class Checkpoints:
         call cannot donate away.
         """
         self.wait()  # the previous save is complete (or its failure reported) first
-        ranked = self.best_metric in progress
-        if self.keep_best and not ranked and any(name.startswith("test_") for name in progress):
-            raise UserError(
-                f"--config.best_metric={self.best_metric}: the evaluation at step {step} has "
-                "no such metric; name one it has: "
-                + ", ".join(k for k, v in sorted(progress.items()) if isinstance(v, float))
-            )
         if not self.directory.is_dir():
             self._make_again(step)
         arrays = _arrays(model, optimizer)
         _check_space(self.directory, step, arrays)
         self._saving = step
-        if ranked:
-            self._best.scores[step] = progress[self.best_metric]
+        if (score := _score(self.best_metric, progress.get(self.best_metric))) is not None:
+            self._best.scores[step] = score
         json_items = {**self.metadata, "progress": progress}
         if jax.process_count() > 1:  # Orbax's barriers stay on the thread every process shares
             self._start_save(step, arrays, json_items)
@@ -533,6 +546,16 @@ class Checkpoints:
         done, listed = complete_steps(self.directory), self.steps()
         return step not in done or (bool(listed) and done[-1] > listed[-1])
 
+    def unranked(self, step: int, evaluated: Any) -> UserError | None:
+        """With keep_best, the line for an evaluation at `step` whose metrics (and the values
+        the after-evaluation hooks added), `evaluated`, lack `best_metric`; else None."""
+        if not self.keep_best or not isinstance(evaluated, dict) or self.best_metric in evaluated:
+            return None
+        return UserError(
+            f"--config.best_metric={self.best_metric}: the evaluation at step {step} has no "
+            f"such metric; name one it has: {', '.join(sorted(evaluated))}"
+        )
+
     def best_candidate(self) -> int | None:
         """The step keep_best preserves now (the best score saved), or None."""
         return self._best.best()
@@ -544,7 +567,10 @@ class Checkpoints:
     def best_steps(self) -> list[int]:
         """The kept steps saved at an evaluation, best first (`best_metric`), for --step=best
         (a damaged best one is passed over for the next)."""
-        scores = _scores(self.directory, self.steps())
+        damage: list[UserError] = []
+        scores = _scores(self.directory, self.steps(), damage=damage)
+        if not scores and damage:  # not a run without keep_best: its steps cannot be read
+            raise UserError(f"--step=best: {damage[-1]}")
         if not scores:
             raise UserError(
                 f"--step=best: no checkpoint in {self.directory} was saved at an evaluation; "

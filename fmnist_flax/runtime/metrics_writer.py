@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from . import checkpoint as checkpoint_lib
-from . import ensemble, parallel, summaries, tables
+from . import ensemble, optimizers, parallel, summaries, tables
 from . import workdir as workdir_lib
 from .schedule import Schedule
 from .stopping import Stop, diverged
@@ -101,30 +101,37 @@ class MetricsWriter:
         start_step: int,
         per_step: int,
         checkpoints: checkpoint_lib.Checkpoints,
-        learning_rate: optax.ScalarOrSchedule,
+        learning_rate: optax.ScalarOrSchedule | None = None,
         *,
         zeros: Metrics | None = None,
         saved_row: dict[str, Any] | None = None,
         background: bool = True,
         stop: Stop | None = None,
         schedule: Schedule | None = None,
+        loss_terms: tuple[str, ...] = (),
     ):
-        """`per_step`: examples a step trains on; `learning_rate`: what TensorBoard plots;
+        """`per_step`: examples a step trains on; `learning_rate`: what TensorBoard plots
+        (default: the config's, `optimizers.learning_rate`);
         `zeros`: a zero for each metric, where the running row's sums start (a checkpoint's
         `saved_row` restores them); `stop`: a signal ends a wait for rows to be timed;
-        `schedule`: the steps whose rows `write` logs."""
+        `schedule`: the steps whose rows `write` logs; `loss_terms`: the metrics added to the
+        loss, named when the loss is not finite."""
         self.primary = parallel.is_primary()
         self.stop = stop
         self.schedule = schedule
+        self.loss_terms = loss_terms
         self.row = RunningRow(zeros or {}, start_step, saved_row)
         self.checkpoints = checkpoints
         self.start_step = start_step
         self.per_step = per_step
-        self.last_step = start_step  # the row before's step, time and evaluation seconds
+        # Where the next row's interval starts: the step, time and evaluation seconds of the
+        # last row whose values were seen arriving (`_write_batch`).
+        self.last_step = start_step
         self.last_time = time.perf_counter()
         self.last_eval = 0.0
         self.last_finite = start_step  # the last step whose row had a finite loss
-        self.failure: tuple[float, int] | None = None  # a non-finite loss and its step
+        # A non-finite loss, its step and the loss terms that were not finite there.
+        self.failure: tuple[float, int, list[str]] | None = None
         self.error: BaseException | None = None  # what stopped the writer thread
         self.host_seconds = 0.0  # the loop's time in `submit`: what logging costs it
         self.ticked = time.perf_counter()  # when the progress line last moved without a row
@@ -135,6 +142,8 @@ class MetricsWriter:
             path = workdir / workdir_lib.METRICS_FILE
             self.metrics = workdir_lib.MetricsLog(path, keep_until=start_step)
             self.progress = tables.ProgressBar(config.steps, examples_per_step=per_step)
+            if learning_rate is None:
+                learning_rate = optimizers.learning_rate(config)
             self.board = summaries.Summaries(workdir, config, start_step, learning_rate)
         self.queue: queue.Queue | None = None
         if background and jax.process_count() == 1:
@@ -183,7 +192,7 @@ class MetricsWriter:
         began = time.perf_counter()
         self.submitted = parts[0][-1]
         if self.queue is None:
-            self._handle(parts, eval_seconds, tested)
+            self._handle([(parts, eval_seconds, tested)])
         else:
             self.queue.put((parts, eval_seconds, tested))
         self.host_seconds += time.perf_counter() - began
@@ -214,56 +223,79 @@ class MetricsWriter:
             ):
                 ready += 1
             batch, pending = pending[:ready], pending[ready:]
+            oldest = batch[0][0][1]
+            arriving = not parallel.computed(oldest)  # waited for: timed as they arrive
             try:
+                # One array of the oldest call's outputs: they all come when it ends. Timed
+                # before the fetch, whose every array takes the GIL again (slow beside a save).
+                jax.tree.leaves(oldest)[0].block_until_ready()
+                arrived = time.perf_counter()
                 fetched = parallel.to_host([parts[1] for parts, *_ in batch])
             except Exception:  # each row's own fetch then reports it
-                fetched = [parts[1] for parts, *_ in batch]
-            for ((steps, _, start), *rest), rows in zip(batch, fetched, strict=True):
-                self._handle((steps, rows, start), *rest)
+                arrived, fetched = None, [parts[1] for parts, *_ in batch]
+            self._handle(
+                [
+                    ((steps, rows, start), *rest)
+                    for ((steps, _, start), *rest), rows in zip(batch, fetched, strict=True)
+                ],
+                arriving,
+                arrived,
+            )
 
     def _handle(
         self,
-        parts: Parts,
-        eval_seconds: float,
-        tested: Tested,
+        batch: list[tuple[Parts, float, Tested]],
+        arriving: bool = True,
+        arrived: float | None = None,
     ) -> None:
-        """Write a row, or skip it once the run has failed; either way it counts as timed
-        and handled, so no wait for it outlasts a failure."""
+        """Write the rows of `batch` (`submit`'s arguments, oldest first), or skip them once
+        the run has failed; either way they count as timed and handled, so no wait for them
+        outlasts a failure. `arriving`, `arrived`: whether their values were waited for, and
+        when they came (None: when they are on the host), for `_write_batch`."""
+        last = batch[-1][0][0][-1]
         try:
             if self.failure is None and self.error is None:
-                self._write_parts(parts, eval_seconds, tested)
+                self._write_batch(batch, arriving, arrived)
         except BaseException as exc:
             if self.queue is None:  # written in the loop: raised there
                 raise
             self.error = exc  # raised in the loop by `check`
         finally:
             with self.timing:
-                self.timed = max(self.timed, parts[0][-1])
-                self.handled = parts[0][-1]
+                self.timed = max(self.timed, last)
+                self.handled = last
                 self.timing.notify_all()
 
-    def _write_parts(
-        self,
-        parts: Parts,
-        eval_seconds: float,
-        tested: Tested,
+    def _write_batch(
+        self, batch: list[tuple[Parts, float, Tested]], arriving: bool, arrived: float | None
     ) -> None:
-        rows = host_rows(*parts)
-        now = time.perf_counter()  # their values are on the host: the rows' time
+        """Write `batch`'s rows, each row's rate their steps over the time since the last row
+        seen `arriving` (its values waited for: timed as they came), evaluations left out.
+        Rows already computed when first looked at (the writer was held up: by the GIL, a
+        save, an evaluation it waited for) came at some earlier time: their rate is an
+        average over a longer interval, never too high, and the next interval starts where
+        theirs did."""
+        each = [host_rows(*parts) for parts, _, _ in batch]
+        now = arrived or time.perf_counter()  # the rows' time: their values came
         with self.timing:
-            self.timed = rows[-1]["step"]
+            self.timed = each[-1][-1]["step"]
             self.timing.notify_all()
-        rows[-1] |= (tested() if callable(tested) else tested) or {}
-        # Rows that reach the host together share their rate: their steps over the time since
-        # the rows before, evaluations left out.
+        for rows, (_, _, tested) in zip(each, batch, strict=True):
+            rows[-1] |= (tested() if callable(tested) else tested) or {}
+        rows = [row for part in each for row in part]
+        # Rows that reach the host together (one call's, or calls' fetched at once) share
+        # their rate.
+        eval_seconds = batch[-1][1]
         seconds = now - self.last_time - (eval_seconds - self.last_eval)
         rate = (rows[-1]["step"] - self.last_step) * self.per_step / seconds
         first = self.last_step == self.start_step  # its interval includes the compilation
-        self.last_time, self.last_eval = now, eval_seconds
+        if arriving or first:
+            self.last_step, self.last_time, self.last_eval = rows[-1]["step"], now, eval_seconds
         finite = []
         for row in rows:
             if not np.isfinite(row["loss"]):
-                self.failure = (row["loss"], row["step"])
+                terms = [n for n in self.loss_terms if not np.isfinite(row.get(n, 0.0))]
+                self.failure = (row["loss"], row["step"], terms)
                 break
             finite.append(row)
         if finite:
@@ -275,8 +307,10 @@ class MetricsWriter:
         if self.error is not None:
             raise self.error
         if self.failure is not None:
-            loss, step = self.failure
-            raise diverged(f"the loss became {loss}", self.last_finite, step, self.checkpoints)
+            loss, step, terms = self.failure
+            raise diverged(
+                f"the loss became {loss}", self.last_finite, step, self.checkpoints, terms
+            )
 
     def wait_timed(self) -> None:
         """Wait until every submitted row's values have reached the writer and been timed
@@ -304,7 +338,7 @@ class MetricsWriter:
     def _write_rows(self, rows: list[dict[str, float]], rate: float | None) -> None:
         """Log finite `rows` trained at `rate` examples/s (None: unknown): one write to each
         output for them all, as each write waits for the GIL the loop dispatches with."""
-        self.last_step = self.last_finite = rows[-1]["step"]
+        self.last_finite = rows[-1]["step"]
         if self.primary:
             self.metrics.write(*rows)
             self.board.write(*rows, examples_per_sec=rate)

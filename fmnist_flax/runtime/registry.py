@@ -22,6 +22,8 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from . import plugins
 from .errors import UserError
 
@@ -94,6 +96,30 @@ class Registry(Mapping):
                 [seen[name]] = applies.values()
         return seen
 
+    def apply(
+        self, imports: Sequence[str], *args: Any, shape: tuple[int, ...], **extras: Any
+    ) -> dict[str, Any]:
+        """Each entry a run with `imports` sees called on `args` with the `extras` it asks for
+        (`call`); one that raises or exits, or returns a value of another shape than `shape`,
+        is one line naming it."""
+        values = {}
+        for name, entry in self.active(imports).items():
+            try:
+                value = call(entry, *args, **extras)
+            except UserError:
+                raise
+            except (Exception, SystemExit) as exc:
+                raise UserError(
+                    f"{self.what} {name!r} ({_named(entry)}) failed: {plugins.failure(exc)}"
+                ) from exc
+            if np.shape(value) != shape:
+                raise UserError(
+                    f"{self.what} {name!r} ({_named(entry)}) returned shape {np.shape(value)}, "
+                    f"not {shape}"
+                )
+            values[name] = value
+        return values
+
     def asks_for(self, extra: str, imports: Sequence[str] = ()) -> bool:
         """Whether an entry a run with `imports` sees asks for `extra`."""
         return any(extra in keyword_only(entry) for entry in self.active(imports).values())
@@ -144,4 +170,5 @@ def _ambiguous(entries: dict[str | None, Any]) -> str:
 
 
 def _named(entry: Any) -> str:
+    """An entry as its module and name say it: `my_project.logit_norm`."""
     return f"{getattr(entry, '__module__', '?')}.{getattr(entry, '__qualname__', repr(entry))}"

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
 import numpy as np
 
-from . import data_files, ensemble, optimizers
+from . import data_files, ema, ensemble, optimizers, plugins
 from .checkpoint import Checkpoints
 from .errors import UserError, is_whole
 from .parallel import PARAM_SHARDINGS, check_mesh_config
+from .registry import Registry
 
 REPORT_CHOICES = ("full", "basic", "none")
 INPUT_PIPELINES = ("device", "grain")
@@ -63,6 +66,34 @@ def check_fields(config: ml_collections.ConfigDict, compute_dtypes: tuple[str, .
         raise UserError(f"--seed={config.seed} must be a whole number in 0..{MAX_SEED:,}")
 
 
+def check_best_metric(
+    config: ml_collections.ConfigDict,
+    built_in: Sequence[str],
+    registries: Sequence[Registry],
+    hooked: bool = True,
+) -> None:
+    """Refuse, in one line before training, a `config.best_metric` no evaluation will have:
+    a test_ name that is none of the evaluation's (`built_in` metrics and those of
+    `registries` the run imports, as test_, test_ema_ with an EMA, and its test_set_metrics,
+    a per-class one as test_<name>_<k>), or another name that an after-evaluation hook could
+    not add (`plugins.name_problem`), or could but the run has none (not `hooked`)."""
+    name = config.best_metric
+    computed = [*built_in, *(n for registry in registries for n in registry.active(config.imports))]
+    names = [*computed, *config.test_set_metrics, *(f"{n}_<k>" for n in config.test_set_metrics)]
+    prefixes = (plugins.TEST_PREFIX, *([ema.TEST_PREFIX] if config.ema.decay else []))
+    known = [prefix + n for prefix in prefixes for n in names]
+    per_class = re.fullmatch(r"(.*_)\d+", name) if isinstance(name, str) else None
+    if name in known or (per_class and f"{per_class[1]}<k>" in known):
+        return
+    hook_value = isinstance(name, str) and not name.startswith(plugins.TEST_PREFIX)
+    if not hooked or not hook_value or plugins.name_problem(name, computed):
+        raise UserError(
+            f"--config.best_metric={name!r} is not a metric of an evaluation during training; "
+            f"name one of {', '.join(known)}, or a value an after-evaluation hook of the run's "
+            "config.imports adds (e.g. val_accuracy)"
+        )
+
+
 def check_parts(config: ml_collections.ConfigDict) -> None:
     """Raise UserError naming the first field of the loss, the Grain pipeline, augmentation,
     the ensemble or the EMA whose value cannot work; after the optimizer's check (an
@@ -98,6 +129,7 @@ RESUMABLE_FIELDS = (
     "checkpoint_min_interval_secs",
     "eval_every",
     "keep_best",
+    "best_metric",
     "max_to_keep",
     "report",
     "demonstrations",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import pathlib
 import shlex
 import sys
@@ -151,9 +152,14 @@ def show_training(run: Run) -> None:
         return
     run.history = workdir_lib.read_jsonl(run.workdir / workdir_lib.METRICS_FILE)
     run.show("Training", tables.training_log_table(run.history, run.examples_per_sec))
-    steps, losses, accuracies = ([h[k] for h in run.history] for k in ("step", "loss", "accuracy"))
+    # A row may lack a value (a row someone else wrote): NaN, drawn as a gap.
+    steps, losses, accuracies = (
+        [h.get(k, math.nan) for h in run.history] for k in ("step", "loss", "accuracy")
+    )
     tested = [h for h in run.history if "test_accuracy" in h]
-    test = tuple([h[k] for h in tested] for k in ("step", "test_loss", "test_accuracy"))
+    test = tuple(
+        [h.get(k, math.nan) for h in tested] for k in ("step", "test_loss", "test_accuracy")
+    )
     title = run.dataset.title
     run.figure(
         "Training",

@@ -9,7 +9,7 @@ import collections
 import contextlib
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -156,21 +156,39 @@ class Stop:
         unfinished = "; its outputs (summary.json, the report) were not finished"
         return self.interrupted(signum, step, checkpoints, unfinished)
 
+    def failed(
+        self, failure: UserError, step: int, checkpoints: checkpoint_lib.Checkpoints
+    ) -> UserError:
+        """The one line a plug-in's failure at `step` ends the run with, once the checkpoint of
+        that step (the steps since the save before) is on disk."""
+        checkpoints.wait()
+        return UserError(
+            f"{failure}; checkpoint {step} saved in {checkpoints.directory}: fix it and run the "
+            "same command to resume from there"
+        )
+
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
 
 def diverged(
-    what: str, last_finite: int, step: int, checkpoints: checkpoint_lib.Checkpoints
+    what: str,
+    last_finite: int,
+    step: int,
+    checkpoints: checkpoint_lib.Checkpoints,
+    terms: Sequence[str] = (),
 ) -> UserError:
-    """The one line a run stops with when the loss or the parameters stop being finite."""
+    """The one line a run stops with when the loss or the parameters stop being finite;
+    `terms`: the loss terms that were not finite there, named with what to do."""
     checkpoints.wait()
     kept = checkpoints.steps()
     since = max(last_finite, kept[-1]) if kept else last_finite  # a saved step was finite
+    named = f"term{'s' * (len(terms) > 1)} {', '.join(terms)}"
     return UserError(
-        f"{what} between steps {since} and {step}; training stopped, the last good "
-        f"checkpoint is {kept[-1] if kept else 'none'}; lower --learning_rate and retry"
+        f"{what} between steps {since} and {step}{f' (its {named} too)' if terms else ''}; "
+        f"training stopped, the last good checkpoint is {kept[-1] if kept else 'none'}; "
+        f"{f'check the loss {named}, or ' if terms else ''}lower --learning_rate and retry"
     )
 
 
@@ -181,11 +199,14 @@ def save_if_finite(
     optimizer: nnx.Optimizer,
     state: Any,
     progress: dict[str, Any],
+    failed: UserError | None = None,
 ) -> None:
     """Checkpoint the newest (donated-into) buffers `state`, unless the parameters or their
-    EMA are no longer finite: then stop, the last good checkpoint (the last finite one) kept."""
+    EMA are no longer finite: then stop, the last good checkpoint (the last finite one) kept,
+    after what `failed` says (a plug-in's failure, which stops the run here) where given."""
     nnx.update((model, optimizer), state)
     for what, kind in (("parameters", nnx.Param), ("parameters' EMA", ema.EMA)):
         if not parallel.all_finite(nnx.state(model, kind)):
-            raise diverged(f"the {what} became non-finite", 0, step, checkpoints)
+            error = diverged(f"the {what} became non-finite", 0, step, checkpoints)
+            raise UserError(f"{failed}; {error}") if failed else error
     checkpoints.save(step, model, optimizer, progress)

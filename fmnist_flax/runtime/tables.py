@@ -99,7 +99,9 @@ def printable(text: Any) -> str:
 
 
 def _numeric(cell: str) -> bool:
-    return cell.replace(",", "").replace(".", "").replace("%", "").lstrip("-").isdigit()
+    """A number as `metric_cell` writes it: 1,234, 0.5432, 87.5%, -3, or nan, inf, nan%."""
+    cell = cell.removesuffix("%").lstrip("-")
+    return cell in ("nan", "inf") or cell.replace(",", "").replace(".", "").isdigit()
 
 
 def device_names(devices: Any) -> str:

@@ -268,9 +268,10 @@ def _is_row(row: Any) -> bool:
 
 
 def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
-    """The rows of a JSON-lines file; a torn last line (a crash mid-write) or any line that is
-    not a metrics row (bad bytes, other types: not written by this project) is left out; a
-    FIFO, a device or an oversized file is one line (`errors.read_file`)."""
+    """The rows of a JSON-lines file, a value written as null (not finite) read as NaN; a
+    torn last line (a crash mid-write) or any line that is not a metrics row (bad bytes,
+    other types: not written by this project) is left out; a FIFO, a device or an oversized
+    file is one line (`errors.read_file`)."""
     try:
         lines = errors.read_file(path, METRICS_LIMIT).decode("utf-8", "replace").splitlines()
     except OSError:
@@ -282,7 +283,7 @@ def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
         if _is_row(row):
-            rows.append(row)
+            rows.append({k: math.nan if v is None else v for k, v in row.items()})
     return rows
 
 

@@ -543,7 +543,8 @@ def test_keep_best_keeps_the_best_evaluated_step_beside_the_newest(tmp_path):
 def test_keep_best_ranks_by_the_configs_best_metric_and_refuses_one_never_evaluated(tmp_path):
     """With config.best_metric=val_accuracy the best step is the best validation accuracy's,
     not the test accuracy's, for the run and for a reader of its workdir; a metric that an
-    evaluation does not have is one line at its save, naming the ones it has."""
+    evaluation does not have is one line naming the ones it has (`unranked`: the loop says it
+    once that step is saved)."""
     config = load_config("default")
     config.best_metric = "val_accuracy"
     model, optimizer = train.create_train_state(config, (28, 28, 1), 10, parallel.make_mesh())
@@ -562,15 +563,34 @@ def test_keep_best_ranks_by_the_configs_best_metric_and_refuses_one_never_evalua
     assert inference.restore_model(tmp_path, checkpoint.BEST)[1] == 2
     config.best_metric = "val_acuracy"
     metadata["config"] = config.to_dict()
-    manager = checkpoint.Checkpoints(tmp_path, max_to_keep=1, keep_best=True, metadata=metadata)
-    progress = Schedule(config, 117).progress(4) | {"test_accuracy": 0.9, "val_accuracy": 0.9}
-    with pytest.raises(
-        UserError, match=r"^--config.best_metric=val_acuracy: the evaluation at "
-    ) as e:
-        manager.save(4, model, optimizer, progress)
+    manager = checkpoint.Checkpoints(
+        tmp_path / "typo", max_to_keep=1, keep_best=True, metadata=metadata
+    )
+    evaluated = {"test_accuracy": 0.9, "val_accuracy": 0.9}
+    manager.save(4, model, optimizer, Schedule(config, 117).progress(4) | evaluated)
+    line = str(manager.unranked(4, evaluated))
     manager.close()
-    assert str(e.value).endswith("name one it has: test_accuracy, val_accuracy")
-    assert "\n" not in str(e.value) and manager.steps() == [2, 3]
+    assert line.startswith("--config.best_metric=val_acuracy: the evaluation at step 4 has no")
+    assert line.endswith("name one it has: test_accuracy, val_accuracy")
+    assert "\n" not in line and manager.steps() == [4]  # saved, ranked nowhere
+    assert manager.unranked(4, {"val_acuracy": 0.9}) is None
+
+
+def test_step_best_names_the_damage_when_no_step_can_be_ranked(tmp_path):
+    """Every step's progress item damaged (a hook's `epoch` of 1.0 once did it): --step=best
+    said to train with keep_best=True, which the run had. It names the damage."""
+    config = load_config("default")
+    model, optimizer = train.create_train_state(config, (28, 28, 1), 10, parallel.make_mesh())
+    metadata = {"config": config.to_dict(), "dataset": inference.template().unrecorded_dataset}
+    manager = checkpoint.Checkpoints(tmp_path, max_to_keep=2, keep_best=True, metadata=metadata)
+    for step in (1, 2):
+        progress = Schedule(config, 117).progress(step) | {"test_accuracy": 0.5, "epoch": 1.0}
+        manager.save(step, model, optimizer, progress)
+    manager.close()
+    reader = checkpoint.Checkpoints(tmp_path, read_only=True)
+    with pytest.raises(UserError, match=r"^--step=best: checkpoint 2 in .* is damaged: its "):
+        reader.best_steps()
+    reader.close()
 
 
 def test_a_checkpoint_directory_removed_under_a_run_is_made_again_at_the_next_save(

@@ -261,6 +261,63 @@ def test_a_checkpoint_imports_installed_modules_only_never_the_workdirs_or_the_c
     assert capsys.readouterr().out == ""
 
 
+def test_a_checkpoint_never_imports_from_runs_or_any_workdir_on_the_search_path(
+    quick_config, tmp_path, monkeypatch, forget_modules
+):
+    """A repository root on the import path (main.py's directory, or PYTHONPATH) makes its
+    runs/ a namespace package: a checkpoint naming `runs.w.evil_mod` (a file dropped into
+    a workdir there), `runs.evil_mod`, a module inside another workdir under a search path
+    entry, or one in an entry that holds a workdir (PYTHONPATH=shared), is refused in one line
+    from any current directory, and nothing is run; a module of the repository's own entry
+    outside them is still imported."""
+    repo, elsewhere = tmp_path / "repo", tmp_path / "elsewhere"
+    workdir = repo / "runs" / "w"
+    quick_config.steps = 2
+    train.train_and_evaluate(quick_config, workdir)
+    other = repo / "shared" / "w2"  # a workdir under a package directory of the entry
+    shutil.copytree(workdir, other)
+    elsewhere.mkdir()
+    ran = {
+        "runs.w.evil_mod": marking_module(workdir, "evil_mod", tmp_path / "w.ran"),
+        "runs.evil_mod": marking_module(repo / "runs", "evil_mod", tmp_path / "runs.ran"),
+        "shared.w2.evil_mod": marking_module(other, "evil_mod", tmp_path / "w2.ran"),
+        "loose_mod": marking_module(repo / "shared", "loose_mod", tmp_path / "loose.ran"),
+    }
+    kept = marking_module(repo, "beside_main", tmp_path / "beside.ran")
+    forget_modules += ["runs", "runs.w", "shared", "shared.w2", *ran, "beside_main"]
+    monkeypatch.syspath_prepend(str(repo))
+    monkeypatch.syspath_prepend(str(repo / "shared"))  # PYTHONPATH=shared, beside w2
+    for cwd in (elsewhere, workdir):
+        monkeypatch.chdir(cwd)
+        for name in ran:
+            edit_saved_configs(workdir, imports=[name])
+            with pytest.raises(UserError, match=f"names config.imports {name}, not found among"):
+                load_model(workdir)
+    assert not any(path.exists() for path in ran.values())
+    monkeypatch.chdir(elsewhere)
+    edit_saved_configs(workdir, imports=["beside_main"])
+    load_model(workdir)
+    assert kept.exists()
+
+
+@pytest.mark.slow
+def test_eval_of_a_workdir_under_the_repositorys_runs_never_runs_its_module(workdir, tmp_path):
+    """`python <repo>/main.py --mode=eval --workdir=<repo>/runs/w`, from another directory or
+    from inside the workdir: main.py's directory is on the import path, so `runs.w.evil_mod`
+    was imported from the workdir. Now one line, and the module never runs."""
+    repo = tmp_path / "repo"
+    (repo / "runs").mkdir(parents=True)
+    shutil.copy(REPO / "main.py", repo / "main.py")
+    copy = repo / "runs" / "w"
+    shutil.copytree(workdir, copy)
+    edit_saved_configs(copy, imports=["runs.w.evil_mod"])
+    ran = marking_module(copy, "evil_mod", tmp_path / "evil_mod.ran")
+    for cwd, flag in ((tmp_path, f"--workdir={copy}"), (copy, "--workdir=.")):
+        refused = run_main("--mode=eval", flag, cwd=cwd, script=repo / "main.py")
+        assert_one_line_error(refused, "names config.imports runs.w.evil_mod, not found among")
+    assert not ran.exists()
+
+
 @pytest.mark.slow
 def test_eval_inside_a_workdir_never_runs_a_module_its_checkpoint_names(workdir, tmp_path):
     """`python -m fmnist_flax --mode=eval --workdir=.` inside a workdir whose checkpoint names
