@@ -757,7 +757,12 @@ def test_a_hook_calling_sys_exit_is_one_line_from_main(tmp_path):
         "--config.demonstrations=False",
         "--config.imports=('exits',)",
         f"--workdir={tmp_path / 'w'}",
-        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ['PYTHONPATH']}"},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])
+            ),
+        },
     )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     [line] = [s for s in result.stderr.splitlines() if s.strip() and "No GPU found" not in s]
