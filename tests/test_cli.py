@@ -156,7 +156,7 @@ if sys.argv[1:]:
 @pytest.mark.parametrize(
     ("args", "status", "last_line"),
     [
-        (("--steps=2", "--report=none"), 0, "workdir: "),  # + --workdir below
+        (("--steps=2", "--report=none"), 0, "time "),  # + --workdir below
         (("--steps=0",), 1, ""),
         (("--no_such_flag=1",), 2, ""),
         ((), 0, "interpreter teardown"),  # the package imported, no command run

@@ -30,6 +30,23 @@ class Compiling(threading.Thread):
             super().join(0.1)
 
 
+def in_background(job: Callable[[], Any], name: str) -> concurrent.futures.Future:
+    """`job` run on a daemon thread, its result in the future returned. The interpreter joins
+    a ThreadPoolExecutor's workers before it exits, so a signal's exit waited for a compilation
+    nothing can interrupt; it does not wait for a daemon thread."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(job())
+        except BaseException as exc:  # the waiter sees it, as a pool's future would show it
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
 def start(
     train_chunk: Callable[..., Any],
     state: Any,
@@ -57,9 +74,8 @@ def start(
         jobs.insert(0, lambda: train_chunk.lower(state, sums, *first_call, aug_key).compile())
 
     def compile_first() -> None:  # each program on a thread of its own: XLA compiles apart
-        with concurrent.futures.ThreadPoolExecutor(len(jobs), "compile") as pool:
-            for done in [pool.submit(job) for job in jobs]:
-                done.result()
+        for done in [in_background(job, "compile") for job in jobs]:
+            done.result()
 
     thread = Compiling(compile_first, stop)
     thread.start()

@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
-from . import ensemble, parallel
+from . import compile_ahead, ensemble, parallel
 from .data_files import Dataset
 from .errors import UserError
 
@@ -140,15 +140,14 @@ def _permutation(seed: int, epoch: int, num_examples: int) -> jax.Array:
 # An accelerator's permutation program per train-set size, compiled on its own thread
 # (`compile_permutation`): a TPU compiles its sort slowly, and the set-up need not wait for it.
 _COMPILED: dict[int, Any] = {}
-_COMPILER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile-order")
 
 
 def compile_permutation(num_examples: int) -> None:
     """On an accelerator, compile the permutation of `num_examples` on a thread; until it is
     compiled, `epoch_order` draws the orders with NumPy (the same orders)."""
     if jax.default_backend() != "cpu" and _draws_keys_in_numpy() and num_examples not in _COMPILED:
-        _COMPILED[num_examples] = _COMPILER.submit(
-            lambda: _permutation.lower(np.uint32(0), 0, num_examples).compile()
+        _COMPILED[num_examples] = compile_ahead.in_background(
+            lambda: _permutation.lower(np.uint32(0), 0, num_examples).compile(), "compile-order"
         )
 
 
