@@ -20,7 +20,6 @@ import dataclasses
 import datetime
 import functools
 import json
-import math
 import os
 import pathlib
 import shutil
@@ -762,53 +761,47 @@ def check_markers(directory: pathlib.Path) -> None:
 
 
 def check_files(step_dir: pathlib.Path) -> None:
-    """Every file of a step regular, and of no more bytes than its kind can hold
-    (`size_limit`), before Orbax reads any: it waits for ever on a FIFO, reads a device
-    without end, and reads JSON files and manifests whole (a file grown to gigabytes took
-    gigabytes of memory). A file removed meanwhile raises FileNotFoundError, as Orbax's read
-    would."""
-    limits: dict[str, int | None] = {}  # each array item's bound on its data files
+    """Every file of a step regular, and a file Orbax reads whole of no more bytes than its
+    kind holds (`size_limit`), before Orbax opens the step: it waits for ever on a FIFO, reads
+    a device without end, and a file grown to gigabytes took gigabytes of memory. The data
+    files are bounded once the arrays they hold are known (`check_data_files`). A file removed
+    meanwhile raises FileNotFoundError, as Orbax's read would."""
     for root, _, names in os.walk(step_dir):
         for name in names:
             path = pathlib.Path(root, name)
             errors.check_regular(path)
-            limit = size_limit(path, step_dir, limits)
+            limit = size_limit(path)
             if limit is not None:
                 errors.check_size(path, limit)
 
 
-def size_limit(
-    path: pathlib.Path, step_dir: pathlib.Path, limits: dict[str, int | None]
-) -> int | None:
-    """The most bytes a file of a step can hold, by its kind: a small file `errors.FILE_LIMIT`,
-    an OCDBT manifest MANIFEST_LIMIT, an array item's data file what its arrays take
-    (`data_limit`, kept in `limits` by item); None for a file Orbax never reads."""
+def size_limit(path: pathlib.Path) -> int | None:
+    """The most bytes a file of a step that Orbax reads whole can hold, by its kind: a small
+    file `errors.FILE_LIMIT`, an OCDBT manifest MANIFEST_LIMIT; None for any other."""
     if path.name in SMALL_FILES or path.parent.name == ARRAY_DESCRIPTIONS:
         return errors.FILE_LIMIT
     if path.name == MANIFEST:
         return MANIFEST_LIMIT
-    if path.parent.name == DATA_DIR:
-        item = path.relative_to(step_dir).parts[0]
-        if item not in limits:
-            limits[item] = data_limit(step_dir / item)
-        return limits[item]
     return None
 
 
-def data_limit(item_dir: pathlib.Path) -> int | None:
-    """The most bytes one data file of an array item can hold: every array its tree
-    (`_METADATA`, read within its own bound) describes, at MAX_ITEMSIZE bytes an element,
-    with room for OCDBT's nodes and chunk headers. None when the tree cannot be read: the
-    step is reported damaged for that (`tree_metadata_problem`)."""
-    try:
-        tree = json.loads(errors.read_file(item_dir / TREE_METADATA))["tree_metadata"]
-        shapes = [leaf["value_metadata"].get("write_shape") or [] for leaf in tree.values()]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    if not all(isinstance(shape, list) and all(map(errors.is_whole, shape)) for shape in shapes):
-        return None
-    data = sum(math.prod(shape) for shape in shapes) * MAX_ITEMSIZE
-    return data + data // 64 + len(shapes) * LEAF_OVERHEAD + DATA_OVERHEAD
+def data_limit(tree: Any) -> int:
+    """The most bytes one data file of an array item restored into `tree` (whose shapes match
+    the item's) can hold: every array of it at MAX_ITEMSIZE bytes an element, with room for
+    OCDBT's nodes and chunk headers."""
+    leaves = jax.tree.leaves(tree)
+    data = sum(leaf.size for leaf in leaves) * MAX_ITEMSIZE
+    return data + data // 64 + len(leaves) * LEAF_OVERHEAD + DATA_OVERHEAD
+
+
+def check_data_files(item_dir: pathlib.Path, tree: Any) -> None:
+    """Each data file of an array item no larger than `data_limit(tree)`, before Orbax reads
+    it: one larger is no file a save of those arrays wrote, and is refused in one line."""
+    limit = data_limit(tree)
+    for root, _, names in os.walk(item_dir):
+        if pathlib.Path(root).name == DATA_DIR:
+            for name in names:
+                errors.check_size(pathlib.Path(root, name), limit)
 
 
 def marker_problem(step_dir: pathlib.Path) -> str | None:

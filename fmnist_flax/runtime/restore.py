@@ -24,6 +24,7 @@ from .checkpoint import (
     Checkpoints,
     ItemDamaged,
     StepVanished,
+    check_data_files,
     check_files,
     check_readable,
     checksum_problem,
@@ -93,7 +94,7 @@ def restore_step(checkpoints: Checkpoints, step: int, targets: dict[str, Any]) -
     first) and against their checksums, JSON items checked for their fields, with the step's
     marker and every other JSON item the command needs (`needed_items`). Any damage raises
     (ValueError or Orbax's); a file that is no regular one, or larger than its kind holds, is
-    one line (`check_files`)."""
+    one line (`check_files`, `check_data_files`)."""
     step_dir = checkpoints.directory / str(step)
     check_files(step_dir)
     arrays = {name: key_data(t) for name, t in targets.items() if name in ARRAY_ITEMS}
@@ -115,6 +116,7 @@ def restore_step(checkpoints: Checkpoints, step: int, targets: dict[str, Any]) -
         if stored is None:
             raise ValueError(f"item {name} has no metadata")
         check_shapes(target, getattr(stored, "tree", stored), f"checkpoint {step}", name)
+        check_data_files(step_dir / name, target)
     args = {
         name: ocp.args.StandardRestore(arrays[name]) if name in arrays else ocp.args.JsonRestore()
         for name in targets
