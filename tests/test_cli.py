@@ -97,6 +97,19 @@ def test_digits_int_refuses_are_no_numbers(flags, expected, tmp_path):
     assert_one_line_error(run_main(*flags, f"--workdir={tmp_path / 'w'}"), expected)
 
 
+def test_a_directory_whose_name_ends_as_a_step_or_member_is_taken_whole(tmp_path):
+    """`--init_from=runs/a:20` named runs/a, step 20, even where runs/a:20 is the directory."""
+    for name in ("a:20", "b:best", "c@3", "d:20@best"):
+        directory = str(tmp_path / name)
+        (tmp_path / name).mkdir()
+        assert experiment.parse_init_from(directory) == (directory, None, None)
+    assert experiment.parse_init_from(f"{tmp_path}/a:20:10") == (f"{tmp_path}/a:20", 10, None)
+    assert experiment.parse_init_from(f"{tmp_path}/c@3@1") == (f"{tmp_path}/c@3", None, 1)
+    (tmp_path / "a").mkdir()  # beside a:20, step 20 of `a` is `a/:20`
+    assert experiment.parse_init_from(f"{tmp_path}/a/:20") == (f"{tmp_path}/a/", 20, None)
+    assert experiment.parse_init_from(f"{tmp_path}/e:20@3") == (f"{tmp_path}/e", 20, 3)
+
+
 def test_only_ascii_digits_make_a_step_or_member_number():
     assert errors.is_digits("120") and not errors.is_digits("²") and not errors.is_digits("")
     assert experiment.parse_init_from("runs/a:²@²") == ("runs/a:²@²", None, None)

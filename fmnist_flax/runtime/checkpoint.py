@@ -1,12 +1,16 @@
 """Orbax checkpoints, writing side: the step format, asynchronous saves and their policies
 (time floor, newest N, the best evaluation), and the faults a save can meet.
 
-Each step directory under `<workdir>/checkpoints` holds six items: `model` and `optimizer`
-(array trees, tensorstore/OCDBT), `progress` (step, data position, the running row),
-`config` (the config that built the model), `dataset` (its name, class names and image
-shape) and `changes` (accepted config changes), the last four as JSON. Nothing is pickled.
-Reading them back (resume, damaged steps) is `restore.py`; loading a model for inference is
-`inference.load_model`.
+Each step directory under `<workdir>/checkpoints` holds seven items: `model` and
+`optimizer` (array trees, tensorstore/OCDBT), `progress` (step, data position, the running
+row), `config` (the config that built the model), `dataset` (its name, class names and image
+shape), `changes` (accepted config changes) and `checksums` (a CRC-32 of each array saved),
+the last five as JSON. Nothing is pickled. Reading them back (resume, damaged steps) is
+`restore.py`; loading a model for inference is `inference.load_model`.
+
+Rotation moves a step it removes into `ROTATED_DIR` first, in one rename: a step directory
+is never left half deleted among the steps, and what that directory holds is the only thing
+ever removed (a step that cannot be read is set aside, `restore.set_aside`).
 """
 
 from __future__ import annotations
@@ -24,27 +28,37 @@ import tempfile
 import threading
 import time
 import types
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
-from absl import logging
 from flax import nnx
 
 from . import errors, library_workarounds
 from . import workdir as workdir_lib
 from .errors import UserError
+from .tables import path_name
 
 CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never deleted
+ROTATED_DIR = "rotated_away"  # in checkpoints/: rotation moves a step here, then removes it
 STEP_MARKER = "_CHECKPOINT_METADATA"  # what Orbax writes in every step it finalises
 STEP_FILES = (STEP_MARKER, "commit_success.txt")  # a step's own files besides its items
 TREE_METADATA = "_METADATA"  # what Orbax writes in an array item: its tree, shapes and dtypes
-# The JSON files of a step Orbax reads whole: its marker, a JSON item's value, an array item's
-# tree and sharding.
-JSON_FILES = (STEP_MARKER, "metadata", TREE_METADATA, "_sharding")
+# The small files of a step that Orbax reads whole: its marker, a JSON item's value, an array
+# item's tree, sharding and array descriptions (`array_metadatas/process_N`), the commit notes.
+SMALL_FILES = (*STEP_FILES, "metadata", TREE_METADATA, "_sharding")
+ARRAY_DESCRIPTIONS = "array_metadatas"
+MANIFEST = "manifest.ocdbt"  # an OCDBT manifest: its version and the tree's root, read whole
+MANIFEST_LIMIT = 1 << 20  # bytes a manifest may hold (this project's hold a few hundred)
+DATA_DIR = "d"  # an array item's data files (OCDBT's nodes and the arrays' chunks)
+MAX_ITEMSIZE = 16  # bytes an element of any dtype takes (complex128): bounds the data files
+LEAF_OVERHEAD = 4096  # bytes of tree nodes and chunk headers a data file may add per array
+DATA_OVERHEAD = 1 << 20  # and per item
 SPACE_MARGIN = 1.5  # bytes a save needs per byte of state, metadata included, with room to spare
 INODES_PER_SAVE = 100  # files and directories a save creates, with room for larger models
 BEST_METRIC = "test_accuracy"  # what keep_best and --step=best rank by unless config.best_metric
@@ -56,13 +70,16 @@ ROTATION_PAUSE = 0.05  # seconds between two looks at it
 
 
 ARRAY_ITEMS = ("model", "optimizer")  # array trees
-JSON_ITEMS = ("progress", "config", "dataset", "changes")
+CHECKSUMS = "checksums"  # {item: {array: {"dtype": ..., "crc32": ...}}}, of the saved bytes
+JSON_ITEMS = ("progress", "config", "dataset", "changes", CHECKSUMS)
+READER_ITEMS = ("config", "dataset")  # the JSON items a reader rebuilds the model from
 # The fields a JSON item must hold; one without them is damaged.
 ITEM_FIELDS = {
     "progress": ("step", "epoch", "index", "num_batches", "batch_size", "seed"),
     "config": ("model", "compute_dtype", "batch_size", "seed"),
     "dataset": ("name", "class_names", "image_shape"),
     "changes": ("changes",),
+    CHECKSUMS: (),
 }
 
 
@@ -110,6 +127,54 @@ def wrap_keys(restored: Any, like: Any) -> Any:
         restored,
         like,
     )
+
+
+def named_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> dict[str, Any]:
+    """{'layers.0.kernel': leaf, ...}: the leaves of a state (or of a checkpoint's metadata
+    tree) by the names a line gives them, nnx.Variable's own `value` field left out."""
+    named = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf):
+        keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
+        if keys and keys[-1] == "value":
+            keys = keys[:-1]
+        named[path_name(tuple(keys))] = leaf
+    return named
+
+
+def _crc32(leaf: Any) -> str:
+    """The CRC-32 of an array's bytes, on the host (zlib releases the GIL while it runs)."""
+    return f"{zlib.crc32(np.asarray(leaf).reshape(-1).view(np.uint8)):08x}"
+
+
+def checksums(tree: Any) -> dict[str, dict[str, str]] | None:
+    """Each array of an array item's tree by name: its dtype and the CRC-32 of its bytes. None
+    where this process does not hold every array whole (a run of several processes): such a
+    step records none, and is read without the check."""
+    leaves = named_leaves(tree)
+    if not all(getattr(leaf, "is_fully_addressable", True) for leaf in leaves.values()):
+        return None
+    return {name: {"dtype": str(x.dtype), "crc32": _crc32(x)} for name, x in leaves.items()}
+
+
+def checksum_problem(item: str, restored: Any, recorded: Any) -> str | None:
+    """Which array of a restored item differs from the bytes saved (`recorded`, its entry of
+    the checksums item; None: a step saved without them), or None. An array restored in
+    another dtype than it was saved in was converted, and cannot be compared."""
+    if recorded is None:
+        return None
+    leaves = named_leaves(restored)
+    if not all(getattr(leaf, "is_fully_addressable", True) for leaf in leaves.values()):
+        return None  # each process holds a part: none can check a whole array
+    for name, leaf in leaves.items():
+        entry = recorded.get(name)
+        if not isinstance(entry, dict) or not isinstance(entry.get("crc32"), str):
+            return f"its {CHECKSUMS} item holds no checksum of {item} array {name}"
+        if entry.get("dtype") == str(leaf.dtype) and entry["crc32"] != _crc32(leaf):
+            return (
+                f"its {item} array {name} does not match the checksum saved with it: its bytes "
+                "changed since the save"
+            )
+    return None
 
 
 def checkpoint_dir(workdir: str | os.PathLike) -> pathlib.Path:
@@ -162,7 +227,8 @@ def _options(
     *, max_to_keep: int, best: _KeepBest | None, read_only: bool, floor: _TimeFloor
 ) -> ocp.CheckpointManagerOptions:
     """Orbax's options: keep the newest `max_to_keep` (and `best`'s step), save on the time
-    floor, write asynchronously; a reader deletes nothing."""
+    floor, write asynchronously, move a step rotated away into ROTATED_DIR (`clear_rotated`
+    removes it); a reader deletes nothing."""
     policies = ocp.checkpoint_managers
     keep = [policies.LatestN(max_to_keep), *([best] if best is not None else [])]
     return ocp.CheckpointManagerOptions(
@@ -173,6 +239,7 @@ def _options(
         # Half-written saves of a killed process go away; only the lock holder may do it.
         cleanup_tmp_directories=not read_only,
         enable_background_delete=True,  # rotating old steps away does not stall training
+        todelete_subdir=None if read_only else ROTATED_DIR,
         enable_async_checkpointing=True,
     )
 
@@ -355,6 +422,7 @@ class Checkpoints:
         self.min_interval_secs = min_interval_secs
         self._saving = 0  # the step of the save in flight, named if it fails
         self._starting = _SaveThread()  # in one process, the save being started
+        self._made = not read_only and not self.directory.exists()  # removed if left empty
         if not read_only:
             prepare_directory(self.directory)
         self._best = _KeepBest({})
@@ -420,6 +488,7 @@ class Checkpoints:
         self.wait()  # the previous save is complete (or its failure reported) first
         if not self.directory.is_dir():
             self._make_again(step)
+        clear_rotated(self.directory)  # before the space check: what it holds is freed
         arrays = _arrays(model, optimizer)
         _check_space(self.directory, step, arrays)
         self._saving = step
@@ -448,6 +517,9 @@ class Checkpoints:
 
     def _start_save(self, step: int, arrays: dict[str, Any], json_items: dict[str, Any]) -> None:
         self._floor.began = (step, datetime.datetime.now(datetime.UTC))
+        sums = {name: checksums(tree) for name, tree in arrays.items()}
+        if None not in sums.values():
+            json_items = {**json_items, CHECKSUMS: sums}
         try:
             self._manager.save(
                 step,
@@ -471,6 +543,8 @@ class Checkpoints:
             raise _save_failed(self.directory, self._saving, exc) from None
 
     def close(self) -> None:
+        """Wait for the save in flight and the steps being rotated away, remove what rotation
+        moved aside, and a checkpoint directory this run made and saved nothing in."""
         self._starting.join()  # a save still starting (its failure already reported)
         library_workarounds.await_tmp_cleanup(self._manager)
         try:
@@ -478,28 +552,44 @@ class Checkpoints:
         except Exception as exc:  # Orbax and tensorstore raise many types for a failed write
             if not library_workarounds.abandoned_writes():  # not reported yet: say it, in one line
                 raise _save_failed(self.directory, self._saving, exc) from None
+        if not self.read_only:
+            clear_rotated(self.directory, whole=True)
+        if self._made and jax.process_index() == 0:
+            with contextlib.suppress(OSError):  # it holds a step (or something else): kept
+                self.directory.rmdir()
+
+    @property
+    def needed_items(self) -> tuple[str, ...]:
+        """The JSON items a step must hold intact to be used: all of them to resume a run,
+        those that rebuild the model to read one (eval, predict, export, load_model)."""
+        return READER_ITEMS if self.read_only else JSON_ITEMS
 
     def saved(self, item: str, step: int | None = None) -> tuple[int, dict[str, Any] | None]:
-        """(step, JSON `item`) of `step`, or of the newest step whose item is intact: restore()
-        sets a damaged one aside (or, reading, skips it) with a warning."""
+        """(step, JSON `item`) of `step`, or of the newest step whose `needed_items` are intact.
+        A reader says which newer ones it passed over; a writer leaves that to restore(),
+        which sets them aside. When none is intact: the newest one's damage for a reader, for
+        a writer the line that names every step (`every_step_damaged`)."""
         if step is not None:
             return step, self._item(step, item)
-        damage = None
+        damaged: dict[int, ItemDamaged] = {}
         for candidate in self.steps()[::-1]:
             try:
+                for needed in self.needed_items:
+                    self._item(candidate, needed)
                 value = self._item(candidate, item)
-            except (Unreadable, errors.FileRefused):
-                raise
-            except UserError as exc:
+            except ItemDamaged as exc:
                 if self.rotated_after_watching(candidate):
                     raise StepVanished(candidate) from None
-                damage = damage or exc
+                damaged[candidate] = exc
                 continue
-            if damage:  # an older step than asked for: say so
-                logging.warning("%s; using checkpoint %d instead", damage, candidate)
+            if self.read_only:  # an older step than asked for: say so
+                for bad, exc in damaged.items():
+                    warn_damaged(self.directory, bad, exc.problem, candidate)
             return candidate, value
-        if damage:
-            raise damage
+        if damaged and self.read_only:
+            raise next(iter(damaged.values()))
+        if damaged:
+            raise every_step_damaged(self, {bad: exc.problem for bad, exc in damaged.items()})
         return 0, None
 
     def _item(self, step: int, item: str) -> dict[str, Any] | None:
@@ -538,7 +628,7 @@ class Checkpoints:
     def _looks_rotated(self, step: int) -> bool:
         path = self.directory / str(step)
         try:
-            foreign = path.is_dir() and not (path / STEP_MARKER).exists() and not half_deleted(path)
+            foreign = path.is_dir() and not (path / STEP_MARKER).exists() and not unmarked(path)
         except FileNotFoundError:  # the run's rotation removed the rest while it was looked at
             foreign = False
         if foreign:
@@ -602,8 +692,10 @@ def open_reader(workdir: str | os.PathLike) -> Checkpoints:
 
 
 def prepare_directory(directory: pathlib.Path) -> None:
-    """Create the checkpoint directory (a writer's), and refuse step directories this project
-    did not write: Orbax would take them for steps and delete them when rotating."""
+    """Create the checkpoint directory (a writer's), remove what a rotation moved aside and
+    had not removed yet (`clear_rotated`), and refuse step directories this project did not
+    write: Orbax would take them for steps and delete them when rotating. A step of this
+    project's without its marker is left to `restore.restore`, which sets it aside."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
         tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-").close()
@@ -612,17 +704,26 @@ def prepare_directory(directory: pathlib.Path) -> None:
             f"cannot write checkpoints in {directory} ({workdir_lib.disk_problem(directory, exc)});"
             " pick a --workdir you can write to"
         ) from None
+    clear_rotated(directory, whole=True)
     for path in sorted(directory.iterdir()):
         if errors.is_digits(path.name) and path.is_dir():
             check_readable(path)
-        if not errors.is_digits(path.name) or (path / STEP_MARKER).exists():
-            continue
-        if half_deleted(path):  # a kill while Orbax was removing a rotated-away step
-            shutil.rmtree(path, ignore_errors=True)  # every process of a run may try
-            if not path.exists():
-                logging.warning("%s was half deleted when its run stopped; removed it", path)
-                continue
-        raise not_a_checkpoint(path)
+        if errors.is_digits(path.name) and not (path / STEP_MARKER).exists() and not unmarked(path):
+            raise not_a_checkpoint(path)
+
+
+def clear_rotated(directory: pathlib.Path, whole: bool = False) -> None:
+    """Remove the steps rotation moved into ROTATED_DIR (process 0): only rotation puts
+    anything there, so what is there is what it was removing, also after a kill. `whole`:
+    the directory itself too, once no rotation can be moving a step into it."""
+    aside = directory / ROTATED_DIR
+    if jax.process_index() or not aside.is_dir() or aside.is_symlink():
+        return
+    for path in aside.iterdir():
+        shutil.rmtree(path, ignore_errors=True)
+    if whole:
+        with contextlib.suppress(OSError):  # a step moved in meanwhile: removed next time
+            aside.rmdir()
 
 
 def not_a_checkpoint(path: pathlib.Path) -> UserError:
@@ -646,9 +747,10 @@ def complete_steps(directory: pathlib.Path) -> list[int]:
         return []
 
 
-def half_deleted(path: pathlib.Path) -> bool:
-    """Whether a step directory without its marker holds nothing but what this project's saves
-    write (Orbax deletes a rotated step file by file, the marker among the first)."""
+def unmarked(path: pathlib.Path) -> bool:
+    """Whether a step directory lacks its marker but holds nothing but what this project's
+    saves write: a step that lost its marker (damaged), or one an earlier version's rotation
+    was removing file by file when its run was killed; never another program's directory."""
     if not path.is_dir() or path.is_symlink() or (path / STEP_MARKER).exists():
         return False
     return {p.name for p in path.iterdir()} <= {*STEP_FILES, *ARRAY_ITEMS, *JSON_ITEMS}
@@ -685,15 +787,63 @@ def check_markers(directory: pathlib.Path) -> None:
 
 
 def check_files(step_dir: pathlib.Path) -> None:
-    """Every file of a step regular, its JSON files of bounded size (`errors.read_file`), before
-    Orbax reads them: it waits for ever on a FIFO and reads a device without end. A file
-    removed meanwhile raises FileNotFoundError, as Orbax's read would."""
+    """Every file of a step regular, and a file Orbax reads whole of no more bytes than its
+    kind holds (`size_limit`), before Orbax opens the step: it waits for ever on a FIFO, reads
+    a device without end, and a file grown to gigabytes took gigabytes of memory. The data
+    files are bounded once the arrays they hold are known (`check_data_files`). A file removed
+    meanwhile raises FileNotFoundError, as Orbax's read would."""
     for root, _, names in os.walk(step_dir):
         for name in names:
             path = pathlib.Path(root, name)
             errors.check_regular(path)
-            if name in JSON_FILES:
-                errors.read_file(path)
+            limit = size_limit(path)
+            if limit is not None:
+                errors.check_size(path, limit)
+
+
+def size_limit(path: pathlib.Path) -> int | None:
+    """The most bytes a file of a step that Orbax reads whole can hold, by its kind: a small
+    file `errors.FILE_LIMIT`, an OCDBT manifest MANIFEST_LIMIT; None for any other."""
+    if path.name in SMALL_FILES or path.parent.name == ARRAY_DESCRIPTIONS:
+        return errors.FILE_LIMIT
+    if path.name == MANIFEST:
+        return MANIFEST_LIMIT
+    return None
+
+
+def data_limit(tree: Any) -> int:
+    """The most bytes one data file of an array item restored into `tree` (whose shapes match
+    the item's) can hold: every array of it at MAX_ITEMSIZE bytes an element, with room for
+    OCDBT's nodes and chunk headers."""
+    leaves = jax.tree.leaves(tree)
+    data = sum(leaf.size for leaf in leaves) * MAX_ITEMSIZE
+    return data + data // 64 + len(leaves) * LEAF_OVERHEAD + DATA_OVERHEAD
+
+
+def check_data_files(item_dir: pathlib.Path, tree: Any) -> None:
+    """Each data file of an array item no larger than `data_limit(tree)`, before Orbax reads
+    it: one larger is no file a save of those arrays wrote, and is refused in one line."""
+    limit = data_limit(tree)
+    for root, _, names in os.walk(item_dir):
+        if pathlib.Path(root).name == DATA_DIR:
+            for name in names:
+                errors.check_size(pathlib.Path(root, name), limit)
+
+
+def marker_problem(step_dir: pathlib.Path) -> str | None:
+    """What is wrong with a step's marker (missing, not a JSON object), in words, or None:
+    Orbax logs a marker it cannot parse with the file's content and uses the step."""
+    try:
+        value = json.loads(errors.read_file(step_dir / STEP_MARKER))
+    except FileNotFoundError:
+        if not step_dir.is_dir():
+            raise StepVanished(int(step_dir.name)) from None
+        return f"it has no {STEP_MARKER} file: a save or removal cut short, or the file removed"
+    except ValueError as exc:
+        return f"its {STEP_MARKER} file is not valid JSON ({errors.reason(exc)})"
+    if not isinstance(value, dict):
+        return f"its {STEP_MARKER} file holds no JSON object"
+    return None
 
 
 def _shown(value: Any) -> str:
@@ -733,8 +883,20 @@ def tree_metadata_problem(item_dir: pathlib.Path) -> str | None:
     return None
 
 
+class ItemDamaged(UserError):
+    """A JSON item of a step that cannot be used: `problem` says why, in words."""
+
+    def __init__(self, directory: pathlib.Path, step: int, problem: str):
+        super().__init__(
+            f"checkpoint {step} in {directory} is damaged: {problem}; move {directory / str(step)}"
+            f" to {directory.parent / DAMAGED_DIR} to use the one before"
+        )
+        self.problem = problem
+
+
 def saved_item(directory: pathlib.Path, step: int, item: str) -> dict[str, Any] | None:
-    """A JSON item of a checkpoint step (config, dataset), or None if that step has none."""
+    """A JSON item of a checkpoint step (config, dataset), or None if that step has none; one
+    that cannot be used raises ItemDamaged."""
     if not (directory / str(step)).is_dir():
         raise StepVanished(step)
     check_readable(directory / str(step))
@@ -750,8 +912,42 @@ def saved_item(directory: pathlib.Path, step: int, item: str) -> dict[str, Any] 
     else:
         problem = item_problem(item, value)
     if problem:
-        raise UserError(
-            f"checkpoint {step} in {directory} is damaged: {problem}; move {directory / str(step)}"
-            f" to {directory.parent / DAMAGED_DIR} to use the one before"
-        )
+        raise ItemDamaged(directory, step, problem)
     return value
+
+
+def warn_damaged(
+    directory: pathlib.Path,
+    step: int,
+    reason: str,
+    instead: int | None,
+    moved: pathlib.Path | None = None,
+) -> None:
+    """The one warning line for a damaged step passed over (process 0): why, where it was
+    moved (a writer sets it aside), and the step used `instead`."""
+    if jax.process_index():
+        return
+    line = f"checkpoint {step} in {directory} is damaged ({reason})"
+    if moved is not None:
+        line += f"; moved it to {moved}"
+    if instead is not None:
+        line += f"; using checkpoint {instead} instead"
+    errors.warning_line(line)
+
+
+def every_step_damaged(checkpoints: Checkpoints, damaged: dict[int, str]) -> UserError:
+    """The line for a checkpoints directory none of whose steps can be read: the steps, the
+    newest one's reason and, for a training run, how to start over."""
+    directory = checkpoints.directory
+    steps = sorted(damaged)
+    listed = f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps))}"
+    line = (
+        f"every checkpoint in {directory} is damaged ({listed}; {steps[-1]}: {damaged[steps[-1]]})"
+    )
+    if checkpoints.read_only:
+        return UserError(line)
+    return UserError(
+        f"{line}; nothing was trained, moved or overwritten. To train again from step 0, pass a "
+        f"fresh --workdir, or remove {directory} (this workdir's metrics.jsonl and summary.json "
+        "are then replaced)"
+    )

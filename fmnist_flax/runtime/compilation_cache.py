@@ -14,17 +14,14 @@ cache written without it.
 from __future__ import annotations
 
 import contextlib
-import errno
 import glob
-import os
 import pathlib
 import re
-import stat
 import warnings
 
 import jax
 
-from .errors import UserError, warning_line
+from .errors import UserError, not_a_directory, warning_line
 
 # Programs that cost little to run and give booleans or figures only shown (the finiteness
 # check, the codelab's gradient check) compile with LLVM's lightest optimisation, in about
@@ -68,22 +65,6 @@ def use(directory: str | pathlib.Path) -> None:
             warning_line(fault_line(kind, directory, why[:200]))
 
     warnings.showwarning = showwarning
-
-
-def not_a_directory(path: pathlib.Path) -> str | None:
-    """Why `path` can be no directory (a file, a symbolic link loop or to nothing, a path
-    under a file), or None; what only permissions forbid is left to JAX's own warnings."""
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:  # made when missing, unless a symbolic link names it
-        return f"is a symbolic link to nothing ({os.readlink(path)})" if path.is_symlink() else None
-    except NotADirectoryError:
-        return "lies under a file, not a directory"
-    except OSError as exc:
-        return "is a symbolic link loop" if exc.errno == errno.ELOOP else None
-    if stat.S_ISDIR(mode):
-        return None
-    return "is a file, not a directory" if stat.S_ISREG(mode) else "is not a directory"
 
 
 def drop(directory: pathlib.Path, name: str) -> None:

@@ -7,6 +7,7 @@ FMNIST_FLAX_DEBUG=0 or false leaves it out.
 
 import errno
 import os
+import pathlib
 import re
 import signal
 import stat
@@ -87,11 +88,23 @@ def read_file(path: str | os.PathLike, limit: int = FILE_LIMIT) -> bytes:
     finally:
         os.close(fd)
     if size > limit:
-        raise FileRefused(
-            f"{path} holds more than the {limit:,} bytes this program reads of it, far more than "
-            "it writes there; move it away (or put back the file it wrote) and run again"
-        )
+        raise too_large(path, limit)
     return b"".join(chunks)
+
+
+def check_size(path: str | os.PathLike, limit: int) -> None:
+    """Refuse, unread, a file of more than `limit` bytes (`too_large`): what a library reads
+    whole would fill memory first."""
+    if os.stat(path).st_size > limit:
+        raise too_large(path, limit)
+
+
+def too_large(path: str | os.PathLike, limit: int) -> FileRefused:
+    """The line for one of the program's files that holds more than its kind can."""
+    return FileRefused(
+        f"{path} holds more than the {limit:,} bytes this program reads of it, far more than "
+        "it writes there; move it away (or put back the file it wrote) and run again"
+    )
 
 
 def check_regular(path: str | os.PathLike, advice: str = OWN_FILE_ADVICE) -> None:
@@ -110,6 +123,22 @@ def _refuse(path: str | os.PathLike, mode: int, advice: str = OWN_FILE_ADVICE) -
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     link = f" (a symbolic link to {os.readlink(path)})" if os.path.islink(path) else ""
     raise FileRefused(f"{path} is {kind}{link}, not a regular file; {advice}")
+
+
+def not_a_directory(path: pathlib.Path) -> str | None:
+    """Why `path` can be no directory (a file, a symbolic link loop or to nothing, a path
+    under a file), or None; what only permissions forbid is left to whoever writes there."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:  # made when missing, unless a symbolic link names it
+        return f"is a symbolic link to nothing ({os.readlink(path)})" if path.is_symlink() else None
+    except NotADirectoryError:
+        return "lies under a file, not a directory"
+    except OSError as exc:
+        return "is a symbolic link loop" if exc.errno == errno.ELOOP else None
+    if stat.S_ISDIR(mode):
+        return None
+    return "is a file, not a directory" if stat.S_ISREG(mode) else "is not a directory"
 
 
 _KINDS = (

@@ -24,6 +24,7 @@ A file that breaks the rule gets one error line naming it and the others are sti
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import pathlib
 import time
@@ -35,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from absl import logging
 from flax import nnx
 from PIL import Image
 
@@ -44,6 +44,7 @@ from . import ensemble, errors, parallel, plugins, restore, tables
 from . import workdir as workdir_lib
 from .checkpoint import (
     BEST,
+    DAMAGED_DIR,
     READ_ATTEMPTS,
     STEP_MARKER,
     Checkpoints,
@@ -52,7 +53,6 @@ from .checkpoint import (
     checkpoint_dir,
     complete_steps,
     open_reader,
-    saved_item,
 )
 from .errors import UserError
 
@@ -127,9 +127,10 @@ def restore_model(
     what is imported already. Every problem is a one-line UserError, raised before anything
     compiles, naming the workdir as `flag`.
     """
+    step = _step_number(step)
     path = pathlib.Path(workdir).expanduser()
     try:
-        is_dir, exists = path.is_dir(), path.exists()
+        is_dir, exists, link = path.is_dir(), path.exists(), path.is_symlink()
     except OSError as exc:  # a name too long for the filesystem, a directory we may not enter
         raise UserError(
             f"{flag} {path} cannot be looked at ({exc.strerror}); pass the directory of a "
@@ -137,6 +138,8 @@ def restore_model(
         ) from None
     if not is_dir:
         what = "is not a directory" if exists else "does not exist"
+        if link and not exists:  # to nothing, or a loop
+            what = errors.not_a_directory(path) or what
         raise UserError(f"{flag} {path} {what}; pass the directory of a training run")
     if not checkpoint_dir(path).is_dir():
         raise UserError(f"{flag} {path} has no checkpoints; train there first")
@@ -156,6 +159,21 @@ def restore_model(
                 checkpoints.reload()
     finally:
         checkpoints.close()
+
+
+def _step_number(step: Any) -> int | str | None:
+    """`step` as restore_model takes it: None (the newest), 'best', or a saved step's number,
+    an integer or a string of ASCII digits; anything else (10.0, True, -1) is one line."""
+    if step is None or step == BEST:
+        return step
+    if isinstance(step, str) and errors.is_digits(step):
+        return int(step)
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool) and step >= 0:
+        return int(step)
+    raise UserError(
+        f"step={step!r} is not a step number: pass a whole number such as 10 (or '10'), "
+        f"'{BEST}', or None for the newest"
+    )
 
 
 def _finite(restored: tuple, path: pathlib.Path, flag: str) -> tuple:
@@ -192,8 +210,9 @@ def _vanished(path: pathlib.Path) -> UserError:
     if path.is_dir():
         return UserError(
             f"{path} is an incomplete checkpoint (no {STEP_MARKER}) that no run is removing: "
-            "left by a run killed while removing it, or put there by hand; move it out of "
-            f"{path.parent} (training in this workdir again removes it)"
+            "damaged, left by an earlier version killed while removing it, or put there by "
+            f"hand; move it out of {path.parent} (training in this workdir again moves it to "
+            f"{DAMAGED_DIR}/ when an older step is intact)"
         )
     return UserError(
         f"checkpoint {path.name} in {path.parent} was removed while being read: the run "
@@ -213,7 +232,8 @@ def _restore_best(checkpoints: Checkpoints, compute_dtype, mesh, flag, imports) 
             refused = Unreadable | restore.ShapeMismatch | plugins.NotInstalled | errors.FileRefused
             if step == ranked[-1] or isinstance(exc, refused):
                 raise
-            logging.warning("%s; using the next best checkpoint", exc)
+            if parallel.is_primary():
+                errors.warning_line(f"{exc}; using the next best checkpoint")
     raise AssertionError("unreachable")
 
 
@@ -309,12 +329,17 @@ def load_model(
 
 
 def class_names(workdir: str | os.PathLike, step: int | None = None) -> tuple[str, ...]:
-    """The class names of the dataset a workdir's model was trained on (its newest step)."""
+    """The class names of the dataset a workdir's model was trained on (its newest step whose
+    config and dataset are intact, as `load_model` takes)."""
     directory = checkpoint_dir(workdir)
     steps = sorted(int(p.name) for p in directory.glob("*") if errors.is_digits(p.name))
     if not steps:
         raise UserError(f"--workdir {workdir} has no checkpoints; train there first")
-    info = saved_item(directory, steps[-1] if step is None else step, "dataset")
+    checkpoints = open_reader(workdir)
+    try:
+        info = checkpoints.saved("dataset", step)[1]
+    finally:
+        checkpoints.close()
     return tuple((info or template().unrecorded_dataset)["class_names"])
 
 

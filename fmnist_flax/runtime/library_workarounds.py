@@ -66,20 +66,20 @@ class _OrbaxNoise(std_logging.Filter):
             return False
         if exc is not None:
             return workdir_lib.storage_error(exc) is None and not _save_failed.is_set()
-        message = record.getMessage()
-        if _UNFINISHED_SAVE in message and message.startswith(_UNFINISHED_METADATA):
-            return False
         return not any(notice in str(record.msg) for notice in _ORBAX_NOTICES)
 
 
-# Notices Orbax 0.12.8 logs at WARNING that say nothing here: a reader's manager is read-only
-# by design; a step's metadata is missing when it is damaged, unreadable or rotated away, each
-# of which checkpoint.py reports in its own line; a save waits for the one before in the
+# Notices Orbax 0.12.8 logs that say nothing here: a reader's manager is read-only by design;
+# a step's metadata is missing, unreadable or not JSON (logged at ERROR with the file's content)
+# when it is damaged or rotated away, or when a full disk left a failed save's empty, each of
+# which checkpoint.py reports in its own line; a save waits for the one before in the
 # low-priority saving thread, not in training's; a reader restores the model item alone.
 _ORBAX_NOTICES = (
     "read only",
     "read_only=True",
     "Metadata file does not exist",
+    "Failed to read Metadata file",
+    "Failed to json parse Metadata file",
     "Waiting for previous save to complete",
     "was found in the checkpoint, but could not be",
 )
@@ -100,13 +100,6 @@ def orbax_notices_dropped() -> Any:
         yield
     finally:
         logger.removeFilter(notices)
-
-
-# Orbax 0.12.8 logs at ERROR, without an exception, when a save's own metadata file in its
-# unfinished step directory cannot be read: a full disk left it empty. That save's failure is
-# reported in one line (checkpoint.py); the step directory is never used.
-_UNFINISHED_SAVE = ".orbax-checkpoint-tmp"
-_UNFINISHED_METADATA = ("Failed to json parse Metadata file", "Failed to read Metadata file")
 
 
 def record_failed_save() -> None:

@@ -1,8 +1,10 @@
 """Orbax checkpoints, reading side: restore the newest intact step, set damaged ones aside,
 check shapes, and resume a run exactly (model, optimizer, data position, running row).
 
-A reader of a live run (eval, predict, export) never moves anything: it skips a damaged step
-and starts over when the trainer rotates the step it was reading away.
+A step is damaged when a file is missing, cut short or not what a save wrote there: its
+marker, a JSON item it needs, its arrays (read back, each is checked against the checksum
+saved with it). A reader of a live run (eval, predict, export) never moves anything: it skips
+a damaged step and starts over when the trainer rotates the step it was reading away.
 """
 
 from __future__ import annotations
@@ -12,24 +14,32 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-from absl import logging
 from flax import nnx
 
 from . import errors, parallel
 from .checkpoint import (
     ARRAY_ITEMS,
+    CHECKSUMS,
     DAMAGED_DIR,
     Checkpoints,
+    ItemDamaged,
     StepVanished,
+    check_data_files,
     check_files,
     check_readable,
+    checksum_problem,
+    every_step_damaged,
     item_problem,
     key_data,
+    marker_problem,
+    named_leaves,
+    saved_item,
     tree_metadata_problem,
+    unmarked,
+    warn_damaged,
     wrap_keys,
 )
 from .errors import UserError
-from .tables import path_name
 
 
 class Damaged(UserError):
@@ -46,14 +56,8 @@ class ShapeMismatch(UserError):
 
 def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     """{'layers.0.kernel': (784, 256), ...} for a state or a checkpoint's metadata tree."""
-    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
-    shapes = {}
-    for path, leaf in leaves:
-        keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
-        if keys and keys[-1] == "value":  # nnx.Variable's own field, not part of the name
-            keys = keys[:-1]
-        shapes[path_name(tuple(keys))] = tuple(leaf.shape)
-    return shapes
+    leaves = named_leaves(tree, is_leaf=lambda x: hasattr(x, "shape"))
+    return {name: tuple(leaf.shape) for name, leaf in leaves.items()}
 
 
 RESTORE_ADVICE = "use the config the checkpoint was trained with"
@@ -75,12 +79,33 @@ def check_shapes(
             )
 
 
+def _json_problem(checkpoints: Checkpoints, step: int, items: tuple[str, ...]) -> str | None:
+    """What makes the first of a step's JSON `items` unusable, or None."""
+    for item in items:
+        try:
+            saved_item(checkpoints.directory, step, item)
+        except ItemDamaged as damaged:
+            return damaged.problem
+    return None
+
+
 def restore_step(checkpoints: Checkpoints, step: int, targets: dict[str, Any]) -> dict[str, Any]:
     """The named items of one step: array items into the shapes of their targets (checked
-    first), JSON items checked for their fields. Any damage raises (ValueError or Orbax's); a
-    file that is no regular one, or too large, is one line (`check_files`)."""
-    check_files(checkpoints.directory / str(step))
+    first) and against their checksums, JSON items checked for their fields, with the step's
+    marker and every other JSON item the command needs (`needed_items`). Any damage raises
+    (ValueError or Orbax's); a file that is no regular one, or larger than its kind holds, is
+    one line (`check_files`, `check_data_files`)."""
+    step_dir = checkpoints.directory / str(step)
+    check_files(step_dir)
     arrays = {name: key_data(t) for name, t in targets.items() if name in ARRAY_ITEMS}
+    needed = tuple(item for item in checkpoints.needed_items if item not in targets)
+    problem = marker_problem(step_dir) or _json_problem(checkpoints, step, needed)
+    if problem:
+        raise ValueError(problem)
+    try:
+        recorded = saved_item(checkpoints.directory, step, CHECKSUMS) if arrays else None
+    except ItemDamaged as damaged:
+        raise ValueError(damaged.problem) from None
     for name in arrays:
         problem = tree_metadata_problem(checkpoints.directory / str(step) / name)
         if problem:
@@ -91,13 +116,17 @@ def restore_step(checkpoints: Checkpoints, step: int, targets: dict[str, Any]) -
         if stored is None:
             raise ValueError(f"item {name} has no metadata")
         check_shapes(target, getattr(stored, "tree", stored), f"checkpoint {step}", name)
+        check_data_files(step_dir / name, target)
     args = {
         name: ocp.args.StandardRestore(arrays[name]) if name in arrays else ocp.args.JsonRestore()
         for name in targets
     }
     restored = checkpoints.manager.restore(step, args=ocp.args.Composite(**args))
     for name in targets:
-        problem = None if name in arrays else item_problem(name, restored[name])
+        if name in arrays:
+            problem = checksum_problem(name, restored[name], (recorded or {}).get(name))
+        else:
+            problem = item_problem(name, restored[name])
         if problem:
             raise ValueError(problem)
     return {
@@ -106,10 +135,11 @@ def restore_step(checkpoints: Checkpoints, step: int, targets: dict[str, Any]) -
     }
 
 
-def set_aside(checkpoints: Checkpoints, step: int, reason: str) -> None:
-    """Move a damaged step out of the way, under a name that never replaces another."""
+def set_aside(checkpoints: Checkpoints, step: int, reason: str, instead: int | None) -> None:
+    """Move a damaged step out of the way, under a name that never replaces another, and say
+    so in one line, with the step used `instead`."""
     if checkpoints.read_only:  # a reader leaves the workdir as it found it
-        logging.warning("checkpoint %d is damaged (%s); using an older one", step, reason)
+        warn_damaged(checkpoints.directory, step, reason, instead)
         return
     directory = checkpoints.directory
     aside = directory.parent / DAMAGED_DIR
@@ -134,12 +164,7 @@ def set_aside(checkpoints: Checkpoints, step: int, reason: str) -> None:
         ) from None
     checkpoints.forget_score(step)
     checkpoints.reload()
-    logging.warning(
-        "checkpoint %d is damaged (%s); moved it to %s and using an older one",
-        step,
-        reason,
-        damaged,
-    )
+    warn_damaged(directory, step, reason, instead, damaged)
 
 
 def restore(
@@ -152,10 +177,11 @@ def restore(
     `at_most`), or None if none.
 
     A damaged step is passed over for the next older one, and moved aside with a one-line
-    warning once an intact one is found; when every step is damaged nothing is moved and
-    one line names them (a run that trained again from step 0 would replace the finished
-    run's metrics.jsonl and summary.json). A shape mismatch is the user's to fix and is
-    raised, not skipped.
+    warning once an intact one is found (a writer also sets aside the older steps without a
+    marker: no rotation removes one); when every step is damaged nothing is moved and one
+    line names them (a run that trained again from step 0 would replace the finished run's
+    metrics.jsonl and summary.json). A shape mismatch is the user's to fix and is raised,
+    not skipped.
     """
     parallel.sync("restore")  # every process lists the same steps
     checkpoints.reload()
@@ -191,30 +217,15 @@ def restore(
                 ) from None
             damaged[candidate] = reason
             continue
+        if not checkpoints.read_only:
+            older = [s for s in steps if s < candidate and unmarked(directory / str(s))]
+            damaged |= {s: marker_problem(directory / str(s)) for s in older}
         for bad, reason in damaged.items():
-            set_aside(checkpoints, bad, reason)
+            set_aside(checkpoints, bad, reason, candidate)
         return {**restored, "step": candidate}
     if damaged:
         raise every_step_damaged(checkpoints, damaged)
     return None
-
-
-def every_step_damaged(checkpoints: Checkpoints, damaged: dict[int, str]) -> UserError:
-    """The line for a checkpoints directory none of whose steps can be read: the steps, the
-    newest one's reason and, for a training run, how to start over."""
-    directory = checkpoints.directory
-    steps = sorted(damaged)
-    listed = f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps))}"
-    line = (
-        f"every checkpoint in {directory} is damaged ({listed}; {steps[-1]}: {damaged[steps[-1]]})"
-    )
-    if checkpoints.read_only:
-        return UserError(line)
-    return UserError(
-        f"{line}; nothing was trained, moved or overwritten. To train again from step 0, pass a "
-        f"fresh --workdir, or remove {directory} (this workdir's metrics.jsonl and summary.json "
-        "are then replaced)"
-    )
 
 
 def resume(
@@ -271,4 +282,4 @@ def check_best(checkpoints: Checkpoints, model: nnx.Module, resumed_step: int) -
         raise
     except Exception as exc:  # Orbax and tensorstore raise many types for a bad file
         check_readable(checkpoints.directory / str(best))
-        set_aside(checkpoints, best, errors.reason(exc))
+        set_aside(checkpoints, best, errors.reason(exc), None)

@@ -97,12 +97,20 @@ def start_painter(
 
 def parse_init_from(value: str) -> tuple[str, int | str | None, int | str | None]:
     """'runs/a' -> ('runs/a', None, None); 'runs/a:200' -> ('runs/a', 200, None);
-    'runs/a:best'; an ensemble's member after '@': 'runs/a@3', 'runs/a:200@best'."""
-    value, at, member = value.rpartition("@") if "@" in value else (value, "", "")
-    if not at or not (is_digits(member) or member in (ensemble.BEST_MEMBER, ensemble.ENSEMBLE)):
-        value, member = value + at + member, None
-    workdir, _, step = value.rpartition(":")
-    member = ensemble.parse_member(member)
-    if workdir and (is_digits(step) or step == checkpoint_lib.BEST):
-        return workdir, int(step) if is_digits(step) else step, member
-    return value, None, member
+    'runs/a:best'; an ensemble's member after '@': 'runs/a@3', 'runs/a:200@best'. A directory
+    whose own name ends so ('runs/a:200' is one) is taken whole: the value is split only as
+    far as it names no directory ('runs/a/:200' is step 200 of 'runs/a' beside it)."""
+    base, at, member = value.rpartition("@")
+    bases = [(value, None)]
+    if at and (is_digits(member) or member in (ensemble.BEST_MEMBER, ensemble.ENSEMBLE)):
+        bases.append((base, member))
+    parses = []
+    for whole, chosen in bases:
+        parses.append((whole, None, chosen))
+        workdir, _, step = whole.rpartition(":")
+        if workdir and (is_digits(step) or step == checkpoint_lib.BEST):
+            parses.append((workdir, int(step) if is_digits(step) else step, chosen))
+    workdir, step, chosen = next(
+        (parse for parse in parses if pathlib.Path(parse[0]).expanduser().is_dir()), parses[-1]
+    )
+    return workdir, step, ensemble.parse_member(chosen)

@@ -51,8 +51,7 @@ def prepare_workdir(workdir: str | os.PathLike | None) -> pathlib.Path:
         # A unique name: the processes of a multi-process run all probe the same directory.
         tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-").close()
     except OSError as exc:
-        blocking = _file_in_the_way(path)
-        reason = f"{blocking} is not a directory" if blocking else exc.strerror
+        reason = _in_the_way(path) or exc.strerror
         if not workdir:
             if path != RUNS_DIR:  # made, then not writable: not left behind
                 with contextlib.suppress(OSError):
@@ -67,14 +66,16 @@ def prepare_workdir(workdir: str | os.PathLike | None) -> pathlib.Path:
     return path
 
 
-def _file_in_the_way(path: pathlib.Path) -> pathlib.Path | None:
-    """Which of `path` and the directories above it exists as no directory, so that the OS
-    says only "File exists" or "Not a directory" (compilation_cache.not_a_directory says why
-    one path can be no directory; this names the file to move), or None."""
+def _in_the_way(path: pathlib.Path) -> str | None:
+    """What, at `path` or a directory above it, can be no directory, so that the OS says only
+    "File exists" or "Not a directory": a file, or a symbolic link to nothing or in a loop
+    (named with `errors.not_a_directory`'s words), or None."""
     for place in (path, *path.parents):
         try:
+            if place.is_symlink() and not place.exists():
+                return f"{place} {errors.not_a_directory(place)}"
             if place.exists() and not place.is_dir():
-                return place
+                return f"{place} is not a directory"
         except OSError:  # a name too long for the filesystem: not a file in the way
             continue
     return None
