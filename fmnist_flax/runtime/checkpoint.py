@@ -37,7 +37,7 @@ from . import workdir as workdir_lib
 from .errors import UserError
 
 CHECKPOINT_DIR = "checkpoints"
-DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never deleted
+DAMAGED_DIR = workdir_lib.DAMAGED_DIR
 STEP_MARKER = "_CHECKPOINT_METADATA"  # what Orbax writes in every step it finalises
 STEP_FILES = (STEP_MARKER, "commit_success.txt")  # a step's own files besides its items
 TREE_METADATA = "_METADATA"  # what Orbax writes in an array item: its tree, shapes and dtypes

@@ -235,7 +235,7 @@ def evaluate_model(run: Run, extensions: Sequence[Extension] = ()) -> dict[str, 
 def write_report(run: Run, test_accuracy: float) -> pathlib.Path | None:
     """report/ with every section, headed by what run it is; a write that fails is one warning
     line, and the run's summary is written without it."""
-    directory = run.workdir / "report"
+    directory = run.workdir / workdir_lib.REPORT_DIR
     steps = run.summary.get("stopped_at", run.config.steps)
     about = {
         "workdir": str(run.workdir),
