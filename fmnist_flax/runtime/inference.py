@@ -40,7 +40,7 @@ from flax import nnx
 from PIL import Image
 
 from . import ema as ema_lib
-from . import ensemble, errors, parallel, plugins, restore, tables
+from . import ensemble, errors, memory, parallel, plugins, restore, tables
 from . import workdir as workdir_lib
 from .checkpoint import (
     BEST,
@@ -57,6 +57,9 @@ from .checkpoint import (
 from .errors import UserError
 
 MAX_IMAGE_SIDE = 4096  # larger image files are refused before they are decoded
+# The copies of the images as float32 that predict holds at once at most: as read and scaled,
+# stacked, as the model's input and on the device (a CPU's is the host's memory).
+PREDICT_COPIES = 4
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # grayscale, scaled by 1/65535
 PICTURE_MODES = {1: "L", 3: "RGB", 4: "RGBA"}  # the Pillow mode of each channel count
 GREY_MODES = ("L", "F", *SIXTEEN_BIT_MODES)  # read as they are, the channel copied for colour
@@ -522,17 +525,20 @@ def predict(
 
 
 def read_images(
-    path: pathlib.Path, image_shape: tuple[int, int, int] = (28, 28, 1)
+    path: pathlib.Path, image_shape: tuple[int, int, int] = (28, 28, 1), held: int = 0
 ) -> tuple[list[tuple[str, np.ndarray]], list[str]]:
     """(name, (H, W, C) float32 in [0, 1]) for each image in a picture or a .npy file, and
     notes. The module docstring's rule decides what is accepted; anything else raises a
-    one-line UserError that names the file."""
+    one-line UserError that names the file. `held`: the bytes of the images read before, which
+    a .npy's images must fit in the host's memory beside (`predict_bytes`)."""
     name = str(path)
     shape = tuple(int(side) for side in image_shape)
     if path.exists() and not path.is_file():  # reading a FIFO or a device could wait for ever
         raise UserError(f"{name}: not a regular file (a directory, a FIFO or a device)")
     if path.suffix.lower() == ".npy":
-        images = model_input(_load_npy(path, name), shape, name)
+        array = _load_npy(path, name)
+        _check_fits(array, name, held)
+        images = model_input(array, shape, name)
         names = [name] if len(images) == 1 else [f"{name}[{i}]" for i in range(len(images))]
         return list(zip(names, images, strict=True)), []
     notes: list[str] = []
@@ -547,6 +553,28 @@ def read_images(
         ]
         x = np.stack(channels, axis=-1).astype(np.float32).clip(0, 1)  # bilinear overshoots
     return [(name, x)], notes
+
+
+def predict_bytes(pixels: int) -> int:
+    """What classifying `pixels` pixels holds in the host's memory at most: PREDICT_COPIES
+    copies of them as float32."""
+    return PREDICT_COPIES * pixels * np.dtype(np.float32).itemsize
+
+
+def _check_fits(array: np.ndarray, name: str, held: int) -> None:
+    """Refuse, in one line naming the file, a (mapped, unread) array whose images cannot be
+    classified in the host's memory besides `held` bytes: a MemoryError would come later."""
+    needed = predict_bytes(array.size)
+    host = memory.host_memory()
+    if host is None or needed <= host.usable(held):
+        return
+    raise UserError(
+        f"{name}: an array of shape {array.shape} ({array.size:,} pixels) needs about "
+        f"{memory.size_text(needed)} to classify (its pixels as float32, {PREDICT_COPIES} "
+        f"copies at once), but the host has {host}, of which "
+        f"{memory.size_text(max(host.usable(held), 0))} is left for it; split its images "
+        "into smaller files"
+    )
 
 
 def _load_npy(path: pathlib.Path, name: str) -> np.ndarray:
@@ -649,7 +677,8 @@ def run_predict(
     failures = []
     for path in paths:
         try:
-            images, notes = read_images(pathlib.Path(path), info["image_shape"])
+            held = predict_bytes(sum(image.size for _, image in named))
+            images, notes = read_images(pathlib.Path(path), info["image_shape"], held)
         except UserError as exc:
             errors.print_traceback(exc)  # with --debug
             failures.append(str(exc))

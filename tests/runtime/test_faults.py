@@ -729,15 +729,16 @@ TOO_LARGE = {
 
 
 def run_capped(
-    workdir: pathlib.Path, *flags: str
+    workdir: pathlib.Path, *flags: str, limit: int = resource.RLIMIT_DATA
 ) -> tuple[subprocess.CompletedProcess, int, float]:
-    """main.py with its data capped at DATA_LIMIT: the result, its own peak RSS in bytes (not
-    the pytest worker's, which Linux would count as the child's) and its seconds."""
+    """main.py with its data (`limit`: or its address space) capped at DATA_LIMIT: the result,
+    its own peak RSS in bytes (not the pytest worker's, which Linux would count as the
+    child's) and its seconds."""
 
-    def cap_data() -> None:
-        resource.setrlimit(resource.RLIMIT_DATA, (DATA_LIMIT, DATA_LIMIT))
+    def cap() -> None:
+        resource.setrlimit(limit, (DATA_LIMIT, DATA_LIMIT))
 
-    return run_main_measured(f"--workdir={workdir}", *flags, preexec_fn=cap_data)
+    return run_main_measured(f"--workdir={workdir}", *flags, preexec_fn=cap)
 
 
 @pytest.mark.parametrize("flag", list(TOO_LARGE))
@@ -760,6 +761,26 @@ def test_a_batch_whose_training_step_cannot_fit_is_one_line_before_it_runs(hidde
     line = the_error(result, "--batch_size=60000: a training step needs about ")
     assert "by XLA's memory analysis" in line and "ulimit -d" in line, line
     assert "use at most about --batch_size=" in line, line
+    assert peak < 2 * 2**30, peak
+    assert seconds < 30, seconds
+    assert saved_steps(tmp_path / "w") == []
+
+
+BEYOND_ADDRESS_LIMIT = {  # each fits in the memory of a host, not in 4 GiB of address space
+    "--batch_size=60000": ("--batch_size=60000", "--config.model.hidden=(16000,)"),
+    "--config.ensemble.size=200": ("--config.ensemble.size=200",),
+}
+
+
+@pytest.mark.parametrize("field", list(BEYOND_ADDRESS_LIMIT))
+def test_an_address_space_limit_is_one_line_before_anything_grows(field, tmp_path):
+    """Under `ulimit -v` (RLIMIT_AS) batch 60,000 through 16,000 units died in the first step
+    with XLA's RESOURCE_EXHAUSTED traceback; it is now refused from its compiled program, as
+    under `ulimit -d`, and so are 200 members."""
+    flags = ("--steps=1", *QUICK, *BEYOND_ADDRESS_LIMIT[field])
+    result, peak, seconds = run_capped(tmp_path / "w", *flags, limit=resource.RLIMIT_AS)
+    line = the_error(result, f"{field}: ")
+    assert "ulimit -v of 4.00 GiB less" in line, line
     assert peak < 2 * 2**30, peak
     assert seconds < 30, seconds
     assert saved_steps(tmp_path / "w") == []

@@ -580,6 +580,21 @@ def test_oversized_and_decompression_bomb_images_are_refused_before_decoding(tmp
     ), message
 
 
+def test_an_array_too_large_to_classify_is_refused_from_its_header(tmp_path):
+    """A .npy of 200,000,000 images (a sparse file: 157 GB declared, nothing stored) was a
+    MemoryError traceback when its pixels were converted. Its header is now weighed against
+    the host's memory before a pixel is read, in one line naming the file; a small one
+    after it in the same command is still classified."""
+    huge = tmp_path / "huge.npy"
+    array = np.lib.format.open_memmap(huge, mode="w+", dtype=np.uint8, shape=(200_000_000, 28, 28))
+    del array
+    message = refusal(inference.read_images, huge)
+    assert message.startswith(f"{huge}: an array of shape (200000000, 28, 28) "), message
+    assert "available" in message and "split its images into smaller files" in message, message
+    np.save(tmp_path / "small.npy", np.zeros((2, 28, 28), np.uint8))
+    assert len(inference.read_images(tmp_path / "small.npy")[0]) == 2
+
+
 def test_unreadable_files_are_one_line_each(tmp_path):
     (tmp_path / "broken.png").write_bytes(b"not a png")
     (tmp_path / "broken.npy").write_bytes(b"not an array")
