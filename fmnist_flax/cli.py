@@ -254,6 +254,7 @@ def define_config_flag() -> None:
 
 def run() -> None:
     """Entry point of `main.py`, `python -m fmnist_flax` and the `fmnist-flax` script."""
+    command_line.guard_output()
     library_workarounds.install()
     define_config_flag()
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ from conftest import REPO, assert_one_line_error, run_main
 from flax import nnx
 from ml_collections import config_flags
 
-from fmnist_flax import cli, experiment
+from fmnist_flax import cli, experiment, launch
 from fmnist_flax.runtime import command_line, ensemble, errors
 from fmnist_flax.runtime.errors import UserError
 
@@ -201,7 +202,7 @@ def test_output_closed_by_its_reader_stops_with_one_line_not_a_traceback(tmp_pat
     assert process.stdout.readline().startswith("workdir: ")
     process.stdout.close()  # what `head -1` does after its line
     stderr = process.stderr.read()
-    assert process.wait(timeout=300) == command_line.PIPE_CLOSED_STATUS
+    assert process.wait(timeout=300) == errors.PIPE_CLOSED_STATUS
     assert "Traceback" not in stderr
     assert stderr.splitlines()[-1].startswith("error: the output was closed by the command")
 
@@ -364,12 +365,12 @@ def test_debug_prints_the_full_traceback_above_the_one_line(how, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", errors.STOP_SIGNALS)
 @pytest.mark.parametrize("after", [0.3, 0.8, 1.5])  # after the interpreter starts
 def test_a_signal_while_starting_is_one_line_with_its_status(signum, after, tmp_path):
-    """Ctrl-C or SIGTERM while the libraries are imported, the config read or the data
-    loaded: one `error:` line and the signal's exit status, never a traceback or a silent
-    143; nothing is written."""
+    """Ctrl-C, SIGTERM, SIGHUP or SIGQUIT while the libraries are imported, the config read or
+    the data loaded: one `error:` line and the signal's exit status, never a traceback, a
+    silent 143 or a core dump; nothing is written."""
     process = subprocess.Popen(
         [sys.executable, str(REPO / "main.py"), f"--workdir={tmp_path / 'w'}", "--report=none"],
         cwd=REPO,
@@ -387,6 +388,36 @@ def test_a_signal_while_starting_is_one_line_with_its_status(signum, after, tmp_
     if " at step " not in lines[0]:  # stopped before training (the usual case): no checkpoint
         checkpoints = tmp_path / "w" / "checkpoints"
         assert not checkpoints.exists() or not any(checkpoints.iterdir())
+
+
+def test_the_launcher_answers_the_signals_the_runtime_stops_on():
+    """launch.py answers signals before the runtime is imported, so it keeps its own tuple."""
+    assert launch.STOP_SIGNALS == errors.STOP_SIGNALS
+
+
+def test_a_failed_write_to_the_output_is_said_once_naming_its_cause():
+    """A write to /dev/full, or to a pipe whose reader left, raised OSError wherever it was
+    printed. The guarded output says it once, as one `OutputFailed` line with the exit
+    status a user expects (a pipe writer's 141), or tells a listener (training, which saves
+    first); later writes go to /dev/null."""
+    with open("/dev/full", "w") as full:
+        guarded = errors.GuardedOutput(full)
+        with pytest.raises(errors.OutputFailed) as exc:
+            print("x" * 10_000, file=guarded, flush=True)
+        assert str(exc.value).startswith("the output could not be written (No space left on ")
+        assert exc.value.exit_code == 1 and "\n" not in str(exc.value)
+        print("more", file=guarded, flush=True)  # into /dev/null now
+    reader, writer = os.pipe()
+    os.close(reader)
+    with os.fdopen(writer, "w") as pipe:
+        heard: list[OSError] = []
+        guarded = errors.GuardedOutput(pipe)
+        guarded.listener = heard.append
+        print("row", file=guarded, flush=True)
+        assert [error.errno for error in heard] == [errno.EPIPE]
+        said = errors.OutputFailed(heard[0])
+        assert said.exit_code == errors.PIPE_CLOSED_STATUS == 141
+        assert str(said).startswith("the output was closed by the command reading it")
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ API: dict[str, tuple[str, ...]] = {
         "exists",
         "explain_config_error",
         "fail",
+        "guard_output",
         "help_text",
         "multiprocess",
         "one_line_errors",
@@ -80,6 +81,8 @@ API: dict[str, tuple[str, ...]] = {
     ),
     "errors": (
         "DEBUG_VARIABLE",
+        "OutputFailed",
+        "STOP_SIGNALS",
         "Stopped",
         "UserError",
         "error_line",

@@ -29,7 +29,6 @@ from . import ensemble, errors, export, inference, library_workarounds, parallel
 from .checkpoint import BEST
 from .errors import UserError, error_line
 
-PIPE_CLOSED_STATUS = 128 + 13  # what a shell reports for a writer stopped by SIGPIPE
 HELP_FLAGS = {"-h", "--help", "-help", "--helpshort", "--helpfull"}
 
 # The parsers of a --config.FIELD's value by the field's type, as ml_collections parses them.
@@ -190,8 +189,9 @@ def parse_flags(
             text += f"\n\nEvery flag, absl's included:\n{flags.FLAGS.get_help()}"
         try:
             print(text, flush=True)
-        except BrokenPipeError:  # `--help | head`: the reader has what it wanted
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except errors.OutputFailed as exc:  # `--help | head`: the reader has what it wanted
+            if exc.exit_code != errors.PIPE_CLOSED_STATUS:
+                fail(str(exc), exc.exit_code)
         sys.exit(0)
     try:
         remaining = flags.FLAGS(argv)
@@ -228,29 +228,32 @@ def define_config_flag(default_config: str) -> flags.FlagHolder:
         fail(explain_config_error(sys.argv, exc, default_config), 2)
 
 
+def guard_output() -> None:
+    """Put `errors.GuardedOutput` around the standard output, before anything is printed: a
+    failed write is then one line naming its cause (`one_line_errors`; in training, after
+    saving the step reached). One closed from the start (`>&-`) is one line now."""
+    try:
+        errors.guard_output()
+    except errors.OutputFailed as exc:
+        fail(str(exc), exc.exit_code)
+
+
 @contextlib.contextmanager
 def one_line_errors() -> Iterator[None]:
-    """Every way a mode can stop, said in one line with its exit status: a UserError, a signal
-    (SIGINT, or SIGTERM as `errors.Stopped`), the reader of the output leaving (`| head`), a
-    path name too long."""
+    """Every way a mode can stop, said in one line with its exit status: a UserError (a failed
+    write to the standard output, `errors.OutputFailed`, among them), a signal (SIGINT, or
+    another of `errors.STOP_SIGNALS` as `errors.Stopped`), a path name too long."""
     try:
         yield
     except UserError as exc:
         fail(str(exc), getattr(exc, "exit_code", 1), together=isinstance(exc, stopping.Interrupted))
-    except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM (`errors.Stopped`), outside training
+    except KeyboardInterrupt as exc:  # a stop signal (`errors.Stopped`) outside training
         signum = getattr(exc, "signum", signal.SIGINT)
         fail(
             f"{signal.Signals(signum).name}: stopped; checkpoints saved so far are kept",
             128 + signum,
         )
-    except BrokenPipeError:  # `main.py | head`: the reader left; stop as a pipe's writer does
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to say
-        fail(
-            "the output was closed by the command reading it (`| head`?); stopped, checkpoints "
-            "saved so far are kept; resume with the same command and --workdir",
-            PIPE_CLOSED_STATUS,
-        )
-    except OSError as exc:  # below BrokenPipeError, one of its kinds: a path flag's name too long
+    except OSError as exc:  # a path flag's name too long
         if exc.errno != errno.ENAMETOOLONG:
             raise
         fail(f"{exc.filename}: a name in it is longer than the filesystem allows; shorten it", 2)
