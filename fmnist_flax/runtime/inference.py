@@ -16,7 +16,8 @@ What --mode=predict (`read_images`) and the Python `predict(model, images)` acce
   converted to the model's channels, each with a note: colour to grayscale for C = 1,
   grayscale to RGB for C = 3 (RGBA for C = 4), alpha dropped, palettes expanded. 8-bit
   pixels are 0..255, 16-bit grayscale is scaled by 1/65535, float (mode F) images follow the
-  float rule; another size is resized to (H, W), with a note.
+  float rule; another size is resized to (H, W), with a note. An animated or multi-page
+  picture is read from its first frame, with a note.
 
 A file that breaks the rule gets one error line naming it and the others are still classified.
 """
@@ -612,6 +613,9 @@ def _read_picture(path: pathlib.Path, name: str, notes: list[str], channels: int
                         f"{name}: {width}x{height} pixels; images larger than "
                         f"{MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE} are refused, shrink it first"
                     )
+                frames = getattr(image, "n_frames", 1)
+                if frames > 1:  # an animation or a multi-page file: the first is decoded
+                    notes.append(f"{name}: {frames} frames; only the first is classified")
                 mode = image.mode
                 if mode not in (*GREY_MODES, PICTURE_MODES[channels]):
                     image = image.convert(PICTURE_MODES[channels])

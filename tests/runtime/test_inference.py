@@ -547,6 +547,19 @@ def test_cli_files_and_the_python_api_give_identical_probabilities(model, tmp_pa
     np.testing.assert_array_equal(predict(model, u8, image_shape=(28, 28, 1)), expected)
 
 
+def test_an_animated_picture_is_read_from_its_first_frame_with_a_note(tmp_path):
+    """An animated GIF was classified by its first frame without a word; it now says so."""
+    frames = [Image.fromarray(np.full((28, 28), value, np.uint8)) for value in (0, 255, 128)]
+    frames[0].save(tmp_path / "moving.gif", save_all=True, append_images=frames[1:])
+    [(name, pixels)], notes = inference.read_images(tmp_path / "moving.gif")
+    converted = f"{name}: converted from P to grayscale"  # a GIF's palette
+    assert notes == [f"{name}: 3 frames; only the first is classified", converted]
+    assert pixels.max() == 0.0  # the first frame's
+    frames[0].save(tmp_path / "still.gif")
+    [(name, _)], notes = inference.read_images(tmp_path / "still.gif")
+    assert notes == [f"{name}: converted from P to grayscale"]
+
+
 def test_a_resized_colour_png_is_noted_and_stays_in_0_1(tmp_path):
     rgb = np.random.default_rng(5).integers(0, 256, (40, 30, 3), dtype=np.uint8)
     Image.fromarray(rgb).save(tmp_path / "rgb.png")
