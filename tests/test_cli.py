@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import signal
@@ -213,6 +214,8 @@ def test_help_lists_the_projects_flags_and_exits_zero():
     assert result.returncode == 0, result.stderr
     for flag in ("--steps", "--compute_dtype", "--workdir", "--mode", "--config.FIELD"):
         assert flag in result.stdout, flag
+    assert "(default: fmnist_flax/config.py)" in result.stdout  # not the config as YAML
+    assert "!!python" not in result.stdout and "  --config.model.hidden=" in result.stdout
 
 
 @pytest.mark.slow
@@ -479,9 +482,37 @@ def test_help_starts_with_usage_and_examples_and_shows_the_training_defaults():
     train = text.index("train (the default mode")
     assert train < text.index("--steps ") < text.index("eval, predict, export")
     for flag, default in (("steps", 400), ("batch_size", 512), ("learning_rate", 0.003)):
-        line = next(line for line in lines if line.startswith(f"  --{flag} "))
-        assert f"(default: {default})" in line, line
+        first = next(k for k, line in enumerate(lines) if line.startswith(f"  --{flag} "))
+        entry = [
+            lines[first],
+            *itertools.takewhile(lambda line: line.startswith(" " * 26), lines[first + 1 :]),
+        ]
+        assert f"(default: {default})" in entry[-1], entry  # whole, never split over lines
     assert max(len(line) for line in lines) <= 100
+
+
+def test_help_fits_the_terminal_and_lists_the_config_as_flags(monkeypatch):
+    """--help was laid out for 100 columns and showed the config only as --config's default,
+    a YAML dump (`!!python/tuple - 256 - 128`). It fits the terminal's width (80 with none)
+    and lists every field as the flag that sets it, with the default config's value."""
+    monkeypatch.delenv("COLUMNS", raising=False)  # no terminal: pytest captures stdout
+    text = cli.help_text()
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 80, [line for line in lines if len(line) > 80]
+    assert "!!python" not in text
+    fields = [line.strip() for line in lines if line.startswith("  --config.")]
+    for field in (
+        "--config.model.hidden='(256, 128)'",
+        "--config.optimizer.learning_rate=0.003",
+        "--config.augment.flip=False",
+        "--config.data_dir=''",
+        "--config.dataset.name=fashion_mnist",
+        """--config.mesh.rules="(('mlp', 'model'), ('embed', None), ('classes', None))\"""",
+    ):
+        assert field in fields, fields
+    assert len(fields) == len(set(fields)) > 40
+    monkeypatch.setenv("COLUMNS", "120")
+    assert 80 < max(map(len, cli.help_text().splitlines())) <= 100
 
 
 def test_demonstrations_asked_for_once_the_codelab_is_deleted_are_none(quick_config, monkeypatch):

@@ -12,6 +12,7 @@ import errno
 import importlib.util
 import os
 import runpy
+import shlex
 import signal
 import sys
 import textwrap
@@ -25,11 +26,12 @@ from ml_collections import config_flags
 from ml_collections.config_flags import config_path as config_fields
 from ml_collections.config_flags import tuple_parser
 
-from . import ensemble, errors, export, inference, library_workarounds, parallel, stopping
+from . import ensemble, errors, export, inference, library_workarounds, parallel, stopping, tables
 from .checkpoint import BEST
 from .errors import UserError, error_line
 
 HELP_FLAGS = {"-h", "--help", "-help", "--helpshort", "--helpfull"}
+NO_BREAK = "\xa0"  # keeps "(default: 512)" on one line of --help
 
 # The parsers of a --config.FIELD's value by the field's type, as ml_collections parses them.
 FIELD_LIST_CHARS = 300  # how much of a group's field names a missing field's line lists
@@ -399,10 +401,15 @@ def help_text(
     examples: Sequence[str],
     sections: dict[str, Sequence[str]],
     defaults: dict[str, Any],
+    config: ml_collections.ConfigDict | None = None,
 ) -> str:
     """A usage line, examples, then each section's flags (those absl defines) with their help
-    and default (`defaults` first, else the flag's), wrapped to 100 columns."""
-    lines = [f"usage: {usage}", "", "Examples:", *(f"  {example}" for example in examples)]
+    and default (`defaults` first, else the flag's), then `config`'s fields as the
+    `--config.FIELD=VALUE` flags that set them, with its values; laid out for the terminal's
+    width (`tables.text_width`: 80 where there is none)."""
+    width = tables.text_width()
+    lines = textwrap.wrap(f"usage: {usage}", width, subsequent_indent=" " * 7)
+    lines += ["", "Examples:", *(f"  {example}" for example in examples)]
     for title, names in sections.items():
         lines += ["", f"{title}:"]
         for name in (name for name in names if name in flags.FLAGS):  # --config: once defined
@@ -410,11 +417,48 @@ def help_text(
             default = defaults.get(name, flag.default)
             if isinstance(default, list):
                 default = ",".join(default)
-            shown = "" if default in (None, "") else f" (default: {default})"
-            text = " ".join(f"{flag.help}{shown}".split())
-            lines += textwrap.wrap(
-                text, 100, initial_indent=f"  --{name:<22}", subsequent_indent=" " * 26
+            shown = "" if default in (None, "") else f" (default:{NO_BREAK}{default})"
+            text = " ".join(flag.help.split()) + shown
+            wrapped = textwrap.wrap(
+                text, width, initial_indent=f"  --{name:<22}", subsequent_indent=" " * 26
             )
-    example = "--config.model.hidden='(512, 128)'"
-    lines += ["", f"Any config field: --config.FIELD=VALUE (e.g. {example})."]
+            lines += [line.replace(NO_BREAK, " ") for line in wrapped]
+    if config is not None:
+        lines += [
+            "",
+            "config fields (--config.FIELD=VALUE), with the values of the default config:",
+        ]
+        for field, value in config_fields_of(config):
+            lines += textwrap.wrap(
+                f"--config.{field}={value}",
+                width,
+                initial_indent="  ",
+                subsequent_indent=" " * 6,
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+    else:
+        example = "--config.model.hidden='(512, 128)'"
+        lines += ["", f"Any config field: --config.FIELD=VALUE (e.g. {example})."]
     return "\n".join(lines)
+
+
+def config_fields_of(
+    config: ml_collections.ConfigDict, prefix: str = ""
+) -> Iterator[tuple[str, str]]:
+    """Each field of `config` (groups opened, in order) and its value as a command line
+    takes it, quoted for a shell where needed: ('model.hidden', "'(256, 128)'")."""
+    for name, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            yield from config_fields_of(value, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", shell_word(value if isinstance(value, str) else repr(value))
+
+
+def shell_word(text: str) -> str:
+    """`text` as one word of a shell command: as it is where that is safe, else in single
+    quotes, or double quotes around one that holds single quotes (a tuple of names)."""
+    quoted = shlex.quote(text)
+    if quoted != text and "'" in text and not any(c in text for c in '"$`\\!'):
+        return f'"{text}"'
+    return quoted
