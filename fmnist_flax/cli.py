@@ -27,7 +27,6 @@ from fmnist_flax.runtime import (
 from fmnist_flax.runtime.command_line import exists, fail
 
 DEFAULT_CONFIG = config_lib.__file__  # its get_config(): the codelab's values
-DEFAULT_CONFIG_NAME = "fmnist_flax/config.py"  # how --help names it
 # Added to a run whose config.demonstrations is True, while present (delete fmnist_flax/codelab/).
 EXTENSIONS = ("fmnist_flax.codelab.demonstrations",)
 BENCHMARK_MODULE = "fmnist_flax.codelab.benchmark"  # --mode=benchmark, offered while it exists
@@ -148,7 +147,6 @@ def help_text() -> str:
     shorthands' from the default config), then the default config's fields as flags."""
     config = config_lib.get_config()
     defaults = {name: config_fields.get_value(field, config) for name, field in SHORTHANDS.items()}
-    defaults["config"] = DEFAULT_CONFIG_NAME
     sections = {
         "train (the default mode; resumes from --workdir's checkpoints)": MODE_FLAGS["train"],
         "eval, predict, export (a trained --workdir)": (*INFERENCE, "images", "data_dir"),
@@ -256,7 +254,6 @@ def define_config_flag() -> None:
 
 def run() -> None:
     """Entry point of `main.py`, `python -m fmnist_flax` and the `fmnist-flax` script."""
-    command_line.guard_output()
     library_workarounds.install()
     define_config_flag()
     try:

@@ -1,34 +1,25 @@
-"""The entry point of `main.py`, `python -m fmnist_flax` and `fmnist-flax`: SIGINT, SIGTERM,
-SIGHUP and SIGQUIT are answered in one line from the first instant this package's code runs,
-while the libraries are still imported.
+"""The entry point of `main.py`, `python -m fmnist_flax` and `fmnist-flax`: the stop signals are
+answered in one line from the first instant, while the libraries are still imported.
 
 Only the standard library is imported before the command line. Until it takes over
 (`errors.stop_raises`), a signal ends the process with `error: SIGTERM while starting ...`
-and the signal's exit status: nothing has been written yet. (A signal before that, while the
-interpreter itself starts, is the interpreter's: see docs/faults.md.)
+and the signal's exit status: nothing has been written yet.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import sys
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # errors.STOP_...
+STARTING = "error: {} while starting: nothing was done; run the same command to start again\n"
 
 
 def _while_starting(signum: int, frame: object) -> None:
-    try:  # stderr may be gone with the terminal (SIGHUP), or closed: the status still tells
-        sys.stderr.write(
-            f"error: {signal.Signals(signum).name} while starting: nothing was done; run the "
-            "same command to start again\n"
-        )
-        sys.stderr.flush()
-    except (OSError, AttributeError):
-        pass
+    with contextlib.suppress(OSError):  # stderr may be gone with the terminal (SIGHUP)
+        os.write(2, STARTING.format(signal.Signals(signum).name).encode())
     os._exit(128 + signum)
-
-
-# runtime.errors.STOP_SIGNALS, whose module imports more than a signal should wait for.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 def main() -> None:

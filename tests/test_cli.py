@@ -41,6 +41,8 @@ def test_main_trains_with_shorthand_flags_and_config_overrides(tmp_path):
     assert summary["config"]["model"]["hidden"] == [64, 32]
     assert summary["steps"] == 12
     assert "Training metrics" in result.stdout and "Device placement" in result.stdout
+    # The set-up says it computes in bfloat16 (the parameter table's dtypes say float32).
+    assert "Compute dtype    bfloat16 (parameters and optimizer state float32)" in result.stdout
     steps = [json.loads(r)["step"] for r in (tmp_path / "w" / "metrics.jsonl").open()]
     assert steps == [1, 5, 10, 12]
     # The same command again: nothing to do, and the finished run is left as it was.
@@ -391,6 +393,15 @@ def test_a_signal_while_starting_is_one_line_with_its_status(signum, after, tmp_
     if " at step " not in lines[0]:  # stopped before training (the usual case): no checkpoint
         checkpoints = tmp_path / "w" / "checkpoints"
         assert not checkpoints.exists() or not any(checkpoints.iterdir())
+
+
+def test_the_packages_notebook_names_show_in_dir():
+    """`dir(fmnist_flax)` (a notebook's tab completion) hid load_model and the rest: they are
+    imported when first used."""
+    import fmnist_flax
+
+    assert set(fmnist_flax.__all__) <= set(dir(fmnist_flax)), dir(fmnist_flax)
+    assert "load_model" in fmnist_flax.__all__ and "__name__" in dir(fmnist_flax)
 
 
 def test_the_launcher_answers_the_signals_the_runtime_stops_on():

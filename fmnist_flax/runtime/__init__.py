@@ -19,7 +19,6 @@ API: dict[str, tuple[str, ...]] = {
         "exists",
         "explain_config_error",
         "fail",
-        "guard_output",
         "help_text",
         "multiprocess",
         "one_line_errors",

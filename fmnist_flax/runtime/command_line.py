@@ -183,7 +183,9 @@ def parse_flags(
 ) -> list[str]:
     """absl's parser, with --help printing `help_text()` and every mistake one line: the
     `config` flag's (`explain_config_error`), a flag value absl refuses (`refused`: absl's
-    message prefix -> the line to say instead), then `check_mode()`'s UserError."""
+    message prefix -> the line to say instead), then `check_mode()`'s UserError. The standard
+    output is guarded first (`guard_output`): a failed write to it is one line too."""
+    guard_output()
     asked = HELP_FLAGS & set(argv[1:])
     if asked:
         text = help_text()
@@ -417,10 +419,16 @@ def help_text(
             default = defaults.get(name, flag.default)
             if isinstance(default, list):
                 default = ",".join(default)
+            if isinstance(default, ml_collections.ConfigDict):  # --config: its file, not YAML
+                default = shown_path(flag.config_filename)
             shown = "" if default in (None, "") else f" (default:{NO_BREAK}{default})"
             text = " ".join(flag.help.split()) + shown
             wrapped = textwrap.wrap(
-                text, width, initial_indent=f"  --{name:<22}", subsequent_indent=" " * 26
+                text,
+                width,
+                initial_indent=f"  --{name:<22}",
+                subsequent_indent=" " * 26,
+                break_on_hyphens=False,  # a path stays whole
             )
             lines += [line.replace(NO_BREAK, " ") for line in wrapped]
     if config is not None:
@@ -441,6 +449,12 @@ def help_text(
         example = "--config.model.hidden='(512, 128)'"
         lines += ["", f"Any config field: --config.FIELD=VALUE (e.g. {example})."]
     return "\n".join(lines)
+
+
+def shown_path(path: str) -> str:
+    """`path` relative to the current directory where it lies below it, else as it is."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
 
 
 def config_fields_of(

@@ -50,6 +50,7 @@ from .checkpoint import (
     Checkpoints,
     StepVanished,
     Unreadable,
+    best_metric,
     checkpoint_dir,
     complete_steps,
     open_reader,
@@ -338,6 +339,7 @@ def run_eval(
     batch is the training batch rounded up to a multiple of the device count."""
     workdir_lib.check_output_path(output)
     mesh = parallel.make_mesh()
+    asked = step
     model, step, config, info = restore_model(
         workdir, step, compute_dtype, mesh, member=member, ema=ema
     )
@@ -374,9 +376,8 @@ def run_eval(
     if not parallel.is_primary():
         return report
     print(
-        tables.evaluation_table(
-            {f"test, checkpoint {step}{' EMA' if ema else ''} ({config.compute_dtype})": metrics}
-        ).format(),
+        source_line(workdir, step, asked, config, info),
+        tables.evaluation_table({"test": metrics}).format(),
         tables.Table.of(
             "Confusion matrix (rows: true class, columns: predicted, by the rows' numbers)",
             ("", *(str(k) for k in range(len(names)))),
@@ -390,6 +391,26 @@ def run_eval(
     if output:
         workdir_lib.write_json(pathlib.Path(output).expanduser(), report)
     return report
+
+
+def source_line(
+    workdir: str | os.PathLike,
+    step: int,
+    asked: int | str | None,
+    config: ml_collections.ConfigDict,
+    info: dict[str, Any],
+) -> str:
+    """The line eval and predict start with, naming what they read: 'checkpoint 400 of
+    runs/w (float32):', with --step=best 'checkpoint 400 (best by test_accuracy) of ...', an
+    ensemble's member and the EMA named too."""
+    said = f"checkpoint {step}"
+    if asked == BEST:
+        said += f" (best by {best_metric(config)})"
+    if "member" in info:
+        said += f", member {info['member']}"
+    if info.get("ema"):
+        said += ", the EMA of its parameters"
+    return f"{said} of {workdir} ({config.compute_dtype}):"
 
 
 COUNT = "examples"  # the key of each batch's count of real examples among an evaluation's sums
@@ -675,7 +696,11 @@ def run_predict(
         raise UserError("--mode=predict needs --images=a.png,b.npy,...")
     workdir_lib.check_output_path(output)
     mesh = parallel.make_mesh()
-    model, _, _, info = restore_model(workdir, step, compute_dtype, mesh, member=member, ema=ema)
+    asked = step
+    model, step, config, info = restore_model(
+        workdir, step, compute_dtype, mesh, member=member, ema=ema
+    )
+    parallel.say(source_line(workdir, step, asked, config, info))
     names = info["class_names"]
     named = []
     failures = []
@@ -722,6 +747,7 @@ def run_predict(
                 )
     if output and parallel.is_primary():
         workdir_lib.write_json(
-            pathlib.Path(output).expanduser(), {"predictions": predictions, "errors": failures}
+            pathlib.Path(output).expanduser(),
+            {"step": step, "predictions": predictions, "errors": failures},
         )
     return predictions, failures

@@ -90,7 +90,7 @@ def show_setup(run: Run) -> None:
     d = run.dataset
     layout = parallel.layout(run.device_data.mesh, run.config.batch_size, run.config.param_sharding)
     versions = {name.capitalize(): v for name, v in workdir_lib.versions().items()}
-    run.show("Set-up", tables.setup_table(versions, layout))
+    run.show("Set-up", tables.setup_table(versions, layout, run.config.compute_dtype))
     if parallel.is_primary() and jax.default_backend() == "cpu":  # a GPU or a TPU is fine
         warning_line(
             f"No GPU found: training on {jax.devices()[0]}; pip install '.[cuda12]' or '.[tpu]'"

@@ -184,14 +184,17 @@ def params_table(model: nnx.Module) -> Table:
     )
 
 
-def setup_table(versions: dict[str, str], layout: str) -> Table:
-    """Section 1: versions, backend, devices and how the run is laid out over them."""
+def setup_table(versions: dict[str, str], layout: str, compute_dtype: str) -> Table:
+    """Section 1: versions, backend, devices, how the run is laid out over them and the dtype
+    it computes in (the parameter table shows the parameters' own)."""
     rows = [(name, version) for name, version in versions.items()]
+    kept = "" if compute_dtype == "float32" else " (parameters and optimizer state float32)"
     rows += [
         ("Default backend", jax.default_backend()),
         ("Devices", device_names(jax.devices())),
         ("Processes", f"{jax.process_count()} (this is process {jax.process_index()})"),
         ("Layout", layout),
+        ("Compute dtype", f"{compute_dtype}{kept}"),
     ]
     return Table.of("Set-up", ("Item", "Value"), rows)
 
@@ -323,13 +326,19 @@ class ProgressBar:
         self.examples_per_step = examples_per_step
         self.started = time.perf_counter()
         self.tested: dict[str, float] = {}  # the newest evaluation's metrics, on a terminal
-        self._drawn = False
+        self._row: tuple[dict[str, float], float | None, float] | None = None  # newest drawn
 
     def tick(self, step: int) -> None:
-        """On a terminal, show that training reached `step` (the newest row's metrics and
-        rate kept): the line moves between rows hundreds of steps apart."""
-        if self.in_place and self._drawn:
-            self.update({**self._last[0], "step": step}, examples_per_sec=self._last[1])
+        """On a terminal, show that training reached `step`, with the newest row's metrics and
+        rate: the line moves between rows hundreds of steps apart. Where that rate is unknown
+        (the first row's call compiled), the steps since that row are timed instead."""
+        if not (self.in_place and self._row):
+            return
+        row, rate, drawn = self._row
+        seconds = time.perf_counter() - drawn
+        if rate is None and step > row["step"] and seconds > 0:
+            rate = (step - row["step"]) * self.examples_per_step / seconds
+        self._write(self._line({**row, "step": step}, rate))
 
     def update(self, *rows: dict[str, float], examples_per_sec: float | None = None) -> None:
         """Show `rows` (on a terminal, the last), in one write; `examples_per_sec`: the rate
@@ -338,13 +347,15 @@ class ProgressBar:
             for row in rows:
                 self.tested = {k: v for k, v in row.items() if k.startswith("test_")} or self.tested
             rows = rows[-1:]
-        self.stream.write("".join(self._line(row, examples_per_sec) for row in rows))
+        self._write("".join(self._line(row, examples_per_sec) for row in rows))
+        self._row = (rows[-1], examples_per_sec, time.perf_counter())
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
         self.stream.flush()
-        self._drawn = True
 
     def _line(self, row: dict[str, float], examples_per_sec: float | None) -> str:
         """The progress line of `row`: in place on a terminal, else a line of its own."""
-        self._last = (row, examples_per_sec)
         if self.in_place:
             row = {**row, **self.tested}
         step = row["step"]
@@ -363,7 +374,7 @@ class ProgressBar:
         return f"\r{_fitted(bar, fields, self.FIRST)}\x1b[K"
 
     def close(self) -> None:
-        if self.in_place and self._drawn:
+        if self.in_place and self._row:
             self.stream.write("\n")
             self.stream.flush()
 

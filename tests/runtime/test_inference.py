@@ -23,7 +23,7 @@ from PIL import Image
 
 from fmnist_flax import CLASS_NAMES, datasets, load_model, predict, train
 from fmnist_flax.model import MLP
-from fmnist_flax.runtime import inference, records, tables
+from fmnist_flax.runtime import checkpoint, inference, records, tables
 from fmnist_flax.runtime import workdir as workdir_lib
 from fmnist_flax.runtime.errors import UserError
 from fmnist_flax.runtime.inference import PIXEL_SCALE
@@ -215,6 +215,29 @@ def test_predict_mode_classifies_readable_images_and_names_the_rest(
         assert p["class"] == CLASS_NAMES[p["class_index"]]
         assert 0.0 < p["probability"] <= 1.0
         assert f"{p['class']} (" in result.stdout
+
+
+@pytest.mark.slow
+def test_eval_and_predict_say_which_checkpoint_they_read(quick_config, tmp_path, capsys):
+    """predict did not say which checkpoint it classified with, and eval showed --step=best
+    as "checkpoint 40", which reads as the newest. Both now name it, and why it was picked."""
+    quick_config.steps, quick_config.eval_every, quick_config.keep_best = 60, 20, True
+    quick_config.checkpoint_every, quick_config.max_to_keep = 20, 1
+    workdir = tmp_path / "w"
+    train.train_and_evaluate(quick_config, workdir)
+    reader = checkpoint.open_reader(workdir)
+    best = reader.best_steps()[0]
+    reader.close()
+    capsys.readouterr()
+    shoe = str(REPO / "examples" / "shoe.png")
+    inference.run_predict(workdir, [shoe], step="best")
+    said = f"checkpoint {best} (best by test_accuracy) of {workdir} (float32):"
+    assert capsys.readouterr().out.splitlines()[0] == said
+    inference.run_predict(workdir, [shoe], output=str(tmp_path / "p.json"))
+    assert capsys.readouterr().out.splitlines()[0] == f"checkpoint 60 of {workdir} (float32):"
+    assert json.loads((tmp_path / "p.json").read_text())["step"] == 60
+    inference.run_eval(workdir, step="best")
+    assert capsys.readouterr().out.splitlines()[0] == said
 
 
 def marking_module(directory: pathlib.Path, name: str, ran: pathlib.Path) -> pathlib.Path:

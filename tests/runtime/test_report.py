@@ -195,6 +195,34 @@ def test_progress_on_a_terminal_moves_between_rows_and_a_log_file_gets_rows_only
             assert drawn.count("\n") == 1 and "100/400" in drawn
 
 
+def test_progress_shows_a_rate_and_eta_before_the_second_row(monkeypatch):
+    """The CNN's rows are 468 steps apart and the first one's rate is unknown (its call
+    compiled): minutes of training showed no rate or ETA. Between rows whose rate is unknown
+    the line now times the steps since that row itself."""
+    import io
+    import time
+
+    from fmnist_flax.runtime.tables import ProgressBar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setenv("COLUMNS", "200")
+    bar = ProgressBar(4680, Terminal(), examples_per_step=128)
+    bar.update({"step": 1, "loss": 2.3, "accuracy": 0.1, "grad_norm": 1.0})
+    began = time.perf_counter()
+    time.sleep(0.2)
+    bar.tick(41)  # 40 steps of 128 in about 0.2 s: about 25k examples/s
+    seconds = time.perf_counter() - began
+    bar.close()
+    lines = [line.replace("\x1b[K", "") for line in bar.stream.getvalue().split("\r")[1:]]
+    assert "ex/s" not in lines[0] and "eta" not in lines[0], lines  # the compiling call's
+    rate = float(re.search(r"([\d.]+)k ex/s", lines[1]).group(1)) * 1000
+    assert 40 * 128 / seconds * 0.8 < rate <= 40 * 128 / 0.2 * 1.01, (rate, lines[1])
+    assert "eta " in lines[1] and "41/4680" in lines[1] and "loss 2.3000" in lines[1]
+
+
 def test_the_report_names_its_run_and_right_aligns_numbers(tmp_path):
     """Every run's report had the same title and nothing said which run it was from."""
     from fmnist_flax.runtime.tables import Table
@@ -229,7 +257,7 @@ def test_the_runs_tables_fit_80_columns_with_every_word_whole(real_dataset, monk
     model = MLP(rngs=nnx.Rngs(0))
     metrics = {"loss": 0.5216, "accuracy": 0.8185, "examples": 10_000}
     built = [
-        tables.setup_table(versions, parallel.layout(mesh, 512, "replicated")),
+        tables.setup_table(versions, parallel.layout(mesh, 512, "replicated"), "bfloat16"),
         tables.splits_table(real_dataset),
         tables.params_table(model),
         tables.arrays_table("Data arrays on the device", {"train_labels": jax.numpy.zeros(3)}),
@@ -250,6 +278,8 @@ def test_the_runs_tables_fit_80_columns_with_every_word_whole(real_dataset, monk
             lines = table.format().splitlines()
             assert max(map(len, lines)) <= 80, table.format()
             assert words_whole(table, lines) == [], table.format()
+    computes = [row for row in built[0].rows if row[0] == "Compute dtype"]
+    assert computes == [("Compute dtype", "bfloat16 (parameters and optimizer state float32)")]
     monkeypatch.setenv("COLUMNS", "200")  # a wide terminal: tables as wide as MAX_WIDTH
     assert tables.text_width() == tables.MAX_WIDTH
 
