@@ -14,3 +14,8 @@ def __getattr__(name: str) -> object:
     if name in __all__:
         return getattr(importlib.import_module("fmnist_flax.api"), name)
     raise AttributeError(f"module 'fmnist_flax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names with the notebook API's, which `__getattr__` imports when used."""
+    return sorted({*globals(), *__all__})

@@ -125,7 +125,7 @@ MODE_FLAGS = {
     "benchmark": (*SHORTHANDS, "output", *(f for f in FLAGS if f.startswith("bench_"))),
 }
 CONFIG_MODES = ("train", "prepare", "benchmark")
-USAGE = "python main.py [--mode=MODE] [--FLAG=VALUE ...] [--config.FIELD=VALUE ...]"
+USAGE = "python main.py [--mode=MODE] [--FLAG=VALUE]... [--config.FIELD=VALUE]..."
 EXAMPLES = (
     "python main.py --steps=400 --compute_dtype=bfloat16",
     "python main.py --config=configs/mlp_best.py --workdir=runs/best",
@@ -144,8 +144,8 @@ def check_mode_flags(argv: Sequence[str], mode: str) -> None:
 
 
 def help_text() -> str:
-    """--help: a usage line, examples, then each mode's flags with their defaults (the
-    training shorthands' from the default config)."""
+    """--help: a usage line, examples, each mode's flags with their defaults (the training
+    shorthands' from the default config), then the default config's fields as flags."""
     config = config_lib.get_config()
     defaults = {name: config_fields.get_value(field, config) for name, field in SHORTHANDS.items()}
     sections = {
@@ -159,7 +159,7 @@ def help_text() -> str:
         ),
         "every mode": EVERY_MODE,
     }
-    return command_line.help_text(USAGE, EXAMPLES, sections, defaults)
+    return command_line.help_text(USAGE, EXAMPLES, sections, defaults, config)
 
 
 def parse_flags(argv: Sequence[str]) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import itertools
 import json
 import os
 import signal
@@ -17,7 +19,7 @@ from conftest import REPO, assert_one_line_error, run_main
 from flax import nnx
 from ml_collections import config_flags
 
-from fmnist_flax import cli, experiment
+from fmnist_flax import cli, experiment, launch
 from fmnist_flax.runtime import command_line, ensemble, errors
 from fmnist_flax.runtime.errors import UserError
 
@@ -39,6 +41,8 @@ def test_main_trains_with_shorthand_flags_and_config_overrides(tmp_path):
     assert summary["config"]["model"]["hidden"] == [64, 32]
     assert summary["steps"] == 12
     assert "Training metrics" in result.stdout and "Device placement" in result.stdout
+    # The set-up says it computes in bfloat16 (the parameter table's dtypes say float32).
+    assert "Compute dtype    bfloat16 (parameters and optimizer state float32)" in result.stdout
     steps = [json.loads(r)["step"] for r in (tmp_path / "w" / "metrics.jsonl").open()]
     assert steps == [1, 5, 10, 12]
     # The same command again: nothing to do, and the finished run is left as it was.
@@ -214,7 +218,7 @@ def test_output_closed_by_its_reader_stops_with_one_line_not_a_traceback(tmp_pat
     assert process.stdout.readline().startswith("workdir: ")
     process.stdout.close()  # what `head -1` does after its line
     stderr = process.stderr.read()
-    assert process.wait(timeout=300) == command_line.PIPE_CLOSED_STATUS
+    assert process.wait(timeout=300) == errors.PIPE_CLOSED_STATUS
     assert "Traceback" not in stderr
     assert stderr.splitlines()[-1].startswith("error: the output was closed by the command")
 
@@ -225,6 +229,8 @@ def test_help_lists_the_projects_flags_and_exits_zero():
     assert result.returncode == 0, result.stderr
     for flag in ("--steps", "--compute_dtype", "--workdir", "--mode", "--config.FIELD"):
         assert flag in result.stdout, flag
+    assert "(default: fmnist_flax/config.py)" in result.stdout  # not the config as YAML
+    assert "!!python" not in result.stdout and "  --config.model.hidden=" in result.stdout
 
 
 @pytest.mark.slow
@@ -377,12 +383,12 @@ def test_debug_prints_the_full_traceback_above_the_one_line(how, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", errors.STOP_SIGNALS)
 @pytest.mark.parametrize("after", [0.3, 0.8, 1.5])  # after the interpreter starts
 def test_a_signal_while_starting_is_one_line_with_its_status(signum, after, tmp_path):
-    """Ctrl-C or SIGTERM while the libraries are imported, the config read or the data
-    loaded: one `error:` line and the signal's exit status, never a traceback or a silent
-    143; nothing is written."""
+    """Ctrl-C, SIGTERM, SIGHUP or SIGQUIT while the libraries are imported, the config read or
+    the data loaded: one `error:` line and the signal's exit status, never a traceback, a
+    silent 143 or a core dump; nothing is written."""
     process = subprocess.Popen(
         [sys.executable, str(REPO / "main.py"), f"--workdir={tmp_path / 'w'}", "--report=none"],
         cwd=REPO,
@@ -400,6 +406,45 @@ def test_a_signal_while_starting_is_one_line_with_its_status(signum, after, tmp_
     if " at step " not in lines[0]:  # stopped before training (the usual case): no checkpoint
         checkpoints = tmp_path / "w" / "checkpoints"
         assert not checkpoints.exists() or not any(checkpoints.iterdir())
+
+
+def test_the_packages_notebook_names_show_in_dir():
+    """`dir(fmnist_flax)` (a notebook's tab completion) hid load_model and the rest: they are
+    imported when first used."""
+    import fmnist_flax
+
+    assert set(fmnist_flax.__all__) <= set(dir(fmnist_flax)), dir(fmnist_flax)
+    assert "load_model" in fmnist_flax.__all__ and "__name__" in dir(fmnist_flax)
+
+
+def test_the_launcher_answers_the_signals_the_runtime_stops_on():
+    """launch.py answers signals before the runtime is imported, so it keeps its own tuple."""
+    assert launch.STOP_SIGNALS == errors.STOP_SIGNALS
+
+
+def test_a_failed_write_to_the_output_is_said_once_naming_its_cause():
+    """A write to /dev/full, or to a pipe whose reader left, raised OSError wherever it was
+    printed. The guarded output says it once, as one `OutputFailed` line with the exit
+    status a user expects (a pipe writer's 141), or tells a listener (training, which saves
+    first); later writes go to /dev/null."""
+    with open("/dev/full", "w") as full:
+        guarded = errors.GuardedOutput(full)
+        with pytest.raises(errors.OutputFailed) as exc:
+            print("x" * 10_000, file=guarded, flush=True)
+        assert str(exc.value).startswith("the output could not be written (No space left on ")
+        assert exc.value.exit_code == 1 and "\n" not in str(exc.value)
+        print("more", file=guarded, flush=True)  # into /dev/null now
+    reader, writer = os.pipe()
+    os.close(reader)
+    with os.fdopen(writer, "w") as pipe:
+        heard: list[OSError] = []
+        guarded = errors.GuardedOutput(pipe)
+        guarded.listener = heard.append
+        print("row", file=guarded, flush=True)
+        assert [error.errno for error in heard] == [errno.EPIPE]
+        said = errors.OutputFailed(heard[0])
+        assert said.exit_code == errors.PIPE_CLOSED_STATUS == 141
+        assert str(said).startswith("the output was closed by the command reading it")
 
 
 @pytest.mark.parametrize(
@@ -461,9 +506,37 @@ def test_help_starts_with_usage_and_examples_and_shows_the_training_defaults():
     train = text.index("train (the default mode")
     assert train < text.index("--steps ") < text.index("eval, predict, export")
     for flag, default in (("steps", 400), ("batch_size", 512), ("learning_rate", 0.003)):
-        line = next(line for line in lines if line.startswith(f"  --{flag} "))
-        assert f"(default: {default})" in line, line
+        first = next(k for k, line in enumerate(lines) if line.startswith(f"  --{flag} "))
+        entry = [
+            lines[first],
+            *itertools.takewhile(lambda line: line.startswith(" " * 26), lines[first + 1 :]),
+        ]
+        assert f"(default: {default})" in entry[-1], entry  # whole, never split over lines
     assert max(len(line) for line in lines) <= 100
+
+
+def test_help_fits_the_terminal_and_lists_the_config_as_flags(monkeypatch):
+    """--help was laid out for 100 columns and showed the config only as --config's default,
+    a YAML dump (`!!python/tuple - 256 - 128`). It fits the terminal's width (80 with none)
+    and lists every field as the flag that sets it, with the default config's value."""
+    monkeypatch.delenv("COLUMNS", raising=False)  # no terminal: pytest captures stdout
+    text = cli.help_text()
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 80, [line for line in lines if len(line) > 80]
+    assert "!!python" not in text
+    fields = [line.strip() for line in lines if line.startswith("  --config.")]
+    for field in (
+        "--config.model.hidden='(256, 128)'",
+        "--config.optimizer.learning_rate=0.003",
+        "--config.augment.flip=False",
+        "--config.data_dir=''",
+        "--config.dataset.name=fashion_mnist",
+        """--config.mesh.rules="(('mlp', 'model'), ('embed', None), ('classes', None))\"""",
+    ):
+        assert field in fields, fields
+    assert len(fields) == len(set(fields)) > 40
+    monkeypatch.setenv("COLUMNS", "120")
+    assert 80 < max(map(len, cli.help_text().splitlines())) <= 100
 
 
 def test_demonstrations_asked_for_once_the_codelab_is_deleted_are_none(quick_config, monkeypatch):

@@ -82,6 +82,8 @@ API: dict[str, tuple[str, ...]] = {
     ),
     "errors": (
         "DEBUG_VARIABLE",
+        "OutputFailed",
+        "STOP_SIGNALS",
         "Stopped",
         "UserError",
         "error_line",

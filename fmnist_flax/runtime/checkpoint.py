@@ -44,7 +44,7 @@ from .errors import UserError
 from .tables import path_name
 
 CHECKPOINT_DIR = "checkpoints"
-DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never deleted
+DAMAGED_DIR = workdir_lib.DAMAGED_DIR  # damaged steps are moved here, never deleted
 ROTATED_DIR = "rotated_away"  # in checkpoints/: rotation moves a step here, then removes it
 STEP_MARKER = "_CHECKPOINT_METADATA"  # what Orbax writes in every step it finalises
 STEP_FILES = (STEP_MARKER, "commit_success.txt")  # a step's own files besides its items

@@ -12,6 +12,7 @@ import errno
 import importlib.util
 import os
 import runpy
+import shlex
 import signal
 import sys
 import textwrap
@@ -25,12 +26,12 @@ from ml_collections import config_flags
 from ml_collections.config_flags import config_path as config_fields
 from ml_collections.config_flags import tuple_parser
 
-from . import ensemble, errors, export, inference, library_workarounds, parallel, stopping
+from . import ensemble, errors, export, inference, library_workarounds, parallel, stopping, tables
 from .checkpoint import BEST
 from .errors import UserError, error_line
 
-PIPE_CLOSED_STATUS = 128 + 13  # what a shell reports for a writer stopped by SIGPIPE
 HELP_FLAGS = {"-h", "--help", "-help", "--helpshort", "--helpfull"}
+NO_BREAK = "\xa0"  # keeps "(default: 512)" on one line of --help
 
 # The parsers of a --config.FIELD's value by the field's type, as ml_collections parses them.
 FIELD_LIST_CHARS = 300  # how much of a group's field names a missing field's line lists
@@ -182,7 +183,9 @@ def parse_flags(
 ) -> list[str]:
     """absl's parser, with --help printing `help_text()` and every mistake one line: the
     `config` flag's (`explain_config_error`), a flag value absl refuses (`refused`: absl's
-    message prefix -> the line to say instead), then `check_mode()`'s UserError."""
+    message prefix -> the line to say instead), then `check_mode()`'s UserError. The standard
+    output is guarded first (`guard_output`): a failed write to it is one line too."""
+    guard_output()
     asked = HELP_FLAGS & set(argv[1:])
     if asked:
         text = help_text()
@@ -190,8 +193,9 @@ def parse_flags(
             text += f"\n\nEvery flag, absl's included:\n{flags.FLAGS.get_help()}"
         try:
             print(text, flush=True)
-        except BrokenPipeError:  # `--help | head`: the reader has what it wanted
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except errors.OutputFailed as exc:  # `--help | head`: the reader has what it wanted
+            if exc.exit_code != errors.PIPE_CLOSED_STATUS:
+                fail(str(exc), exc.exit_code)
         sys.exit(0)
     try:
         remaining = flags.FLAGS(argv)
@@ -228,29 +232,32 @@ def define_config_flag(default_config: str) -> flags.FlagHolder:
         fail(explain_config_error(sys.argv, exc, default_config), 2)
 
 
+def guard_output() -> None:
+    """Put `errors.GuardedOutput` around the standard output, before anything is printed: a
+    failed write is then one line naming its cause (`one_line_errors`; in training, after
+    saving the step reached). One closed from the start (`>&-`) is one line now."""
+    try:
+        errors.guard_output()
+    except errors.OutputFailed as exc:
+        fail(str(exc), exc.exit_code)
+
+
 @contextlib.contextmanager
 def one_line_errors() -> Iterator[None]:
-    """Every way a mode can stop, said in one line with its exit status: a UserError, a signal
-    (SIGINT, or SIGTERM as `errors.Stopped`), the reader of the output leaving (`| head`), a
-    path name too long."""
+    """Every way a mode can stop, said in one line with its exit status: a UserError (a failed
+    write to the standard output, `errors.OutputFailed`, among them), a signal (SIGINT, or
+    another of `errors.STOP_SIGNALS` as `errors.Stopped`), a path name too long."""
     try:
         yield
     except UserError as exc:
         fail(str(exc), getattr(exc, "exit_code", 1), together=isinstance(exc, stopping.Interrupted))
-    except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM (`errors.Stopped`), outside training
+    except KeyboardInterrupt as exc:  # a stop signal (`errors.Stopped`) outside training
         signum = getattr(exc, "signum", signal.SIGINT)
         fail(
             f"{signal.Signals(signum).name}: stopped; checkpoints saved so far are kept",
             128 + signum,
         )
-    except BrokenPipeError:  # `main.py | head`: the reader left; stop as a pipe's writer does
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to say
-        fail(
-            "the output was closed by the command reading it (`| head`?); stopped, checkpoints "
-            "saved so far are kept; resume with the same command and --workdir",
-            PIPE_CLOSED_STATUS,
-        )
-    except OSError as exc:  # below BrokenPipeError, one of its kinds: a path flag's name too long
+    except OSError as exc:  # a path flag's name too long
         if exc.errno != errno.ENAMETOOLONG:
             raise
         fail(f"{exc.filename}: a name in it is longer than the filesystem allows; shorten it", 2)
@@ -396,10 +403,15 @@ def help_text(
     examples: Sequence[str],
     sections: dict[str, Sequence[str]],
     defaults: dict[str, Any],
+    config: ml_collections.ConfigDict | None = None,
 ) -> str:
     """A usage line, examples, then each section's flags (those absl defines) with their help
-    and default (`defaults` first, else the flag's), wrapped to 100 columns."""
-    lines = [f"usage: {usage}", "", "Examples:", *(f"  {example}" for example in examples)]
+    and default (`defaults` first, else the flag's), then `config`'s fields as the
+    `--config.FIELD=VALUE` flags that set them, with its values; laid out for the terminal's
+    width (`tables.text_width`: 80 where there is none)."""
+    width = tables.text_width()
+    lines = textwrap.wrap(f"usage: {usage}", width, subsequent_indent=" " * 7)
+    lines += ["", "Examples:", *(f"  {example}" for example in examples)]
     for title, names in sections.items():
         lines += ["", f"{title}:"]
         for name in (name for name in names if name in flags.FLAGS):  # --config: once defined
@@ -407,11 +419,60 @@ def help_text(
             default = defaults.get(name, flag.default)
             if isinstance(default, list):
                 default = ",".join(default)
-            shown = "" if default in (None, "") else f" (default: {default})"
-            text = " ".join(f"{flag.help}{shown}".split())
-            lines += textwrap.wrap(
-                text, 100, initial_indent=f"  --{name:<22}", subsequent_indent=" " * 26
+            if isinstance(default, ml_collections.ConfigDict):  # --config: its file, not YAML
+                default = shown_path(flag.config_filename)
+            shown = "" if default in (None, "") else f" (default:{NO_BREAK}{default})"
+            text = " ".join(flag.help.split()) + shown
+            wrapped = textwrap.wrap(
+                text,
+                width,
+                initial_indent=f"  --{name:<22}",
+                subsequent_indent=" " * 26,
+                break_on_hyphens=False,  # a path stays whole
             )
-    example = "--config.model.hidden='(512, 128)'"
-    lines += ["", f"Any config field: --config.FIELD=VALUE (e.g. {example})."]
+            lines += [line.replace(NO_BREAK, " ") for line in wrapped]
+    if config is not None:
+        lines += [
+            "",
+            "config fields (--config.FIELD=VALUE), with the values of the default config:",
+        ]
+        for field, value in config_fields_of(config):
+            lines += textwrap.wrap(
+                f"--config.{field}={value}",
+                width,
+                initial_indent="  ",
+                subsequent_indent=" " * 6,
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+    else:
+        example = "--config.model.hidden='(512, 128)'"
+        lines += ["", f"Any config field: --config.FIELD=VALUE (e.g. {example})."]
     return "\n".join(lines)
+
+
+def shown_path(path: str) -> str:
+    """`path` relative to the current directory where it lies below it, else as it is."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def config_fields_of(
+    config: ml_collections.ConfigDict, prefix: str = ""
+) -> Iterator[tuple[str, str]]:
+    """Each field of `config` (groups opened, in order) and its value as a command line
+    takes it, quoted for a shell where needed: ('model.hidden', "'(256, 128)'")."""
+    for name, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            yield from config_fields_of(value, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", shell_word(value if isinstance(value, str) else repr(value))
+
+
+def shell_word(text: str) -> str:
+    """`text` as one word of a shell command: as it is where that is safe, else in single
+    quotes, or double quotes around one that holds single quotes (a tuple of names)."""
+    quoted = shlex.quote(text)
+    if quoted != text and "'" in text and not any(c in text for c in '"$`\\!'):
+        return f'"{text}"'
+    return quoted

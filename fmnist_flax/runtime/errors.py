@@ -5,6 +5,7 @@ FMNIST_FLAX_DEBUG=1 (or main.py's --debug) adds the full traceback above every e
 FMNIST_FLAX_DEBUG=0 or false leaves it out.
 """
 
+import contextlib
 import errno
 import os
 import pathlib
@@ -12,7 +13,11 @@ import re
 import signal
 import stat
 import sys
+import threading
 import traceback
+import typing
+from collections.abc import Callable, Iterator
+from typing import Any
 
 DEBUG_VARIABLE = "FMNIST_FLAX_DEBUG"
 FALSE_WORDS = ("", "0", "false", "f", "no", "n", "off")  # what turns the variable off
@@ -34,22 +39,140 @@ class UserError(Exception):
     """Bad input (flags, files, directories): the message says what is wrong and how to fix it."""
 
 
-class Stopped(KeyboardInterrupt):
-    """SIGTERM outside training, once `stop_raises` is set: handled wherever Ctrl-C is, with
-    its own exit status."""
+# The signals that stop a run with one line, after saving the step training reached: Ctrl-C,
+# `kill`, the terminal closing (SIGHUP) and Ctrl-\ (SIGQUIT, which would dump core).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+PIPE_CLOSED_STATUS = 128 + signal.SIGPIPE  # what a shell reports for a writer stopped by SIGPIPE
 
-    signum = signal.SIGTERM
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, SIGHUP or SIGQUIT outside training, once `stop_raises` is set: handled
+    wherever Ctrl-C is, with its own exit status."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__()
+        self.signum = signum
 
 
 def _raise_stopped(signum: int, frame: object) -> None:
-    raise Stopped()
+    raise Stopped(signum)
 
 
 def stop_raises() -> None:
-    """From here on SIGINT raises KeyboardInterrupt and SIGTERM `Stopped` (its subclass);
-    training catches both itself, to save first."""
+    """From here on SIGINT raises KeyboardInterrupt and the other STOP_SIGNALS `Stopped` (its
+    subclass); training catches them all itself, to save first."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _raise_stopped)
+    for signum in STOP_SIGNALS[1:]:
+        signal.signal(signum, _raise_stopped)
+
+
+class OutputFailed(UserError):
+    """A write to the standard output failed (`GuardedOutput`): one line naming the cause,
+    with a closed pipe's exit status for a reader that left, else 1."""
+
+    def __init__(self, cause: OSError, done: str = "stopped; checkpoints saved so far are kept"):
+        super().__init__(f"{output_problem(cause)}; {done}")
+        self.exit_code = output_status(cause)
+
+
+def output_problem(cause: OSError) -> str:
+    """What went wrong with the standard output, by its cause, in words a user acts on."""
+    said = f"{cause.strerror or cause}"
+    if cause.errno == errno.EPIPE:
+        return "the output was closed by the command reading it (`| head`?)"
+    if cause.errno == errno.EBADF:
+        return f"the standard output is closed ({said}: started with `>&-`?)"
+    if cause.errno == errno.EFBIG:
+        return f"the output could not be written ({said}: the file size limit, `ulimit -f`)"
+    if cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the output could not be written ({said}: a full disk or quota, or /dev/full)"
+    if cause.errno == errno.EIO:
+        return f"the output could not be written ({said}: its terminal was closed?)"
+    return f"the output could not be written ({said})"
+
+
+def output_status(cause: OSError) -> int:
+    """The exit status of a run whose output failed: a pipe's writer's for a reader that
+    left, else 1."""
+    return PIPE_CLOSED_STATUS if cause.errno == errno.EPIPE else 1
+
+
+class GuardedOutput:
+    """The standard output, whose first failed write (a full disk, /dev/full, `ulimit -f`, a
+    reader that left) is said once: from then on the stream writes into /dev/null, and
+    `listener` hears of the failure (training then saves the step it reached and stops);
+    with no listener, that write raises `OutputFailed`."""
+
+    def __init__(self, stream: typing.TextIO):
+        self.stream = stream
+        self.failure: OSError | None = None
+        self.listener: Callable[[OSError], None] | None = None
+        self._lock = threading.Lock()  # the loop and the metrics writer's thread both print
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError as exc:
+            self._failed(exc)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: OSError) -> None:
+        """Send the stream, and what its buffer holds, to /dev/null; tell the listener, or
+        raise `OutputFailed`, the first time."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = exc
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())
+            os.close(null)
+            with contextlib.suppress(OSError):
+                self.stream.flush()
+        if self.listener is not None:
+            self.listener(exc)
+        else:
+            raise OutputFailed(exc) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def guard_output() -> GuardedOutput:
+    """Put `GuardedOutput` around sys.stdout (once). A standard output closed from the start
+    (`>&-`) is refused in one line: nothing could be said, and the first file opened would
+    take its place, receiving what is printed."""
+    if isinstance(sys.stdout, GuardedOutput):
+        return sys.stdout
+    if sys.stdout is None:
+        raise OutputFailed(
+            OSError(errno.EBADF, os.strerror(errno.EBADF)),
+            "give it a file or /dev/null (`> run.log`, `> /dev/null`); nothing was done",
+        )
+    sys.stdout = GuardedOutput(sys.stdout)
+    return sys.stdout
+
+
+@contextlib.contextmanager
+def output_listener(listener: Callable[[OSError], None]) -> Iterator[None]:
+    """While inside, a failed write to the guarded standard output calls `listener` with its
+    cause instead of raising (at once if it failed before); elsewhere, or unguarded, nothing."""
+    guard = sys.stdout if isinstance(sys.stdout, GuardedOutput) else None
+    if guard is None:
+        yield
+        return
+    previous, guard.listener = guard.listener, listener
+    if guard.failure is not None:
+        listener(guard.failure)
+    try:
+        yield
+    finally:
+        guard.listener = previous
 
 
 class FileRefused(UserError):
@@ -153,13 +276,22 @@ _KINDS = (
 
 def error_line(message: str) -> None:
     """How every user-facing error reaches the terminal: one line on stderr (a line break
-    inside a library's message joins the line)."""
-    print(f"error: {_LINE_BREAK.sub(' ', message.strip())}", file=sys.stderr, flush=True)
+    inside a library's message joins the line); nothing where stderr cannot be written."""
+    _say_on_stderr(f"error: {_LINE_BREAK.sub(' ', message.strip())}")
 
 
 def warning_line(message: str) -> None:
     """An output the run goes on without (TensorBoard, the report): one line on stderr."""
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    _say_on_stderr(f"warning: {message}")
+
+
+def _say_on_stderr(line: str) -> None:
+    """`line` on stderr, unless it cannot be written (closed, a terminal hung up, full): then
+    there is nowhere to say it, and the exit status tells."""
+    if sys.stderr is None:  # closed from the start (`2>&-`): print would use stdout
+        return
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
 
 
 def debugging() -> bool:

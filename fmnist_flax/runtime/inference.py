@@ -16,7 +16,8 @@ What --mode=predict (`read_images`) and the Python `predict(model, images)` acce
   converted to the model's channels, each with a note: colour to grayscale for C = 1,
   grayscale to RGB for C = 3 (RGBA for C = 4), alpha dropped, palettes expanded. 8-bit
   pixels are 0..255, 16-bit grayscale is scaled by 1/65535, float (mode F) images follow the
-  float rule; another size is resized to (H, W), with a note.
+  float rule; another size is resized to (H, W), with a note. An animated or multi-page
+  picture is read from its first frame, with a note.
 
 A file that breaks the rule gets one error line naming it and the others are still classified.
 """
@@ -40,7 +41,7 @@ from flax import nnx
 from PIL import Image
 
 from . import ema as ema_lib
-from . import ensemble, errors, parallel, plugins, restore, tables
+from . import ensemble, errors, memory, parallel, plugins, restore, tables
 from . import workdir as workdir_lib
 from .checkpoint import (
     BEST,
@@ -50,6 +51,7 @@ from .checkpoint import (
     Checkpoints,
     StepVanished,
     Unreadable,
+    best_metric,
     checkpoint_dir,
     complete_steps,
     open_reader,
@@ -57,6 +59,9 @@ from .checkpoint import (
 from .errors import UserError
 
 MAX_IMAGE_SIDE = 4096  # larger image files are refused before they are decoded
+# The copies of the images as float32 that predict holds at once at most: as read and scaled,
+# stacked, as the model's input and on the device (a CPU's is the host's memory).
+PREDICT_COPIES = 4
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # grayscale, scaled by 1/65535
 PICTURE_MODES = {1: "L", 3: "RGB", 4: "RGBA"}  # the Pillow mode of each channel count
 GREY_MODES = ("L", "F", *SIXTEEN_BIT_MODES)  # read as they are, the channel copied for colour
@@ -359,6 +364,7 @@ def run_eval(
     batch is the training batch rounded up to a multiple of the device count."""
     workdir_lib.check_output_path(output)
     mesh = parallel.make_mesh()
+    asked = step
     model, step, config, info = restore_model(
         workdir, step, compute_dtype, mesh, member=member, ema=ema
     )
@@ -395,9 +401,8 @@ def run_eval(
     if not parallel.is_primary():
         return report
     print(
-        tables.evaluation_table(
-            {f"test, checkpoint {step}{' EMA' if ema else ''} ({config.compute_dtype})": metrics}
-        ).format(),
+        source_line(workdir, step, asked, config, info),
+        tables.evaluation_table({"test": metrics}).format(),
         tables.Table.of(
             "Confusion matrix (rows: true class, columns: predicted, by the rows' numbers)",
             ("", *(str(k) for k in range(len(names)))),
@@ -411,6 +416,26 @@ def run_eval(
     if output:
         workdir_lib.write_json(pathlib.Path(output).expanduser(), report)
     return report
+
+
+def source_line(
+    workdir: str | os.PathLike,
+    step: int,
+    asked: int | str | None,
+    config: ml_collections.ConfigDict,
+    info: dict[str, Any],
+) -> str:
+    """The line eval and predict start with, naming what they read: 'checkpoint 400 of
+    runs/w (float32):', with --step=best 'checkpoint 400 (best by test_accuracy) of ...', an
+    ensemble's member and the EMA named too."""
+    said = f"checkpoint {step}"
+    if asked == BEST:
+        said += f" (best by {best_metric(config)})"
+    if "member" in info:
+        said += f", member {info['member']}"
+    if info.get("ema"):
+        said += ", the EMA of its parameters"
+    return f"{said} of {workdir} ({config.compute_dtype}):"
 
 
 COUNT = "examples"  # the key of each batch's count of real examples among an evaluation's sums
@@ -547,17 +572,20 @@ def predict(
 
 
 def read_images(
-    path: pathlib.Path, image_shape: tuple[int, int, int] = (28, 28, 1)
+    path: pathlib.Path, image_shape: tuple[int, int, int] = (28, 28, 1), held: int = 0
 ) -> tuple[list[tuple[str, np.ndarray]], list[str]]:
     """(name, (H, W, C) float32 in [0, 1]) for each image in a picture or a .npy file, and
     notes. The module docstring's rule decides what is accepted; anything else raises a
-    one-line UserError that names the file."""
+    one-line UserError that names the file. `held`: the bytes of the images read before, which
+    a .npy's images must fit in the host's memory beside (`predict_bytes`)."""
     name = str(path)
     shape = tuple(int(side) for side in image_shape)
     if path.exists() and not path.is_file():  # reading a FIFO or a device could wait for ever
         raise UserError(f"{name}: not a regular file (a directory, a FIFO or a device)")
     if path.suffix.lower() == ".npy":
-        images = model_input(_load_npy(path, name), shape, name)
+        array = _load_npy(path, name)
+        _check_fits(array, name, held)
+        images = model_input(array, shape, name)
         names = [name] if len(images) == 1 else [f"{name}[{i}]" for i in range(len(images))]
         return list(zip(names, images, strict=True)), []
     notes: list[str] = []
@@ -572,6 +600,28 @@ def read_images(
         ]
         x = np.stack(channels, axis=-1).astype(np.float32).clip(0, 1)  # bilinear overshoots
     return [(name, x)], notes
+
+
+def predict_bytes(pixels: int) -> int:
+    """What classifying `pixels` pixels holds in the host's memory at most: PREDICT_COPIES
+    copies of them as float32."""
+    return PREDICT_COPIES * pixels * np.dtype(np.float32).itemsize
+
+
+def _check_fits(array: np.ndarray, name: str, held: int) -> None:
+    """Refuse, in one line naming the file, a (mapped, unread) array whose images cannot be
+    classified in the host's memory besides `held` bytes: a MemoryError would come later."""
+    needed = predict_bytes(array.size)
+    host = memory.host_memory()
+    if host is None or needed <= host.usable(held):
+        return
+    raise UserError(
+        f"{name}: an array of shape {array.shape} ({array.size:,} pixels) needs about "
+        f"{memory.size_text(needed)} to classify (its pixels as float32, {PREDICT_COPIES} "
+        f"copies at once), but the host has {host}, of which "
+        f"{memory.size_text(max(host.usable(held), 0))} is left for it; split its images "
+        "into smaller files"
+    )
 
 
 def _load_npy(path: pathlib.Path, name: str) -> np.ndarray:
@@ -609,6 +659,9 @@ def _read_picture(path: pathlib.Path, name: str, notes: list[str], channels: int
                         f"{name}: {width}x{height} pixels; images larger than "
                         f"{MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE} are refused, shrink it first"
                     )
+                frames = getattr(image, "n_frames", 1)
+                if frames > 1:  # an animation or a multi-page file: the first is decoded
+                    notes.append(f"{name}: {frames} frames; only the first is classified")
                 mode = image.mode
                 if mode not in (*GREY_MODES, PICTURE_MODES[channels]):
                     image = image.convert(PICTURE_MODES[channels])
@@ -668,13 +721,18 @@ def run_predict(
         raise UserError("--mode=predict needs --images=a.png,b.npy,...")
     workdir_lib.check_output_path(output)
     mesh = parallel.make_mesh()
-    model, _, _, info = restore_model(workdir, step, compute_dtype, mesh, member=member, ema=ema)
+    asked = step
+    model, step, config, info = restore_model(
+        workdir, step, compute_dtype, mesh, member=member, ema=ema
+    )
+    parallel.say(source_line(workdir, step, asked, config, info))
     names = info["class_names"]
     named = []
     failures = []
     for path in paths:
         try:
-            images, notes = read_images(pathlib.Path(path), info["image_shape"])
+            held = predict_bytes(sum(image.size for _, image in named))
+            images, notes = read_images(pathlib.Path(path), info["image_shape"], held)
         except UserError as exc:
             errors.print_traceback(exc)  # with --debug
             failures.append(str(exc))
@@ -714,6 +772,7 @@ def run_predict(
                 )
     if output and parallel.is_primary():
         workdir_lib.write_json(
-            pathlib.Path(output).expanduser(), {"predictions": predictions, "errors": failures}
+            pathlib.Path(output).expanduser(),
+            {"step": step, "predictions": predictions, "errors": failures},
         )
     return predictions, failures

@@ -169,6 +169,6 @@ def _leave() -> None:
     atexit.unregister(_leave)
     atexit._run_exitfuncs()  # private: the only way to run the hooks registered before it
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed pipe (`| head`) or stream
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # closed, or None (`>&-`)
             stream.flush()
     os._exit(_exit_status)

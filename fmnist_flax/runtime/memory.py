@@ -1,8 +1,8 @@
 """What the machine can hold: a run whose models or Grain blocks cannot fit is refused in one
 line naming the field, before they are built. Host memory is the least of /proc/meminfo's
-MemAvailable, every enclosing cgroup's limit less its use and `ulimit -d`; a device's is its
-`memory_stats`. A model's size is sized from abstract shapes (`member_bytes`), with the
-template's model, optimizer and evaluation call handed in.
+MemAvailable, every enclosing cgroup's limit less its use, `ulimit -d` and `ulimit -v`; a
+device's is its `memory_stats`. A model's size is sized from abstract shapes (`member_bytes`),
+with the template's model, optimizer and evaluation call handed in.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 import pathlib
 import resource
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.extend.core as jax_core
@@ -23,8 +23,10 @@ import numpy as np
 from flax import nnx
 
 from . import ema, ensemble, grain_pipeline, parallel
-from .data_files import Dataset
 from .errors import UserError
+
+if TYPE_CHECKING:  # data_files imports inference, which sizes predict's images here
+    from .data_files import Dataset
 
 # The model's bytes: (config, image_shape, num_classes, saved_copy) -> bytes each model holds.
 MemberBytes = Callable[[ml_collections.ConfigDict, tuple[int, int, int], int, bool], int]
@@ -117,17 +119,31 @@ def _cgroup_left(proc: pathlib.Path, cgroups: pathlib.Path) -> list[Memory]:
     return left
 
 
-def _data_limit_left(proc: pathlib.Path) -> list[Memory]:
-    """RLIMIT_DATA (`ulimit -d`) less the data this process holds (VmData)."""
-    soft = resource.getrlimit(resource.RLIMIT_DATA)[0]
-    if soft == resource.RLIM_INFINITY:
+# The process limits a run's allocations count against: each with the /proc/self/status field
+# it is held to, and how a person sets it.
+PROCESS_LIMITS = (
+    (resource.RLIMIT_DATA, "VmData", "ulimit -d"),  # data: heap and anonymous mappings
+    (resource.RLIMIT_AS, "VmSize", "ulimit -v"),  # the whole address space
+)
+
+
+def _process_limits_left(proc: pathlib.Path) -> list[Memory]:
+    """Each of `PROCESS_LIMITS` that is set, less what this process holds against it:
+    `ulimit -d` (RLIMIT_DATA) less VmData, `ulimit -v` (RLIMIT_AS) less VmSize."""
+    try:
+        status = (proc / "self" / "status").read_text()
+    except OSError:
         return []
-    with contextlib.suppress(OSError, IndexError, ValueError):
-        held = int((proc / "self" / "status").read_text().split("VmData:")[1].split()[0]) * 1024
-        return [
-            Memory(soft - held, f"ulimit -d of {size_text(soft)} less {size_text(held)} in use")
-        ]
-    return []
+    left = []
+    for limit, field, name in PROCESS_LIMITS:
+        soft = resource.getrlimit(limit)[0]
+        if soft == resource.RLIM_INFINITY:
+            continue
+        with contextlib.suppress(IndexError, ValueError):
+            held = int(status.split(f"{field}:")[1].split()[0]) * 1024
+            source = f"{name} of {size_text(soft)} less {size_text(held)} in use"
+            left.append(Memory(soft - held, source))
+    return left
 
 
 def host_memory(
@@ -135,9 +151,9 @@ def host_memory(
     cgroups: pathlib.Path = pathlib.Path("/sys/fs/cgroup"),
 ) -> Memory | None:
     """What this process may still allocate on the host: the least of /proc/meminfo's
-    MemAvailable, each enclosing cgroup's limit less its usage and `ulimit -d` less the data
-    held; None where the OS tells none of them."""
-    found = [*_meminfo(proc), *_cgroup_left(proc, cgroups), *_data_limit_left(proc)]
+    MemAvailable, each enclosing cgroup's limit less its usage, `ulimit -d` less the data held
+    and `ulimit -v` less the address space held; None where the OS tells none of them."""
+    found = [*_meminfo(proc), *_cgroup_left(proc, cgroups), *_process_limits_left(proc)]
     return min(found, key=lambda m: m.free) if found else None
 
 

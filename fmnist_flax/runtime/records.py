@@ -153,7 +153,8 @@ def prepare(
 
 
 class PrepareStopped(UserError):
-    """SIGINT or SIGTERM stopped --mode=prepare; its exit status is 128 + the signal's number."""
+    """A stop signal (`errors.STOP_SIGNALS`) stopped --mode=prepare; its exit status is 128 +
+    the signal's number."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
@@ -170,7 +171,7 @@ class _Signalled(BaseException):
 
 @contextlib.contextmanager
 def _signals_stop_writing() -> Iterator[None]:
-    """While active (in the main thread), the first SIGINT or SIGTERM raises `_Signalled` so the
+    """While active (in the main thread), the first stop signal raises `_Signalled` so the
     temporary directory is removed (SIGTERM's default would leave it); later ones are ignored
     while that happens."""
     if threading.current_thread() is not threading.main_thread():
@@ -183,7 +184,7 @@ def _signals_stop_writing() -> Iterator[None]:
             stopping.append(signum)
             raise _Signalled(signum)
 
-    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, handle) for sig in errors.STOP_SIGNALS}
     try:
         yield
     finally:
@@ -195,7 +196,7 @@ def write_dataset(dataset: Any, output: str | os.PathLike, shards: int = 4) -> d
     """Write `dataset` (a datasets.Dataset) as record files in `output`, which must not exist
     or be empty; returns its info. Written into a sibling temporary directory and renamed at
     the end, so a stopped or failed prepare never leaves a half-written record set behind: a
-    SIGINT or SIGTERM removes it and is one line (`PrepareStopped`); a killed one's goes at the
+    stop signal removes it and is one line (`PrepareStopped`); a killed one's goes at the
     next prepare of the same output."""
     from . import workdir as workdir_lib
 

@@ -91,7 +91,7 @@ def show_setup(run: Run) -> None:
     d = run.dataset
     layout = parallel.layout(run.device_data.mesh, run.config.batch_size, run.config.param_sharding)
     versions = {name.capitalize(): v for name, v in workdir_lib.versions().items()}
-    run.show("Set-up", tables.setup_table(versions, layout))
+    run.show("Set-up", tables.setup_table(versions, layout, run.config.compute_dtype))
     if parallel.is_primary() and jax.default_backend() == "cpu":  # a GPU or a TPU is fine
         warning_line(
             f"No GPU found: training on {jax.devices()[0]}; pip install '.[cuda12]' or '.[tpu]'"
@@ -241,7 +241,7 @@ def evaluate_model(run: Run, extensions: Sequence[Extension] = ()) -> dict[str, 
 def write_report(run: Run, test_accuracy: float) -> pathlib.Path | None:
     """report/ with every section, headed by what run it is; a write that fails is one warning
     line, and the run's summary is written without it."""
-    directory = run.workdir / "report"
+    directory = run.workdir / workdir_lib.REPORT_DIR
     steps = run.summary.get("stopped_at", run.config.steps)
     about = {
         "workdir": str(run.workdir),

@@ -1,5 +1,6 @@
 """How a run stops before its last step, always with one line and its checkpoints kept: on
-SIGINT or SIGTERM, after saving the step it reached; when the loss or the parameters stop being
+SIGINT, SIGTERM, SIGHUP or SIGQUIT (`errors.STOP_SIGNALS`), or when the standard output cannot
+be written, after saving the step it reached; when the loss or the parameters stop being
 finite, keeping the last good checkpoint.
 """
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import shlex
 import signal
 import time
 from collections.abc import Iterator, Sequence
@@ -16,7 +18,7 @@ import jax
 from flax import nnx
 
 from . import checkpoint as checkpoint_lib
-from . import ema, parallel
+from . import ema, errors, parallel
 from .errors import UserError
 
 # The longest a training call should run, and the most work queued ahead of the host once the
@@ -26,21 +28,30 @@ CALL_SECONDS = 0.5
 QUEUED_SECONDS = 0.75
 
 
-class Interrupted(UserError):
-    """SIGINT or SIGTERM stopped training after a checkpoint of the current step was saved."""
+# `Stop.signum` of a run whose standard output failed: above every signal's number, so that
+# every process of a run stops with the one whose output failed.
+OUTPUT_FAILED = 1 << 8
 
-    def __init__(self, message: str, signum: int):
+
+class Interrupted(UserError):
+    """A signal or a failed output stopped training after a checkpoint of the current step
+    was saved; `exit_code`: 128 + the signal's number, or the output's (`errors.output_status`)."""
+
+    def __init__(self, message: str, exit_code: int):
         super().__init__(message)
-        self.exit_code = 128 + signum
+        self.exit_code = exit_code
 
 
 class Stop:
-    """While active, SIGINT and SIGTERM only set `signum`; the loop saves and stops cleanly."""
+    """While active, `errors.STOP_SIGNALS` only set `signum`, and so does a failed write to
+    the standard output (`OUTPUT_FAILED`); the loop saves and stops cleanly."""
 
     def __init__(self):
-        self.signum = 0  # the signal this process got (0: none)
+        self.signum = 0  # the signal this process got, or OUTPUT_FAILED (0: none)
+        self.output_failure: OSError | None = None  # why this process's output failed
         self._previous = {}
         self._trained: tuple[int, checkpoint_lib.Checkpoints] | None = None  # `after_training`
+        self._listening = contextlib.ExitStack()
         self._in_flight = collections.deque()  # the queued calls' outputs and last steps
         self._done: int | None = None  # the last step known done
         # The last step and time a call was seen to end, the devices busy with it till then.
@@ -52,14 +63,30 @@ class Stop:
         self.steps_per_call: int | None = 1 if jax.process_count() == 1 else None
 
     def __enter__(self) -> Stop:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in errors.STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        self._listening.enter_context(errors.output_listener(self._output_failed))
         return self
 
     def _handle(self, signum, frame) -> None:
         self.signum = signum
         if self._trained is not None and jax.process_count() == 1:
             raise self._stopped_after_training(signum)
+
+    def _output_failed(self, cause: OSError) -> None:
+        """The standard output failed (on any thread): stop as on a signal, saving first."""
+        self.output_failure = cause
+        self.signum = self.signum or OUTPUT_FAILED
+
+    def cause(self, signum: int) -> tuple[str, int]:
+        """What stopped the run, in words, and its exit status: a signal's name and 128 + its
+        number, or what went wrong with the output."""
+        if signum != OUTPUT_FAILED:
+            return signal.Signals(signum).name, 128 + signum
+        if self.output_failure is None:  # another process's
+            return "the output of process 0 failed", 1
+        failure = self.output_failure
+        return errors.output_problem(failure), errors.output_status(failure)
 
     @property
     def requested(self) -> int:
@@ -108,22 +135,26 @@ class Stop:
         """Before the loop a signal stops the run at once: nothing is trained yet, so nothing
         is lost. (A multi-process run's processes agree on when to stop only in the loop.)"""
         if self.signum and jax.process_count() == 1:
+            cause, status = self.cause(self.signum)
             raise Interrupted(
-                f"{signal.Signals(self.signum).name} before training began: nothing was "
-                "trained, checkpoints saved before are kept; run the same command to start again",
-                self.signum,
+                f"{cause} before training began: nothing was trained, checkpoints saved "
+                "before are kept; run the same command to start again",
+                status,
             )
 
     def interrupted(
         self, signum: int, step: int, checkpoints: checkpoint_lib.Checkpoints, unfinished: str = ""
     ) -> Interrupted:
-        """The one line a signal ends a run with, once the checkpoint of `step` is on disk."""
+        """The one line a signal or a failed output ends a run with, once the checkpoint of
+        `step` is on disk: it names the --workdir to resume with (a run given none made
+        runs/<date>-<time>, which the same command would not find again)."""
         checkpoints.wait()
+        cause, status = self.cause(signum)
         return Interrupted(
-            f"{signal.Signals(signum).name} at step {step}: checkpoint {step} saved in "
-            f"{checkpoints.directory}{unfinished}; resume by running the same command with the "
-            "same --workdir",
-            signum,
+            f"{cause} at step {step}: checkpoint {step} saved in {checkpoints.directory}"
+            f"{unfinished}; resume by running the same command with "
+            f"{workdir_flag(checkpoints)}",
+            status,
         )
 
     @contextlib.contextmanager
@@ -168,8 +199,14 @@ class Stop:
         )
 
     def __exit__(self, *exc) -> None:
+        self._listening.close()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def workdir_flag(checkpoints: checkpoint_lib.Checkpoints) -> str:
+    """`--workdir=DIR` of the run that `checkpoints` belong to, quoted for a shell."""
+    return shlex.quote(f"--workdir={checkpoints.directory.parent}")
 
 
 def diverged(

@@ -15,8 +15,34 @@ from flax import nnx
 
 from .ensemble import MEMBER_SEPARATOR, member_values
 
-MAX_WIDTH = 100  # a table's widest line, in columns: it fits a terminal as it is
+MAX_WIDTH = 100  # a table's widest line on a wide terminal, in columns
+NO_TERMINAL_WIDTH = 80  # the columns text is laid out for in a file, a pipe, an unknown terminal
+MIN_WIDTH = 40  # the narrowest layout, however narrow the terminal
 MIN_WRAPPED = 20  # a wrapped column keeps at least this width
+# Where a word longer than its column may break, in order of preference: a path's `/`, then
+# a name's punctuation.
+BREAK_AFTER = ("/", "-_.,;:")
+
+
+def text_width() -> int:
+    """The columns the tables and --help are laid out for: the terminal's (or $COLUMNS), at
+    most MAX_WIDTH; NO_TERMINAL_WIDTH where there is none."""
+    columns = shutil.get_terminal_size((NO_TERMINAL_WIDTH, 24)).columns
+    return max(MIN_WIDTH, min(MAX_WIDTH, columns))
+
+
+def wrap(text: str, width: int) -> list[str]:
+    """`text` in lines of at most `width` columns, broken between words; a word longer than
+    that (a path) after the last mark of BREAK_AFTER that fits, else where it must."""
+    lines = []
+    for line in textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False):
+        while len(line) > width:
+            cuts = [max(line.rfind(mark, 1, width) for mark in marks) for marks in BREAK_AFTER]
+            cut = next((cut + 1 for cut in cuts if cut > 0), width)
+            lines.append(line[:cut])
+            line = line[cut:]
+        lines.append(line)
+    return lines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +62,12 @@ class Table:
             tuple(tuple(printable(c) for c in row) for row in rows),
         )
 
-    def format(self) -> str:
-        """The table as text at most MAX_WIDTH columns wide: the widest text columns' cells
-        wrap onto lines of their own rather than the terminal wrapping every line; columns
-        still too many (numbers, say one per class) go on in blocks below, each led by the
-        first column."""
+    def format(self, width: int | None = None) -> str:
+        """The table as text at most `width` columns wide (default `text_width()`): the widest
+        text columns' cells wrap onto lines of their own, between words (`wrap`), rather than
+        the terminal wrapping every line mid-word; columns still too many (numbers, say one
+        per class) go on in blocks below, each led by the first column."""
+        width = width or text_width()
         columns = list(zip(self.headers, *self.rows, strict=True))
         widths = [max(len(c) for c in col) for col in columns]
         right = [bool(self.rows) and all(map(_numeric, col[1:])) for col in columns]
@@ -48,16 +75,16 @@ class Table:
         # its header's width or MIN_WRAPPED, whichever is more; headers never wrap.
         floors = [max(MIN_WRAPPED, len(col[0])) for col in columns]
         prose = [not all(_numeric(c) or not c for c in col[1:]) for col in columns]
-        while sum(widths) + 2 * (len(widths) - 1) > MAX_WIDTH:
+        while sum(widths) + 2 * (len(widths) - 1) > width:
             text = [k for k, w in enumerate(widths) if prose[k] and w > floors[k]]
             if not text:
                 break
             widest = max(text, key=lambda k: widths[k])
-            over = sum(widths) + 2 * (len(widths) - 1) - MAX_WIDTH
+            over = sum(widths) + 2 * (len(widths) - 1) - width
             widths[widest] = max(floors[widest], widths[widest] - over)
 
         def lines(cells: Sequence[str], block: list[int]) -> list[str]:
-            parts = [textwrap.wrap(cells[k], widths[k]) or [""] for k in block]
+            parts = [wrap(cells[k], widths[k]) or [""] for k in block]
             return [
                 "  ".join(
                     (p[i] if i < len(p) else "").rjust(widths[k])
@@ -68,21 +95,21 @@ class Table:
                 for i in range(max(map(len, parts)))
             ]
 
-        text = [textwrap.fill(self.title, MAX_WIDTH)]
-        for block in _blocks(widths):
+        text = wrap(self.title, width)
+        for n, block in enumerate(_blocks(widths, width)):
             rule = "-" * (sum(widths[k] for k in block) + 2 * (len(block) - 1))
             body = [line for row in self.rows for line in lines(row, block)]
-            text += ([""] if len(text) > 1 else []) + [rule, *lines(self.headers, block), rule]
+            text += ([""] if n else []) + [rule, *lines(self.headers, block), rule]
             text += body
         return "\n".join([*text, ""])
 
 
-def _blocks(widths: list[int]) -> list[list[int]]:
-    """Column indices in blocks no wider than MAX_WIDTH, each after the first led by column 0."""
+def _blocks(widths: list[int], width: int) -> list[list[int]]:
+    """Column indices in blocks no wider than `width`, each after the first led by column 0."""
     blocks = [[0]]
     for k in range(1, len(widths)):
         block = blocks[-1]
-        if len(block) > 1 and sum(widths[j] + 2 for j in block) + widths[k] > MAX_WIDTH:
+        if len(block) > 1 and sum(widths[j] + 2 for j in block) + widths[k] > width:
             blocks.append(block := [0])
         block.append(k)
     return blocks
@@ -159,14 +186,17 @@ def params_table(model: nnx.Module) -> Table:
     )
 
 
-def setup_table(versions: dict[str, str], layout: str) -> Table:
-    """Section 1: versions, backend, devices and how the run is laid out over them."""
+def setup_table(versions: dict[str, str], layout: str, compute_dtype: str) -> Table:
+    """Section 1: versions, backend, devices, how the run is laid out over them and the dtype
+    it computes in (the parameter table shows the parameters' own)."""
     rows = [(name, version) for name, version in versions.items()]
+    kept = "" if compute_dtype == "float32" else " (parameters and optimizer state float32)"
     rows += [
         ("Default backend", jax.default_backend()),
         ("Devices", device_names(jax.devices())),
         ("Processes", f"{jax.process_count()} (this is process {jax.process_index()})"),
         ("Layout", layout),
+        ("Compute dtype", f"{compute_dtype}{kept}"),
     ]
     return Table.of("Set-up", ("Item", "Value"), rows)
 
@@ -298,13 +328,19 @@ class ProgressBar:
         self.examples_per_step = examples_per_step
         self.started = time.perf_counter()
         self.tested: dict[str, float] = {}  # the newest evaluation's metrics, on a terminal
-        self._drawn = False
+        self._row: tuple[dict[str, float], float | None, float] | None = None  # newest drawn
 
     def tick(self, step: int) -> None:
-        """On a terminal, show that training reached `step` (the newest row's metrics and
-        rate kept): the line moves between rows hundreds of steps apart."""
-        if self.in_place and self._drawn:
-            self.update({**self._last[0], "step": step}, examples_per_sec=self._last[1])
+        """On a terminal, show that training reached `step`, with the newest row's metrics and
+        rate: the line moves between rows hundreds of steps apart. Where that rate is unknown
+        (the first row's call compiled), the steps since that row are timed instead."""
+        if not (self.in_place and self._row):
+            return
+        row, rate, drawn = self._row
+        seconds = time.perf_counter() - drawn
+        if rate is None and step > row["step"] and seconds > 0:
+            rate = (step - row["step"]) * self.examples_per_step / seconds
+        self._write(self._line({**row, "step": step}, rate))
 
     def update(self, *rows: dict[str, float], examples_per_sec: float | None = None) -> None:
         """Show `rows` (on a terminal, the last), in one write; `examples_per_sec`: the rate
@@ -313,13 +349,15 @@ class ProgressBar:
             for row in rows:
                 self.tested = {k: v for k, v in row.items() if k.startswith("test_")} or self.tested
             rows = rows[-1:]
-        self.stream.write("".join(self._line(row, examples_per_sec) for row in rows))
+        self._write("".join(self._line(row, examples_per_sec) for row in rows))
+        self._row = (rows[-1], examples_per_sec, time.perf_counter())
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
         self.stream.flush()
-        self._drawn = True
 
     def _line(self, row: dict[str, float], examples_per_sec: float | None) -> str:
         """The progress line of `row`: in place on a terminal, else a line of its own."""
-        self._last = (row, examples_per_sec)
         if self.in_place:
             row = {**row, **self.tested}
         step = row["step"]
@@ -338,7 +376,7 @@ class ProgressBar:
         return f"\r{_fitted(bar, fields, self.FIRST)}\x1b[K"
 
     def close(self) -> None:
-        if self.in_place and self._drawn:
+        if self.in_place and self._row:
             self.stream.write("\n")
             self.stream.flush()
 

@@ -109,8 +109,11 @@ def remove_if_unused(path: pathlib.Path) -> None:
 
 
 # What a training run owns in its workdir: no --output may land inside these directories or
-# over these files (an export over checkpoints/50/model/_METADATA damaged the only checkpoint).
-RUN_DIRS = ("checkpoints", "tensorboard")
+# over these files (an export over checkpoints/50/model/_METADATA damaged the only checkpoint;
+# an eval over report/report.html replaced the report, which the run then did not write again).
+REPORT_DIR = "report"
+DAMAGED_DIR = "damaged_checkpoints"  # damaged steps are moved here, never deleted
+RUN_DIRS = ("checkpoints", "tensorboard", REPORT_DIR, DAMAGED_DIR)
 RUN_FILES = (METRICS_FILE, SUMMARY_FILE, LOCK_FILE)
 
 
@@ -125,8 +128,9 @@ def is_training_workdir(path: pathlib.Path) -> bool:
 
 
 def check_not_in_a_run(output: str | os.PathLike) -> None:
-    """Refuse an --output (symlinks resolved) inside a training workdir's checkpoints/ or
-    tensorboard/, or over its metrics.jsonl, summary.json or .lock."""
+    """Refuse an --output (symlinks resolved) inside a training workdir's directories
+    (`RUN_DIRS`: checkpoints/, tensorboard/, report/, damaged_checkpoints/) or over its files
+    (`RUN_FILES`: metrics.jsonl, summary.json, .lock)."""
     path = pathlib.Path(output).expanduser().absolute()
     with contextlib.suppress(OSError, RuntimeError):  # a symlink loop: the path as given
         path = path.resolve()

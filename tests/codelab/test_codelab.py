@@ -56,6 +56,9 @@ def test_gradient_check_reports_matching_trees(quick_config):
     assert check["trees_match"] and check["grad_vs_value_and_grad"] == 0.0
     assert [row[0] for row in table.rows][-1] == "layers.2.kernel"
     assert check["loss_after_one_sgd_step"] < check["loss"]  # a step downhill
+    lines = table.format().splitlines()  # its long title wrapped between words, in 80 columns
+    assert max(map(len, lines)) <= 80, lines[:3]
+    assert set(table.title.split()) <= set(" ".join(lines).split()), lines[:3]
 
 
 @pytest.mark.slow
@@ -91,10 +94,11 @@ def test_the_default_run_keeps_the_codelabs_result(tmp_path):
 
 @pytest.mark.parametrize(("examples", "whole"), [(1_000, 512), (5, 0)])
 def test_the_codelab_row_counts_whole_batches_and_none_is_null_not_nan(
-    quick_config, tmp_path, capsys, examples, whole
+    quick_config, tmp_path, capsys, monkeypatch, examples, whole
 ):
     """The codelab's metrics cover the whole batches of the evaluated test set; with none to
     average, summary.json holds null for them (NaN is not JSON)."""
+    monkeypatch.setenv("COLUMNS", "100")  # a terminal wide enough for its label on one line
     quick_config.steps, quick_config.eval_examples, quick_config.report = 5, examples, "basic"
     train.train_and_evaluate(quick_config, tmp_path / "w", [codelab.Codelab()])
     text = (tmp_path / "w" / "summary.json").read_text()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
-from conftest import assert_one_line_error, assert_same_models, load_config, run_main
+from conftest import REPO, assert_one_line_error, assert_same_models, load_config, run_main
 
 from fmnist_flax import CLASS_NAMES, load_model, model, predict, train
 from fmnist_flax.runtime import export, inference
@@ -55,6 +57,31 @@ def test_artifact_runs_with_jax_alone_and_matches_predict(
     predictions = json.loads((tmp_path / "predict.json").read_text())["predictions"]
     assert [p["class_index"] for p in predictions] == got.argmax(axis=1).tolist()
     np.testing.assert_allclose(got, [p["probabilities"] for p in predictions], rtol=1e-6, atol=1e-7)
+
+
+def section_code(page: pathlib.Path, heading: str) -> str:
+    """The first ```python block under `heading` in a documentation page, as written."""
+    text = page.read_text().split(f"\n{heading}\n", 1)[1]
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+def test_the_export_snippet_of_the_docs_runs_as_written(artifact, tmp_path):
+    """docs/checkpoints.md loaded the artifact and called it on examples/batch.npy, whose
+    (8, 28, 28) images the artifact's (batch, 28, 28, 1) refused (a rank mismatch). The
+    snippet runs as written, from a directory holding the artifact and the examples."""
+    code = section_code(REPO / "docs" / "checkpoints.md", "## Exporting for JAX alone")
+    shutil.copy(artifact[0], tmp_path / "model.jaxexport")
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    result = subprocess.run(
+        [sys.executable, "-c", code + "\nprint(probabilities.shape, probabilities.dtype)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["(8,", "10)", "float32"]
 
 
 @pytest.mark.slow

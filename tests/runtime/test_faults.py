@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ from fmnist_flax.runtime import checkpoint
 pytestmark = pytest.mark.slow
 QUICK = ("--report=none", "--log_every=5", EVERY_DUE_SAVE)
 IS_ROOT = os.geteuid() == 0
+PIPE_CLOSED = 128 + signal.SIGPIPE  # the status of a pipe's writer whose reader left
 
 
 def the_error(result: subprocess.CompletedProcess, expected: str, code: int = 1) -> str:
@@ -474,6 +476,146 @@ def test_a_changed_schedule_length_is_refused_unless_accepted(tmp_path):
     assert changes == [{"step": 10, "field": "steps", "saved": 10, "now": 20}]
 
 
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGQUIT])
+def test_a_hangup_or_quit_in_training_saves_the_step_reached_like_sigterm(signum, tmp_path):
+    """SIGHUP (the terminal closed) and SIGQUIT (Ctrl-\\) ended a run with no line, losing
+    every step since the last save and any save in flight. Each now stops it as SIGTERM
+    does: the step reached saved, one line, 128 + the signal's number."""
+    workdir = tmp_path / "w"
+    process = start(workdir, "--steps=5000", "--report=none", "--log_every=5")
+    metrics = workdir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 3)
+    stopped = finish(process, signum)
+    line = the_error(stopped, f"{signal.Signals(signum).name} at step ", code=128 + signum)
+    step = int(line.split(" at step ")[1].split(":")[0])
+    assert step in saved_steps(workdir), (line, saved_steps(workdir))
+    assert f"resume by running the same command with --workdir={workdir}" in line, line
+
+
+def test_a_ctrl_c_without_a_workdir_names_the_workdir_to_resume(tmp_path):
+    """Without --workdir a run trains in a fresh runs/<date>-<time>, and its Ctrl-C line said
+    "run the same command with the same --workdir": the same command started another fresh
+    directory. The line now names the --workdir, and the command with it resumes there."""
+    flags = ("--steps=5000", "--report=none", "--log_every=5")
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "main.py"), *flags],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(lambda: len(list(tmp_path.glob("runs/*/metrics.jsonl"))) == 1)
+    [workdir] = [path.parent for path in tmp_path.glob("runs/*/metrics.jsonl")]
+    stopped = finish(process, signal.SIGINT)
+    line = the_error(stopped, "SIGINT at step ", code=130)
+    step = int(line.split(" at step ")[1].split(":")[0])
+    assert line.endswith(f"resume by running the same command with --workdir={workdir}"), line
+    again = run_main(
+        *flags[:1], f"--steps={step + 5}", *flags[1:], f"--workdir={workdir}", cwd=tmp_path
+    )
+    assert again.returncode == 0, again.stderr
+    assert f"resuming from checkpoint {step} in {workdir}" in again.stdout
+    assert [path.name for path in (tmp_path / "runs").iterdir()] == [workdir.name]
+
+
+# --- The standard output --------------------------------------------------------------------------
+
+
+def test_a_reader_that_leaves_mid_training_saves_the_step_reached(tmp_path):
+    """`main.py | head`: the closed pipe stopped training without saving the step reached,
+    everything since the last checkpoint lost. That step is now saved first, the line says
+    so with a pipe writer's status (141), and the same command resumes from it."""
+    workdir = tmp_path / "w"
+    flags = ("--report=none", "--log_every=1")
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "main.py"), f"--workdir={workdir}", "--steps=5000", *flags],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in process.stdout:  # `head`: reads the set-up and a few rows of training
+        if line.startswith("[") and int(line.split("]")[1].split("/")[0]) >= 20:
+            break
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert process.wait(timeout=120) == PIPE_CLOSED, stderr
+    stopped = subprocess.CompletedProcess(process.args, process.returncode, "", stderr)
+    line = the_error(
+        stopped,
+        "the output was closed by the command reading it (`| head`?) at step ",
+        code=PIPE_CLOSED,
+    )
+    step = int(line.split(" at step ")[1].split(":")[0])
+    assert step >= 20 and saved_steps(workdir) == [step], (line, saved_steps(workdir))
+    again = run_main(f"--workdir={workdir}", f"--steps={step + 5}", *flags)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming from checkpoint {step} in " in again.stdout
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="mounting a tmpfs needs root; the test above covers it")
+def test_a_full_disk_under_the_log_saves_the_step_reached_and_is_one_line(tmp_path):
+    """`main.py > log` on a disk that fills mid-training was an `OSError: [Errno 28]`
+    traceback (and an abort), everything since the last checkpoint lost. The step reached is
+    now saved first, and one line names the cause."""
+    workdir = tmp_path / "w"
+    with small_disk(tmp_path / "small", "size=16k") as disk, open(disk / "log", "w") as log:
+        result = run_writing_to(
+            log, f"--workdir={workdir}", "--steps=5000", "--report=none", "--log_every=1"
+        )
+    line = the_error(
+        result, "the output could not be written (No space left on device: a full disk"
+    )
+    step = int(line.split(" at step ")[1].split(":")[0])
+    assert step > 0 and step in saved_steps(workdir), (line, saved_steps(workdir))
+
+
+def run_writing_to(stdout: Any, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    """`main.py ARGS` with its standard output going to `stdout` (a file, or None with a
+    `preexec_fn` that closes it), stderr captured."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "main.py"), *args],
+        cwd=REPO,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+        **kwargs,
+    )
+
+
+def close_stdout() -> None:
+    os.close(1)
+
+
+FULL = "(No space left on device: a full disk or quota, or /dev/full)"
+UNWRITABLE_OUTPUTS = {  # what runs, where its output goes, what its line says
+    "train > /dev/full": ("train", "/dev/full", f"{FULL} before training began: nothing was"),
+    "train >&-": ("train", "closed", "the standard output is closed (Bad file descriptor: "),
+    "predict > /dev/full": ("predict", "/dev/full", f"{FULL}; stopped"),
+    "--help > /dev/full": ("help", "/dev/full", f"{FULL}; stopped"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNWRITABLE_OUTPUTS))
+def test_an_output_that_cannot_be_written_is_one_line_naming_its_cause(copy, case):
+    """`> /dev/full` was an `OSError: [Errno 28]` traceback and an abort (exit 134), `>&-` an
+    `AttributeError` traceback, in training, predict and --help alike."""
+    mode, output, expected = UNWRITABLE_OUTPUTS[case]
+    flags = {
+        "train": (f"--workdir={copy.parent / 'fresh'}", "--report=none"),
+        "predict": ("--mode=predict", f"--workdir={copy}", "--images=examples/batch.npy"),
+        "help": ("--help",),
+    }[mode]
+    if output == "closed":
+        result = run_writing_to(None, *flags, preexec_fn=close_stdout)
+    else:
+        with open(output, "w") as sink:
+            result = run_writing_to(sink, *flags)
+    the_error(result, expected)
+    assert saved_steps(copy.parent / "fresh") == []
+
+
 # --- The files around the checkpoints: TensorBoard, the report, the lock, rotation ----------------
 
 
@@ -762,15 +904,16 @@ TOO_LARGE = {
 
 
 def run_capped(
-    workdir: pathlib.Path, *flags: str
+    workdir: pathlib.Path, *flags: str, limit: int = resource.RLIMIT_DATA
 ) -> tuple[subprocess.CompletedProcess, int, float]:
-    """main.py with its data capped at DATA_LIMIT: the result, its own peak RSS in bytes (not
-    the pytest worker's, which Linux would count as the child's) and its seconds."""
+    """main.py with its data (`limit`: or its address space) capped at DATA_LIMIT: the result,
+    its own peak RSS in bytes (not the pytest worker's, which Linux would count as the
+    child's) and its seconds."""
 
-    def cap_data() -> None:
-        resource.setrlimit(resource.RLIMIT_DATA, (DATA_LIMIT, DATA_LIMIT))
+    def cap() -> None:
+        resource.setrlimit(limit, (DATA_LIMIT, DATA_LIMIT))
 
-    return run_main_measured(f"--workdir={workdir}", *flags, preexec_fn=cap_data)
+    return run_main_measured(f"--workdir={workdir}", *flags, preexec_fn=cap)
 
 
 @pytest.mark.parametrize("flag", list(TOO_LARGE))
@@ -793,6 +936,26 @@ def test_a_batch_whose_training_step_cannot_fit_is_one_line_before_it_runs(hidde
     line = the_error(result, "--batch_size=60000: a training step needs about ")
     assert "by XLA's memory analysis" in line and "ulimit -d" in line, line
     assert "use at most about --batch_size=" in line, line
+    assert peak < 2 * 2**30, peak
+    assert seconds < 30, seconds
+    assert saved_steps(tmp_path / "w") == []
+
+
+BEYOND_ADDRESS_LIMIT = {  # each fits in the memory of a host, not in 4 GiB of address space
+    "--batch_size=60000": ("--batch_size=60000", "--config.model.hidden=(16000,)"),
+    "--config.ensemble.size=200": ("--config.ensemble.size=200",),
+}
+
+
+@pytest.mark.parametrize("field", list(BEYOND_ADDRESS_LIMIT))
+def test_an_address_space_limit_is_one_line_before_anything_grows(field, tmp_path):
+    """Under `ulimit -v` (RLIMIT_AS) batch 60,000 through 16,000 units died in the first step
+    with XLA's RESOURCE_EXHAUSTED traceback; it is now refused from its compiled program, as
+    under `ulimit -d`, and so are 200 members."""
+    flags = ("--steps=1", *QUICK, *BEYOND_ADDRESS_LIMIT[field])
+    result, peak, seconds = run_capped(tmp_path / "w", *flags, limit=resource.RLIMIT_AS)
+    line = the_error(result, f"{field}: ")
+    assert "ulimit -v of 4.00 GiB less" in line, line
     assert peak < 2 * 2**30, peak
     assert seconds < 30, seconds
     assert saved_steps(tmp_path / "w") == []

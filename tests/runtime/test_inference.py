@@ -23,7 +23,7 @@ from PIL import Image
 
 from fmnist_flax import CLASS_NAMES, datasets, load_model, predict, train
 from fmnist_flax.model import MLP
-from fmnist_flax.runtime import inference, records, tables
+from fmnist_flax.runtime import checkpoint, inference, records, tables
 from fmnist_flax.runtime import workdir as workdir_lib
 from fmnist_flax.runtime.errors import UserError
 from fmnist_flax.runtime.inference import PIXEL_SCALE
@@ -215,6 +215,29 @@ def test_predict_mode_classifies_readable_images_and_names_the_rest(
         assert p["class"] == CLASS_NAMES[p["class_index"]]
         assert 0.0 < p["probability"] <= 1.0
         assert f"{p['class']} (" in result.stdout
+
+
+@pytest.mark.slow
+def test_eval_and_predict_say_which_checkpoint_they_read(quick_config, tmp_path, capsys):
+    """predict did not say which checkpoint it classified with, and eval showed --step=best
+    as "checkpoint 40", which reads as the newest. Both now name it, and why it was picked."""
+    quick_config.steps, quick_config.eval_every, quick_config.keep_best = 60, 20, True
+    quick_config.checkpoint_every, quick_config.max_to_keep = 20, 1
+    workdir = tmp_path / "w"
+    train.train_and_evaluate(quick_config, workdir)
+    reader = checkpoint.open_reader(workdir)
+    best = reader.best_steps()[0]
+    reader.close()
+    capsys.readouterr()
+    shoe = str(REPO / "examples" / "shoe.png")
+    inference.run_predict(workdir, [shoe], step="best")
+    said = f"checkpoint {best} (best by test_accuracy) of {workdir} (float32):"
+    assert capsys.readouterr().out.splitlines()[0] == said
+    inference.run_predict(workdir, [shoe], output=str(tmp_path / "p.json"))
+    assert capsys.readouterr().out.splitlines()[0] == f"checkpoint 60 of {workdir} (float32):"
+    assert json.loads((tmp_path / "p.json").read_text())["step"] == 60
+    inference.run_eval(workdir, step="best")
+    assert capsys.readouterr().out.splitlines()[0] == said
 
 
 def marking_module(directory: pathlib.Path, name: str, ran: pathlib.Path) -> pathlib.Path:
@@ -604,6 +627,19 @@ def test_cli_files_and_the_python_api_give_identical_probabilities(model, tmp_pa
     np.testing.assert_array_equal(predict(model, u8, image_shape=(28, 28, 1)), expected)
 
 
+def test_an_animated_picture_is_read_from_its_first_frame_with_a_note(tmp_path):
+    """An animated GIF was classified by its first frame without a word; it now says so."""
+    frames = [Image.fromarray(np.full((28, 28), value, np.uint8)) for value in (0, 255, 128)]
+    frames[0].save(tmp_path / "moving.gif", save_all=True, append_images=frames[1:])
+    [(name, pixels)], notes = inference.read_images(tmp_path / "moving.gif")
+    converted = f"{name}: converted from P to grayscale"  # a GIF's palette
+    assert notes == [f"{name}: 3 frames; only the first is classified", converted]
+    assert pixels.max() == 0.0  # the first frame's
+    frames[0].save(tmp_path / "still.gif")
+    [(name, _)], notes = inference.read_images(tmp_path / "still.gif")
+    assert notes == [f"{name}: converted from P to grayscale"]
+
+
 def test_a_resized_colour_png_is_noted_and_stays_in_0_1(tmp_path):
     rgb = np.random.default_rng(5).integers(0, 256, (40, 30, 3), dtype=np.uint8)
     Image.fromarray(rgb).save(tmp_path / "rgb.png")
@@ -635,6 +671,21 @@ def test_oversized_and_decompression_bomb_images_are_refused_before_decoding(tmp
     assert message.startswith(
         f"{tmp_path / 'modest.png'}: refused as a possible decompression bomb (Image size (1600 "
     ), message
+
+
+def test_an_array_too_large_to_classify_is_refused_from_its_header(tmp_path):
+    """A .npy of 200,000,000 images (a sparse file: 157 GB declared, nothing stored) was a
+    MemoryError traceback when its pixels were converted. Its header is now weighed against
+    the host's memory before a pixel is read, in one line naming the file; a small one
+    after it in the same command is still classified."""
+    huge = tmp_path / "huge.npy"
+    array = np.lib.format.open_memmap(huge, mode="w+", dtype=np.uint8, shape=(200_000_000, 28, 28))
+    del array
+    message = refusal(inference.read_images, huge)
+    assert message.startswith(f"{huge}: an array of shape (200000000, 28, 28) "), message
+    assert "available" in message and "split its images into smaller files" in message, message
+    np.save(tmp_path / "small.npy", np.zeros((2, 28, 28), np.uint8))
+    assert len(inference.read_images(tmp_path / "small.npy")[0]) == 2
 
 
 def test_unreadable_files_are_one_line_each(tmp_path):

@@ -5,7 +5,9 @@ line naming the field."""
 from __future__ import annotations
 
 import functools
+import pathlib
 import re
+import resource
 
 import pytest
 from conftest import REPO, load_config
@@ -47,6 +49,23 @@ def test_host_memory_is_the_least_of_meminfo_and_every_enclosing_cgroup(tmp_path
     memory = fake_host(tmp_path / "none", ["0::/"], {})  # no limits: MemAvailable
     assert memory == memory_lib.Memory(8 * gib, "MemAvailable in /proc/meminfo")
     assert str(memory) == "8.00 GiB available (MemAvailable in /proc/meminfo)"
+
+
+def test_an_address_space_limit_counts_as_the_data_limit_does():
+    """`ulimit -v` (RLIMIT_AS) was ignored: a run that could not fit died in XLA with a
+    RESOURCE_EXHAUSTED traceback where `ulimit -d` refused it in one line. What is left under
+    it is the limit less this process's address space (VmSize), named as such."""
+    status = pathlib.Path("/proc/self/status").read_text()
+    size = int(status.split("VmSize:")[1].split()[0]) * 1024
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    limit = size + 2 * 2**30  # far below MemAvailable here: the least of the figures
+    resource.setrlimit(resource.RLIMIT_AS, (limit, before[1]))
+    try:
+        memory = memory_lib.host_memory()
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, before)
+    assert memory.source.startswith("ulimit -v of "), memory
+    assert 2 * 2**30 - 64 * 2**20 < memory.free <= 2 * 2**30, memory
 
 
 def test_grain_read_threads_beyond_the_cores_are_refused(quick_config):

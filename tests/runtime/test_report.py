@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import numpy as np
 import pytest
 from conftest import load_config
@@ -194,6 +195,34 @@ def test_progress_on_a_terminal_moves_between_rows_and_a_log_file_gets_rows_only
             assert drawn.count("\n") == 1 and "100/400" in drawn
 
 
+def test_progress_shows_a_rate_and_eta_before_the_second_row(monkeypatch):
+    """The CNN's rows are 468 steps apart and the first one's rate is unknown (its call
+    compiled): minutes of training showed no rate or ETA. Between rows whose rate is unknown
+    the line now times the steps since that row itself."""
+    import io
+    import time
+
+    from fmnist_flax.runtime.tables import ProgressBar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setenv("COLUMNS", "200")
+    bar = ProgressBar(4680, Terminal(), examples_per_step=128)
+    bar.update({"step": 1, "loss": 2.3, "accuracy": 0.1, "grad_norm": 1.0})
+    began = time.perf_counter()
+    time.sleep(0.2)
+    bar.tick(41)  # 40 steps of 128 in about 0.2 s: about 25k examples/s
+    seconds = time.perf_counter() - began
+    bar.close()
+    lines = [line.replace("\x1b[K", "") for line in bar.stream.getvalue().split("\r")[1:]]
+    assert "ex/s" not in lines[0] and "eta" not in lines[0], lines  # the compiling call's
+    rate = float(re.search(r"([\d.]+)k ex/s", lines[1]).group(1)) * 1000
+    assert 40 * 128 / seconds * 0.8 < rate <= 40 * 128 / 0.2 * 1.01, (rate, lines[1])
+    assert "eta " in lines[1] and "41/4680" in lines[1] and "loss 2.3000" in lines[1]
+
+
 def test_the_report_names_its_run_and_right_aligns_numbers(tmp_path):
     """Every run's report had the same title and nothing said which run it was from."""
     from fmnist_flax.runtime.tables import Table
@@ -208,6 +237,53 @@ def test_the_report_names_its_run_and_right_aligns_numbers(tmp_path):
     assert "<td>test</td><td class='num'>87.28%</td><td class='num'>10,000</td>" in page
 
 
+def words_whole(table, lines: list[str]) -> list[str]:
+    """The words (runs of letters and digits) of a table's cells and title that its printed
+    `lines` cut in two: a path may break after a `/`, never inside a name."""
+    printed = set(re.findall(r"\w+", " ".join(lines)))
+    cells = [table.title, *table.headers, *(cell for row in table.rows for cell in row)]
+    return sorted({word for cell in cells for word in re.findall(r"\w+", cell)} - printed)
+
+
+def test_the_runs_tables_fit_80_columns_with_every_word_whole(real_dataset, monkeypatch):
+    """At 80 columns the set-up table (100 wide), the data table (96) and the evaluation table
+    (87) wrapped in the terminal mid-word. Laid out for the terminal's width, 80 with none
+    (a file, a pipe), each line fits and no word is cut."""
+    from fmnist_flax.runtime import parallel, tables
+    from fmnist_flax.runtime import workdir as workdir_lib
+
+    mesh = parallel.make_mesh()
+    versions = {name.capitalize(): v for name, v in workdir_lib.versions().items()}
+    model = MLP(rngs=nnx.Rngs(0))
+    metrics = {"loss": 0.5216, "accuracy": 0.8185, "examples": 10_000}
+    built = [
+        tables.setup_table(versions, parallel.layout(mesh, 512, "replicated"), "bfloat16"),
+        tables.splits_table(real_dataset),
+        tables.params_table(model),
+        tables.arrays_table("Data arrays on the device", {"train_labels": jax.numpy.zeros(3)}),
+        tables.evaluation_table(
+            {
+                "train, steps 26-50": {**metrics, "grad_norm": 1.133, "examples": 12_800},
+                "test, codelab (whole batches only)": {**metrics, "examples": 9_728},
+                "test, full (last batch padded, masked)": metrics,
+            }
+        ),
+    ]
+    monkeypatch.delenv("COLUMNS", raising=False)
+    for columns in (None, 80):  # no terminal (pytest captures stdout), then an 80-column one
+        if columns:
+            monkeypatch.setenv("COLUMNS", str(columns))
+        assert tables.text_width() == 80
+        for table in built:
+            lines = table.format().splitlines()
+            assert max(map(len, lines)) <= 80, table.format()
+            assert words_whole(table, lines) == [], table.format()
+    computes = [row for row in built[0].rows if row[0] == "Compute dtype"]
+    assert computes == [("Compute dtype", "bfloat16 (parameters and optimizer state float32)")]
+    monkeypatch.setenv("COLUMNS", "200")  # a wide terminal: tables as wide as MAX_WIDTH
+    assert tables.text_width() == tables.MAX_WIDTH
+
+
 def test_a_table_wider_than_100_columns_wraps_its_widest_text_column():
     """The set-up table's layout cell (129 columns) made the terminal wrap every line; now
     the long cell wraps onto lines of its own under its column, numbers untouched."""
@@ -215,7 +291,7 @@ def test_a_table_wider_than_100_columns_wraps_its_widest_text_column():
 
     long = "mesh {'data': 1} over 1 cpu device(s); batch 512 split 512 per device; " * 2
     text = Table.of("A title " * 20, ("Item", "Value", "Count"), [("Layout", long, "512")])
-    lines = text.format().splitlines()
+    lines = text.format(width=100).splitlines()  # a terminal of 100 columns or more
     assert max(map(len, lines)) <= 100
     assert " ".join(" ".join(lines).split()).count("512 per device") == 2  # nothing lost
     assert lines[-1].startswith(" " * len("Layout"))  # a continuation, under its column

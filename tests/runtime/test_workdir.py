@@ -205,6 +205,8 @@ def a_training_run(path):
     (path / "checkpoints" / "50" / "model").mkdir(parents=True)
     (path / "checkpoints" / "50" / "model" / "_METADATA").write_text("orbax")
     (path / "tensorboard").mkdir()
+    (path / "report").mkdir()
+    (path / "report" / "report.html").write_text("the run's own report")
     for name in (workdir.METRICS_FILE, workdir.SUMMARY_FILE):
         (path / name).write_text("the run's own")
     return path
@@ -219,6 +221,10 @@ def a_training_run(path):
         "metrics.jsonl",
         "summary.json",
         "tensorboard/eval.json",
+        "report/report.html",
+        "report",
+        "damaged_checkpoints/20/x.json",
+        ".lock",
     ],
 )
 def test_an_output_inside_a_training_runs_own_files_is_refused(tmp_path, inside):
