@@ -3,9 +3,7 @@ answered in one line from the first instant, while the libraries are still impor
 
 Only the standard library is imported before the command line. Until it takes over
 (`errors.stop_raises`), a signal ends the process with `error: SIGTERM while starting ...`
-and the signal's exit status: nothing has been written yet. On a terminal a status line says
-at once that the command started, and an accelerator's backend starts on a thread while the
-libraries are imported (`runtime/startup.py`).
+and the signal's exit status: nothing has been written yet.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import sys
 import time
 
 STARTED = time.perf_counter()  # the command's start: where summary.json's start-up counts from
-
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # errors.STOP_...
 STARTING = "error: {} while starting: nothing was done; run the same command to start again\n"
 

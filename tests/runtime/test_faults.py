@@ -99,6 +99,10 @@ def finish(process: subprocess.Popen, signum: int = signal.SIGTERM) -> subproces
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
+def sizes(directory: pathlib.Path) -> dict[str, int]:
+    return {str(p.relative_to(directory)): p.stat().st_size for p in directory.rglob("*")}
+
+
 def snapshot(directory: pathlib.Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
@@ -1208,10 +1212,10 @@ def test_a_checkpoint_file_grown_to_gigabytes_is_refused_unread(copy, name, mode
     and, in training, the step moved aside as damaged."""
     path = copy / "checkpoints" / "20" / name
     os.truncate(path, 3 * 2**30)
-    before = snapshot(copy / "checkpoints")
+    before = sizes(copy / "checkpoints")  # not the bytes: reading 3 GB took most of the test
     flags = ("--steps=30", *QUICK) if mode == "train" else ()
     result, peak, seconds = run_main_measured(f"--mode={mode}", f"--workdir={copy}", *flags)
     the_error(result, f"error: {path} holds more than the ")
     assert peak < 2**30 and seconds < 30, (peak, seconds)
     assert not (copy / checkpoint.DAMAGED_DIR).exists()
-    assert snapshot(copy / "checkpoints").keys() == before.keys()
+    assert sizes(copy / "checkpoints") == before

@@ -182,7 +182,9 @@ def test_mesh_model_flag_splits_the_mlp_and_one_device_uses_its_checkpoint(tmp_p
     flags = ["--log_every=10", "--batch_size=128", "--report=none", f"--workdir={workdir}"]
     trained = main_py("--steps=20", "--config.mesh.model=2", *flags, devices=8)
     assert trained.returncode == 0, trained.stderr[-3000:]
-    assert "mesh {'data': 4, 'model': 2} over 8 cpu device(s); batch 128 split 32" in trained.stdout
+    assert "mesh {'data': 4, 'model': 2} over 8 cpu device(s); batch 128 split 32" in " ".join(
+        trained.stdout.split()  # the table wraps its cells to the width
+    )
     assert re.search(r"layers\.0\.kernel +\(784, 256\) .* P\(None, model\)", trained.stdout)
     summary = json.loads((workdir / "summary.json").read_text())
 
@@ -240,7 +242,9 @@ def test_mesh_model_flag_splits_the_cnn_and_one_device_evaluates_it(tmp_path):
     ]
     trained = main_py(*flags, "--steps=10", "--config.mesh.model=2", devices=8)
     assert trained.returncode == 0, trained.stderr[-3000:]
-    assert "mesh {'data': 4, 'model': 2} over 8 cpu device(s); batch 128 split 32" in trained.stdout
+    assert "mesh {'data': 4, 'model': 2} over 8 cpu device(s); batch 128 split 32" in " ".join(
+        trained.stdout.split()  # the table wraps its cells to the width
+    )
     layouts = json.loads((workdir / "summary.json").read_text())["param_layouts"]
     assert MODEL_PARALLEL_LAYOUTS["cnn"].items() <= layouts.items()
     evaluated = main_py("--mode=eval", f"--workdir={workdir}", f"--output={tmp_path / 'e.json'}")
