@@ -42,6 +42,14 @@ class Interrupted(UserError):
         self.exit_code = exit_code
 
 
+class _SignalAfterTraining(KeyboardInterrupt):
+    """A signal after training, raised by the handler; `Stop.after_training` says it."""
+
+    def __init__(self, trained: tuple[int, checkpoint_lib.Checkpoints]):
+        super().__init__()
+        self.trained = trained
+
+
 class Stop:
     """While active, `errors.STOP_SIGNALS` only set `signum`, and so does a failed write to
     the standard output (`OUTPUT_FAILED`); the loop saves and stops cleanly."""
@@ -71,7 +79,11 @@ class Stop:
     def _handle(self, signum, frame) -> None:
         self.signum = signum
         if self._trained is not None and jax.process_count() == 1:
-            raise self._stopped_after_training(signum)
+            self._trained, trained = None, self._trained  # one stop, however many signals
+            # Raised wherever the main thread is: a KeyboardInterrupt, which no library's
+            # `except Exception` takes for its own failure (JAX's compilation cache read one
+            # as a damaged entry), to be said as an Interrupted by `after_training`.
+            raise _SignalAfterTraining(trained)
 
     def _output_failed(self, cause: OSError) -> None:
         """The standard output failed (on any thread): stop as on a signal, saving first."""
@@ -167,6 +179,9 @@ class Stop:
         self._trained = (step, checkpoints)
         try:
             yield
+        except _SignalAfterTraining as signalled:
+            self._trained = signalled.trained
+            raise self._stopped_after_training(self.signum) from None
         finally:
             self._trained = None
 

@@ -15,7 +15,7 @@ import time
 import pytest
 from conftest import REPO
 
-from fmnist_flax.runtime import console
+from fmnist_flax.runtime import console, errors
 
 
 class Terminal(io.StringIO):
@@ -37,6 +37,35 @@ def test_a_status_shows_in_place_and_any_output_clears_it_first(monkeypatch):
     console.status("x" * 500)  # fitted to the terminal's width
     assert max(len(line) for line in terminal.getvalue().split("\r")) < 200
     console.clear()
+
+
+def test_a_status_that_stays_counts_its_seconds_until_the_next_output(monkeypatch):
+    """The timings' eager warm-up left the screen still for 2.5-3.4 s; a status that stays
+    now shows its seconds, so nothing stands still much longer than a second."""
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    console.status("warming up")
+    time.sleep(1.6)
+    print("Timings")
+    shown = terminal.getvalue()
+    assert shown.startswith("\rwarming up\x1b[K\rwarming up [1 s]\x1b[K")
+    assert shown.endswith("\r\x1b[KTimings\n")
+    time.sleep(0.6)  # cleared: never drawn again
+    assert terminal.getvalue() == shown
+
+
+def test_a_status_through_the_output_guard_is_cleared_before_an_error_line(monkeypatch):
+    """The command line guards stdout after the first status; a status drawn through the
+    guard was forgotten as it was drawn, and an error line then followed it on its line."""
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    console.status("starting")
+    monkeypatch.setattr(sys, "stdout", errors.GuardedOutput(sys.stdout))
+    console.status("warming up")
+    errors.error_line("SIGINT at step 400")
+    assert terminal.getvalue().endswith("\rwarming up\x1b[K\r\x1b[Kerror: SIGINT at step 400\n")
 
 
 def test_no_status_where_stdout_is_no_terminal(monkeypatch):
