@@ -142,6 +142,29 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
+def start_main(
+    workdir: pathlib.Path, *flags: str, stdout: int | None = subprocess.PIPE, **kwargs
+) -> subprocess.Popen:
+    """`python main.py --workdir=WORKDIR FLAGS` started in a process of its own, not waited
+    for (to be signalled or killed); stderr piped, `stdout` as given."""
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "main.py"), f"--workdir={workdir}", *flags],
+        cwd=REPO,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+def wait_for(condition, timeout: float = 120) -> None:
+    """Poll `condition` every 50 ms until it holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
 def run_main_measured(
     *args, timeout: float = 300, **kwargs
 ) -> tuple[subprocess.CompletedProcess, int, float]:

@@ -180,8 +180,7 @@ class Stop:
         try:
             yield
         except _SignalAfterTraining as signalled:
-            self._trained = signalled.trained
-            raise self._stopped_after_training(self.signum) from None
+            raise self._stopped_after_training(self.signum, *signalled.trained) from None
         finally:
             self._trained = None
 

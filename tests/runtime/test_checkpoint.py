@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import EVERY_DUE_SAVE, REPO, load_config
+from conftest import EVERY_DUE_SAVE, REPO, load_config, start_main, wait_for
 from flax import nnx
 
 from fmnist_flax import load_model, train
@@ -327,28 +327,11 @@ def test_unwritable_training_workdir_is_one_line(quick_config, tmp_path, under):
     assert (tmp_path / "file").read_text() == "kept"
 
 
-def start_training(workdir, *flags):
-    return subprocess.Popen(
-        [sys.executable, str(REPO / "main.py"), f"--workdir={workdir}", *flags],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def wait_for(condition, timeout=120):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_signal_saves_the_current_step_and_says_how_to_resume(signum, tmp_path):
     workdir = tmp_path / "w"
-    process = start_training(
+    process = start_main(
         workdir, "--steps=1000000", "--checkpoint_every=1000000", "--log_every=1000000"
     )
     wait_for(
@@ -370,7 +353,7 @@ def test_a_signal_before_training_begins_stops_the_set_up_at_once(signum, tmp_pa
     """During the set-up (building, restoring, compiling: minutes for a large model) a signal
     stops the run at once with its line and exit code: nothing trained, nothing lost."""
     workdir = tmp_path / "w"
-    process = start_training(workdir, "--config.ensemble.size=8")
+    process = start_main(workdir, "--config.ensemble.size=8")
     assert process.stdout.readline().startswith("workdir:")  # its signal handlers are set
     sent = time.monotonic()
     process.send_signal(signum)
@@ -386,7 +369,7 @@ def test_a_signal_before_training_begins_stops_the_set_up_at_once(signum, tmp_pa
 @pytest.mark.slow
 def test_sigkill_resumes_from_the_last_complete_checkpoint(tmp_path):
     workdir = tmp_path / "w"
-    process = start_training(workdir, "--steps=1000000", "--checkpoint_every=20", EVERY_DUE_SAVE)
+    process = start_main(workdir, "--steps=1000000", "--checkpoint_every=20", EVERY_DUE_SAVE)
     checkpoints_dir = workdir / "checkpoints"
     wait_for(
         lambda: (
@@ -439,7 +422,7 @@ def test_the_time_floor_spaces_saves_and_bounds_what_a_kill_loses(tmp_path):
     at most that bound plus the writing time of the save in progress (the README's bound)."""
     floor, slack = 2.0, 2.0
     workdir = tmp_path / "w"
-    process = start_training(
+    process = start_main(
         workdir,
         "--steps=1000000",
         "--checkpoint_every=5",

@@ -135,11 +135,16 @@ def test_export_mistakes_are_one_line(workdir, tmp_path):
 def test_cnn_exports_with_a_symbolic_batch():
     config = load_config("cnn")
     cnn = model.create_model(config, (28, 28, 1), 10)
-    cnn.eval()
-    exported = export.export_probabilities(cnn, (28, 28, 1))
+    assert_exports_as_it_predicts(cnn)
+
+
+def assert_exports_as_it_predicts(net) -> None:
+    """The serialised artifact of `net`, run on 3 random images, gives `predict`'s output."""
+    net.eval()
+    exported = export.export_probabilities(net, (28, 28, 1))
     images = np.random.default_rng(0).integers(0, 256, (3, 28, 28, 1), dtype=np.uint8)
     got = np.asarray(jax.export.deserialize(exported.serialize()).call(images))
-    np.testing.assert_allclose(got, predict(cnn, images), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got, predict(net, images), rtol=1e-6, atol=1e-7)
 
 
 @pytest.fixture
@@ -154,11 +159,7 @@ def test_scanned_models_and_their_ensembles_export(scanned, members):
     config = scanned_model.config(load_config("default"))
     config.ensemble.size = members
     scanned_net = model.create_model(config, (28, 28, 1), 10)
-    scanned_net.eval()
-    exported = export.export_probabilities(scanned_net, (28, 28, 1))
-    images = np.random.default_rng(0).integers(0, 256, (3, 28, 28, 1), dtype=np.uint8)
-    got = np.asarray(jax.export.deserialize(exported.serialize()).call(images))
-    np.testing.assert_allclose(got, predict(scanned_net, images), rtol=1e-6, atol=1e-7)
+    assert_exports_as_it_predicts(scanned_net)
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import EVERY_DUE_SAVE, REPO, run_main, run_main_measured
+from conftest import EVERY_DUE_SAVE, REPO, run_main, run_main_measured, start_main, wait_for
 
 from fmnist_flax.runtime import checkpoint
 
@@ -48,21 +48,7 @@ def the_error(result: subprocess.CompletedProcess, expected: str, code: int = 1)
 
 
 def start(workdir: pathlib.Path, *flags: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(REPO / "main.py"), f"--workdir={workdir}", *flags],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kwargs,
-    )
-
-
-def wait_for(condition, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
+    return start_main(workdir, *flags, stdout=subprocess.DEVNULL, **kwargs)
 
 
 def saved_steps(workdir: pathlib.Path) -> list[int]:
