@@ -176,8 +176,7 @@ def after_update(hook: UpdateHook) -> UpdateHook:
     """Decorator: run `hook(model, optimizer, config)` after each optimizer update, inside the
     compiled step (a weight clamp, a norm constraint); it changes the model in place. Add it
     before training starts (from a module of `config.imports`): compiled steps keep theirs."""
-    UPDATE_HOOKS[f"{hook.__module__}.{hook.__qualname__}"] = hook
-    return hook
+    return UPDATE_HOOKS.add(hook)
 
 
 # hook(step, metrics, run) -> True to end the run (an early stop), called after each evaluation
@@ -195,8 +194,7 @@ def after_evaluation(hook: EvaluationHook) -> EvaluationHook:
     there, saved, said in one line and its outputs written; the same command again does not
     train past it. A hook that fails stops the run in one line naming it, the steps since the
     last save saved first."""
-    AFTER_EVALUATION[f"{hook.__module__}.{hook.__qualname__}"] = hook
-    return hook
+    return AFTER_EVALUATION.add(hook)
 
 
 def train_step(

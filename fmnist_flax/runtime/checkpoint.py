@@ -574,9 +574,8 @@ class Checkpoints:
         damaged: dict[int, ItemDamaged] = {}
         for candidate in self.steps()[::-1]:
             try:
-                for needed in self.needed_items:
-                    self._item(candidate, needed)
-                value = self._item(candidate, item)
+                read = dict.fromkeys((*self.needed_items, item))  # each once, `item` too
+                value = {name: self._item(candidate, name) for name in read}[item]
             except ItemDamaged as exc:
                 if self.rotated_after_watching(candidate):
                     raise StepVanished(candidate) from None

@@ -236,9 +236,7 @@ PROJECT_NAMES = frozenset(
     {
         *ITEM_FIELDS["progress"],
         *FIELD_RULES,
-        "row",  # the running row's sums
         "data_iterator",  # Grain's position
-        "stopped_at",  # where an after-evaluation hook ended the run
         "init_from_step",
         "loss",
         "accuracy",

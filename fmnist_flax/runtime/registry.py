@@ -63,6 +63,12 @@ class Registry(Mapping):
         if not any(held is entry for held in entries.values()):  # the same one again: kept
             entries[owner] = entry
 
+    def add(self, entry: Any) -> Any:
+        """Add `entry` under its module and name (`my_project.clamp`) and return it: the body
+        of a decorator that registers what it decorates."""
+        self[_named(entry)] = entry
+        return entry
+
     def __delitem__(self, name: str) -> None:
         del self.owned[name]
 
