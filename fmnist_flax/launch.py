@@ -2,8 +2,7 @@
 answered in one line from the first instant, while the libraries are still imported.
 
 Only the standard library is imported before the command line. Until it takes over
-(`errors.stop_raises`), a signal ends the process with `error: SIGTERM while starting ...`
-and the signal's exit status: nothing has been written yet.
+(`errors.stop_raises`), a signal ends the process with `STARTING`'s line and its exit status.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ def main() -> None:
     from fmnist_flax.runtime import startup
 
     startup.begin(sys.argv)  # a status line at once; an accelerator's backend on a thread
-    from fmnist_flax import cli
+    with startup.without_ipython():
+        from fmnist_flax import cli
 
     cli.run(started=STARTED)

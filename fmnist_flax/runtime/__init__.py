@@ -29,7 +29,7 @@ API: dict[str, tuple[str, ...]] = {
         "step_flag",
     ),
     "compilation_cache": ("QUICK_COMPILE", "use"),
-    "compile_ahead": ("Compiling", "start"),
+    "compile_ahead": ("Compiling", "start", "wait_for_compilations"),
     "console": ("clear", "status"),
     "data_files": (
         "ARRAY_FILES",
@@ -182,7 +182,7 @@ API: dict[str, tuple[str, ...]] = {
         "with_defaults",
     ),
     "schedule": ("Schedule",),
-    "startup": ("ACCELERATOR_FILES", "BEFORE_BACKEND_FLAGS", "begin"),
+    "startup": ("ACCELERATOR_FILES", "BEFORE_BACKEND_FLAGS", "begin", "without_ipython"),
     "stages": (
         "claim_workdir",
         "evaluate_model",

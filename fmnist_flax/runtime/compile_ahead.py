@@ -4,6 +4,7 @@ extensions run on the main one (XLA compiles without the GIL).
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import threading
 from collections.abc import Callable, Sequence
@@ -30,11 +31,22 @@ class Compiling(threading.Thread):
             super().join(0.1)
 
 
+_RUNNING: set[concurrent.futures.Future] = set()  # `in_background`'s jobs not yet done
+_waits_at_exit = False  # whether `wait_for_compilations` is an exit hook yet
+
+
 def in_background(job: Callable[[], Any], name: str) -> concurrent.futures.Future:
     """`job` run on a daemon thread, its result in the future returned. The interpreter joins
     a ThreadPoolExecutor's workers before it exits, so a signal's exit waited for a compilation
-    nothing can interrupt; it does not wait for a daemon thread."""
+    nothing can interrupt; it does not wait for a daemon thread (the command line leaves with
+    `os._exit`; `wait_for_compilations` covers a process that tears the interpreter down)."""
+    global _waits_at_exit
+    if not _waits_at_exit:  # from the first job on: importing this module changes nothing
+        _waits_at_exit = True
+        atexit.register(wait_for_compilations)
     future: concurrent.futures.Future = concurrent.futures.Future()
+    _RUNNING.add(future)
+    future.add_done_callback(_RUNNING.discard)
 
     def run() -> None:
         future.set_running_or_notify_cancel()
@@ -45,6 +57,13 @@ def in_background(job: Callable[[], Any], name: str) -> concurrent.futures.Futur
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
+
+
+def wait_for_compilations() -> None:
+    """At the interpreter's exit, wait for the compilations still running on daemon threads: one
+    in XLA while the interpreter tears itself down aborts the process ("terminate called...")."""
+    for future in list(_RUNNING):
+        concurrent.futures.wait([future])
 
 
 def start(

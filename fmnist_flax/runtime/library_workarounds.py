@@ -156,14 +156,19 @@ def await_tmp_cleanup(manager: ocp.CheckpointManager) -> None:
 # After the last exit hook, CPython frees every module and object of JAX, Orbax and matplotlib
 # one by one, which nothing reads: a finished command would wait for it.
 def exit_after_hooks(status: int) -> None:
-    """Leave with `status` once every exit hook has run, without the interpreter's teardown."""
+    """Leave with `status` once every exit hook has run, without the interpreter's teardown
+    (nor JAX's backends')."""
     global _exit_status
     _exit_status = status
+    _without_backend_teardown()
+    atexit.unregister(_leave)  # newest, so it runs first: hooks registered since `install`
+    atexit.register(_leave)  # would otherwise run before it, then again inside it
 
 
 def _leave() -> None:
-    """Registered by `install`, after the libraries' own exit hooks, so it runs before them:
-    it runs them (newest first, as the interpreter would), then leaves with every file closed."""
+    """Registered by `install` and again by `exit_after_hooks`, after every other exit hook, so
+    it runs before them: it runs them (newest first, as the interpreter would), then leaves
+    with every file closed."""
     if _exit_status is None:
         return
     atexit.unregister(_leave)
@@ -172,3 +177,19 @@ def _leave() -> None:
         with contextlib.suppress(OSError, ValueError, AttributeError):  # closed, or None (`>&-`)
             stream.flush()
     os._exit(_exit_status)
+
+
+# --- JAX's exit hook (jax 0.10.2) ---------------------------------------------------------------
+def _without_backend_teardown() -> None:
+    """Drop JAX's exit hook (`jax._src.api.clean_up`) in a process that leaves with `os._exit`:
+    it destroys each backend's client, which on a TPU shuts the chip's runtime down for
+    seconds; the process's end frees the devices as well. Kept where `jax.distributed` runs:
+    its coordination service is shut down by the same hook. Compilations still running on
+    daemon threads (`compile_ahead`) are not waited for: no interpreter teardown follows."""
+    from jax._src import api, distributed
+
+    if distributed.global_state.client is None:
+        atexit.unregister(api.clean_up)
+    compile_ahead = sys.modules.get(f"{__package__}.compile_ahead")
+    if compile_ahead is not None:
+        atexit.unregister(compile_ahead.wait_for_compilations)

@@ -5,10 +5,12 @@ its backend on a thread while the libraries import (a TPU's takes seconds).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from . import console
 
@@ -41,3 +43,22 @@ def _start_backend() -> None:
         jax.devices()
     except Exception:
         pass
+
+
+@contextlib.contextmanager
+def without_ipython() -> Iterator[None]:
+    """Libraries imported inside see IPython as not installed, unless it already runs.
+
+    Flax's `nnx.reprlib` (0.12.8) imports IPython at import time to ask whether it runs in a
+    notebook; where IPython is installed, that import took seconds on a TPU machine's slow
+    disk. Outside IPython (not yet imported) the answer is no either way.
+    """
+    if "IPython" in sys.modules:
+        yield
+        return
+    sys.modules["IPython"] = None  # type: ignore[assignment]  # `import IPython` fails at once
+    try:
+        yield
+    finally:
+        if sys.modules.get("IPython", False) is None:
+            del sys.modules["IPython"]

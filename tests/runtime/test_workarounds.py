@@ -131,3 +131,44 @@ def test_asyncio_logging_an_abandoned_read_of_a_damaged_array_is_dropped_and_not
             gc.collect()
     logged = [r for r in caplog.records if "never retrieved" in r.getMessage()]
     assert [str(r.exc_info[1]) for r in logged] == ["something else"]
+
+
+# A command that leaves with `os._exit` (`exit_after_hooks`): JAX's exit hook, which destroys
+# the backends (seconds on a TPU), and the wait for background compilations are dropped; the
+# other hooks run. Here JAX's hook and a compilation that would take 60 s are stand-ins.
+LEAVING = """
+import atexit, sys, time
+from jax._src import api
+from fmnist_flax.runtime import compile_ahead, library_workarounds
+library_workarounds.install()
+api.clean_up = lambda: print("jax's clean_up ran")
+atexit.register(api.clean_up)
+atexit.register(lambda: print("other hook ran"))
+compile_ahead.in_background(lambda: time.sleep(60), "compile")
+library_workarounds.exit_after_hooks(3)
+sys.exit(3)
+"""
+
+# A process that tears the interpreter down waits for a compilation still running: a daemon
+# thread inside XLA then aborts the process.
+TEARING_DOWN = """
+import time
+from fmnist_flax.runtime import compile_ahead
+compile_ahead.in_background(lambda: (time.sleep(0.5), print("compiled")), "compile")
+"""
+
+
+def test_leaving_with_os_exit_skips_jaxs_backend_teardown_and_runs_the_other_hooks():
+    # Waiting for the 60 s "compilation" would pass the timeout, and fail the test.
+    result = subprocess.run(
+        [sys.executable, "-c", LEAVING], capture_output=True, text=True, cwd=REPO, timeout=50
+    )
+    assert result.returncode == 3, result.stderr
+    assert result.stdout.splitlines() == ["other hook ran"]
+
+
+def test_a_process_that_tears_down_waits_for_a_compilation_still_running():
+    result = subprocess.run(
+        [sys.executable, "-c", TEARING_DOWN], capture_output=True, text=True, cwd=REPO
+    )
+    assert (result.returncode, result.stdout) == (0, "compiled\n"), result.stderr
