@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 # Imports Flax (whose nnx.reprlib asks IPython at import time) inside `without_ipython`, then
@@ -19,6 +20,7 @@ import IPython
 """
 
 
+@pytest.mark.slow
 def test_flax_imports_without_importing_ipython_and_ipython_imports_after(tmp_path):
     (tmp_path / "IPython").mkdir()
     (tmp_path / "IPython" / "__init__.py").write_text(

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 PACKAGE = REPO / "fmnist_flax"
@@ -158,6 +159,7 @@ compile_ahead.in_background(lambda: (time.sleep(0.5), print("compiled")), "compi
 """
 
 
+@pytest.mark.slow
 def test_leaving_with_os_exit_skips_jaxs_backend_teardown_and_runs_the_other_hooks():
     # Waiting for the 60 s "compilation" would pass the timeout, and fail the test.
     result = subprocess.run(
@@ -167,6 +169,7 @@ def test_leaving_with_os_exit_skips_jaxs_backend_teardown_and_runs_the_other_hoo
     assert result.stdout.splitlines() == ["other hook ran"]
 
 
+@pytest.mark.slow
 def test_a_process_that_tears_down_waits_for_a_compilation_still_running():
     result = subprocess.run(
         [sys.executable, "-c", TEARING_DOWN], capture_output=True, text=True, cwd=REPO
