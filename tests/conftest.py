@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import main_server
 import numpy as np
@@ -127,8 +127,7 @@ def run_main(
     the same way (the repository's main.py, this process's environment, nothing to feed it)."""
     if script == REPO / "main.py" and set(kwargs) <= {"check"}:
         server = MainServer.running()
-        if server.env == MainServer.environment():
-            return server.run([str(a) for a in args], cwd, timeout, **kwargs)
+        return server.run([str(a) for a in args], cwd, timeout, **kwargs)
     return subprocess.run(
         [sys.executable, str(script), *args],
         cwd=cwd,
@@ -140,16 +139,19 @@ def run_main(
 
 
 class MainServer:
-    """This test process's `main_server`, started at its first use, stopped at its exit."""
+    """A `main_server` for one project (this repository's, or a copy a test made), started at
+    its first use, stopped at this process's exit or by `stop`."""
 
-    _running: MainServer | None = None
+    _running: ClassVar[dict[tuple, MainServer]] = {}
 
-    def __init__(self):
-        self.env = self.environment()
+    def __init__(self, python: pathlib.Path, root: pathlib.Path, env: dict[str, str]):
+        self.root, self.env = root, env
         self.path = os.path.join(tempfile.mkdtemp(prefix="main-server-"), "socket")
+        preload = "template" if root == REPO else "libraries"
         self.process = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "main_server.py"), self.path],
-            cwd=REPO,
+            [python, str(REPO / "tests" / "main_server.py"), self.path, str(root), preload],
+            cwd=root,
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             text=True,
@@ -158,21 +160,36 @@ class MainServer:
         atexit.register(self.process.kill)
 
     @staticmethod
-    def environment() -> dict[str, str]:
-        """This process's environment but the variable pytest changes for each test."""
-        return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    def stable(env: dict[str, str]) -> dict[str, str]:
+        """`env` but the variable pytest changes for each test (which a command gets as is)."""
+        return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
 
     @classmethod
-    def running(cls) -> MainServer:
-        if cls._running is None or cls._running.process.poll() is not None:
-            cls._running = cls()
-        return cls._running
+    def running(
+        cls, python=pathlib.Path(sys.executable), root=REPO, env: dict | None = None
+    ) -> MainServer:
+        env = cls.stable(os.environ if env is None else env)
+        key = (root, tuple(sorted(env.items())))  # the environment the libraries imported in
+        server = cls._running.get(key)
+        if server is None or server.process.poll() is not None:
+            server = cls._running[key] = cls(python, root, env)
+        return server
+
+    @classmethod
+    def stop(cls, root: pathlib.Path) -> None:
+        """Stop the servers of the project at `root`."""
+        for key in [key for key in cls._running if key[0] == root]:
+            server = cls._running.pop(key)
+            server.process.kill()
+            server.process.wait()
 
     def run(self, argv: list[str], cwd, timeout: float, check: bool = False):
         """One command, as `subprocess.run(..., capture_output=True, text=True)` returns it."""
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             fds = [0, out.fileno(), err.fileno()]
-            env = dict(os.environ)
+            env = dict(self.env)
+            if "PYTEST_CURRENT_TEST" in os.environ:
+                env["PYTEST_CURRENT_TEST"] = os.environ["PYTEST_CURRENT_TEST"]
             with main_server.request(self.path, argv, str(cwd), env, fds) as connection:
                 connection.settimeout(timeout)
                 replies = connection.makefile("r")

@@ -1,10 +1,12 @@
 """`python main.py ARGS` for the tests without importing the libraries each time: a server
-process imports them once (as `main.py` does before it reads its flags), then forks a copy per
-command, which runs `main.py` as the interpreter would. Each copy starts as a fresh process
-would at that point (no backend, no thread, nothing compiled), in its own working directory,
-with its own environment, argv and standard streams.
+process imports them once, then forks a copy per command, which runs `main.py` as the
+interpreter would. Each copy starts as a fresh process would at that point (no backend, no
+thread, nothing compiled), in its own working directory, with its own environment, argv and
+standard streams.
 
-    python tests/main_server.py SOCKET   # conftest.run_main starts one per test worker
+    python tests/main_server.py SOCKET ROOT template   # ROOT's package imported as main.py does
+    python tests/main_server.py SOCKET ROOT libraries  # the libraries only: a copied project
+                                                       # that the test edits between commands
 
 A request is one JSON line {"argv", "cwd", "env"} sent with three file descriptors (the
 command's stdin, stdout and stderr). The server forks a handler per request, so that it keeps
@@ -15,6 +17,7 @@ sends its exit status (as `subprocess` reports it: negative for a signal).
 from __future__ import annotations
 
 import array
+import importlib
 import json
 import os
 import pathlib
@@ -24,18 +27,26 @@ import socket
 import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-MAIN = REPO / "main.py"
+# What the template's main.py imports before its flags, outside its own package.
+LIBRARIES = ("jax", "flax.nnx", "optax", "orbax.checkpoint", "ml_collections", "absl.app")
 
 
-def serve(path: str) -> None:
-    """Import what `main.py` imports before its flags, then answer requests until killed."""
-    sys.path[0] = str(REPO)  # as for `python main.py`: the script's directory first
-    from fmnist_flax import launch
-    from fmnist_flax.runtime import startup
+def serve(path: str, root: str, preload: str) -> None:
+    """Import what `main.py` imports before its flags (`preload`: all, or the libraries only),
+    then answer requests until killed."""
+    sys.path[0] = root  # as for `python main.py`: the script's directory first
+    launch = None
+    if preload == "template":
+        from fmnist_flax import launch
+        from fmnist_flax.runtime import startup
 
-    with startup.without_ipython():
-        from fmnist_flax import cli  # noqa: F401
+        with startup.without_ipython():
+            from fmnist_flax import cli  # noqa: F401
+    else:
+        sys.modules["IPython"] = None  # as `startup.without_ipython` imports them
+        for name in LIBRARIES:
+            importlib.import_module(name)
+        del sys.modules["IPython"]
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # handlers are reaped by the kernel
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -46,11 +57,11 @@ def serve(path: str) -> None:
         connection, _ = listener.accept()
         if os.fork() == 0:
             listener.close()
-            handle(connection, launch)  # never returns
+            handle(connection, pathlib.Path(root) / "main.py", launch)  # never returns
         connection.close()
 
 
-def handle(connection: socket.socket, launch) -> None:
+def handle(connection: socket.socket, main: pathlib.Path, launch) -> None:
     """Fork the command, tell the client its pid, then its exit status."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
@@ -63,7 +74,7 @@ def handle(connection: socket.socket, launch) -> None:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
-        run(request, launch)
+        run(request, main, launch)
     for fd in fds:
         os.close(fd)
     connection.sendall(f"{pid}\n".encode())
@@ -72,16 +83,17 @@ def handle(connection: socket.socket, launch) -> None:
     os._exit(0)
 
 
-def run(request: dict, launch) -> None:
+def run(request: dict, main: pathlib.Path, launch) -> None:
     """In the command's process: `python main.py ARGV` from here on."""
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.argv = [str(MAIN), *request["argv"]]
-    launch.STARTED = time.perf_counter()
+    sys.argv = [str(main), *request["argv"]]
+    if launch is not None:  # imported by the server: its start is now
+        launch.STARTED = time.perf_counter()
     code = 0
     try:
-        runpy.run_path(str(MAIN), run_name="__main__")
+        runpy.run_path(str(main), run_name="__main__")
     except SystemExit as done:
         code = done.code
     sys.exit(code)  # the interpreter's exit, with its exit hooks, as main.py's would be
@@ -97,4 +109,4 @@ def request(path: str, argv: list[str], cwd: str, env: dict[str, str], fds: list
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(*sys.argv[1:4])

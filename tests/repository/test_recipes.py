@@ -19,6 +19,7 @@ import pytest
 from conftest import (
     EVERY_DUE_SAVE,
     REPO,
+    MainServer,
     assert_one_line_error,
     assert_same_models,
     idx_bytes,
@@ -71,8 +72,13 @@ def bare_python(root: pathlib.Path) -> pathlib.Path:
 
 
 def isolated(root: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
-    """`python ARGS` in a copied project, seeing its own package only (`bare_python`)."""
+    """`python ARGS` in a copied project, seeing its own package only (`bare_python`); main.py
+    forked from a server of the project's own (`conftest.MainServer`), which imports the
+    libraries only: the project's files are read by each command, after the test's edits."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if args[0] == "main.py":
+        server = MainServer.running(bare_python(root), root, env)
+        return server.run(list(args[1:]), root, timeout=600)
     return subprocess.run(
         [bare_python(root), *args], cwd=root, env=env, capture_output=True, text=True
     )
@@ -207,7 +213,8 @@ def project(tmp_path):
     """A copied project, its data directory and the values the guide's commands take."""
     root = copy_project(tmp_path)
     values = {"DATA_DIR": str(root / "data"), "WORKDIR": str(root / "runs")}
-    return root, values
+    yield root, values
+    MainServer.stop(root)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import EVERY_DUE_SAVE, REPO, load_config
+from conftest import EVERY_DUE_SAVE, REPO, MainServer, load_config
 from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
@@ -48,13 +48,9 @@ def free_port() -> int:
 
 
 def main_py(*flags: str, devices: int = 1, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "main.py"), *flags],
-        env=env_with_devices(devices),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """`python main.py FLAGS` on `devices` CPU devices (forked from a `conftest.MainServer`)."""
+    server = MainServer.running(env=env_with_devices(devices))
+    return server.run(list(flags), REPO, timeout)
 
 
 @pytest.mark.slow
