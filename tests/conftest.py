@@ -146,17 +146,21 @@ class MainServer:
 
     def __init__(self, python: pathlib.Path, root: pathlib.Path, env: dict[str, str]):
         self.root, self.env = root, env
-        self.path = os.path.join(tempfile.mkdtemp(prefix="main-server-"), "socket")
+        directory = pathlib.Path(tempfile.mkdtemp(prefix="main-server-"))
+        self.path = str(directory / "socket")
         preload = "template" if root == REPO else "libraries"
-        self.process = subprocess.Popen(
-            [python, str(REPO / "tests" / "main_server.py"), self.path, str(root), preload],
-            cwd=root,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.process.stdout.readline() == "ready\n", "tests/main_server.py did not start"
+        with open(directory / "log", "w") as log:  # not this process's stderr, held open
+            self.process = subprocess.Popen(
+                [python, str(REPO / "tests" / "main_server.py"), self.path, str(root), preload],
+                cwd=root,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
+        ready = self.process.stdout.readline()
+        assert ready == "ready\n", (directory / "log").read_text()[-3000:]
         atexit.register(self.process.kill)
 
     @staticmethod
