@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -14,6 +15,7 @@ import os
 import pathlib
 import re
 import runpy
+import select
 import signal
 import struct
 import subprocess
@@ -187,14 +189,22 @@ class MainServer:
             server.process.kill()
             server.process.wait()
 
+    def start(self, argv: list[str], cwd, stdout: int | None) -> ServedProcess:
+        """One command, not waited for, as `subprocess.Popen(..., stdin=DEVNULL,
+        stdout=stdout (PIPE or DEVNULL), stderr=PIPE, text=True)` starts it."""
+        return ServedProcess(self, argv, cwd, stdout)
+
+    def _env(self) -> dict[str, str]:
+        env = dict(self.env)
+        if "PYTEST_CURRENT_TEST" in os.environ:
+            env["PYTEST_CURRENT_TEST"] = os.environ["PYTEST_CURRENT_TEST"]
+        return env
+
     def run(self, argv: list[str], cwd, timeout: float, check: bool = False):
         """One command, as `subprocess.run(..., capture_output=True, text=True)` returns it."""
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             fds = [0, out.fileno(), err.fileno()]
-            env = dict(self.env)
-            if "PYTEST_CURRENT_TEST" in os.environ:
-                env["PYTEST_CURRENT_TEST"] = os.environ["PYTEST_CURRENT_TEST"]
-            with main_server.request(self.path, argv, str(cwd), env, fds) as connection:
+            with main_server.request(self.path, argv, str(cwd), self._env(), fds) as connection:
                 connection.settimeout(timeout)
                 replies = connection.makefile("r")
                 pid = int(replies.readline())
@@ -208,6 +218,67 @@ class MainServer:
         if check:
             result.check_returncode()
         return result
+
+
+class ServedProcess:
+    """A command forked from a `MainServer`, with the part of `subprocess.Popen`'s interface
+    the tests use: its pid (for signals), its streams, poll, wait, communicate."""
+
+    def __init__(self, server: MainServer, argv: list[str], cwd, stdout: int | None):
+        self.args, self.returncode = ["main.py", *argv], None
+        pipes = {"stdout": os.pipe() if stdout == subprocess.PIPE else None, "stderr": os.pipe()}
+        with open(os.devnull, "r+b") as null:
+            ends = [null.fileno(), *(p[1] if p else null.fileno() for p in pipes.values())]
+            self._connection = main_server.request(server.path, argv, str(cwd), server._env(), ends)
+        for name, pipe in pipes.items():
+            if pipe:
+                os.close(pipe[1])
+            setattr(self, name, io.TextIOWrapper(os.fdopen(pipe[0], "rb")) if pipe else None)
+        self._received = b""
+        self.pid = int(self._line(None))
+
+    def _line(self, timeout: float | None) -> str | None:
+        """The server's next line (pid, then exit status), or None after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._received:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self._connection], [], [], left)[0]:
+                return None
+            self._received += self._connection.recv(4096) or b"?\n"  # closed: no status
+        line, self._received = self._received.split(b"\n", 1)
+        return line.decode()
+
+    def poll(self) -> int | None:
+        return self.wait(0) if self.returncode is None else self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if self.returncode is None:
+            line = self._line(timeout)
+            if line is None:
+                if timeout == 0:
+                    return None
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = int(line)
+            self._connection.close()
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+        """Both streams read to their end (on threads: neither pipe fills), then the status."""
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            reads = [pool.submit(s.read) if s else None for s in (self.stdout, self.stderr)]
+            out, err = (r.result(timeout) if r else None for r in reads)
+        self.wait(timeout)
+        return out, err
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
 
 
 def _text(file) -> str:
@@ -232,7 +303,10 @@ def start_main(
     workdir: pathlib.Path, *flags: str, stdout: int | None = subprocess.PIPE, **kwargs
 ) -> subprocess.Popen:
     """`python main.py --workdir=WORKDIR FLAGS` started in a process of its own, not waited
-    for (to be signalled or killed); stderr piped, `stdout` as given."""
+    for (to be signalled or killed); stderr piped, `stdout` as given (forked from the
+    `MainServer` where nothing else is asked for)."""
+    if not kwargs and stdout in (subprocess.PIPE, subprocess.DEVNULL):
+        return MainServer.running().start([f"--workdir={workdir}", *flags], REPO, stdout)
     return subprocess.Popen(
         [sys.executable, str(REPO / "main.py"), f"--workdir={workdir}", *flags],
         cwd=REPO,
