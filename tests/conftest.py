@@ -147,7 +147,7 @@ class MainServer:
     _running: ClassVar[dict[tuple, MainServer]] = {}
 
     def __init__(self, python: pathlib.Path, root: pathlib.Path, env: dict[str, str]):
-        self.root, self.env = root, env
+        self.env = env
         directory = pathlib.Path(tempfile.mkdtemp(prefix="main-server-"))
         self.path = str(directory / "socket")
         preload = "template" if root == REPO else "libraries"
@@ -202,19 +202,9 @@ class MainServer:
 
     def run(self, argv: list[str], cwd, timeout: float, check: bool = False):
         """One command, as `subprocess.run(..., capture_output=True, text=True)` returns it."""
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            fds = [0, out.fileno(), err.fileno()]
-            with main_server.request(self.path, argv, str(cwd), self._env(), fds) as connection:
-                connection.settimeout(timeout)
-                replies = connection.makefile("r")
-                pid = int(replies.readline())
-                try:
-                    status = int(replies.readline())
-                except TimeoutError:
-                    os.kill(pid, signal.SIGKILL)
-                    raise subprocess.TimeoutExpired(["main.py", *argv], timeout) from None
-            stdout, stderr = (_text(f) for f in (out, err))
-        result = subprocess.CompletedProcess(["main.py", *argv], status, stdout, stderr)
+        process = self.start(argv, cwd, subprocess.PIPE)
+        stdout, stderr = process.communicate(timeout)
+        result = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
         if check:
             result.check_returncode()
         return result
@@ -241,8 +231,7 @@ class ServedProcess:
         """The server's next line (pid, then exit status), or None after `timeout` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self._received:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([self._connection], [], [], left)[0]:
+            if not select.select([self._connection], [], [], _left(deadline))[0]:
                 return None
             self._received += self._connection.recv(4096) or b"?\n"  # closed: no status
         line, self._received = self._received.split(b"\n", 1)
@@ -263,11 +252,19 @@ class ServedProcess:
         return self.returncode
 
     def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
-        """Both streams read to their end (on threads: neither pipe fills), then the status."""
+        """Both streams read to their end (on threads: neither pipe fills), then the status.
+        Past `timeout` the command is killed (its streams' readers would wait for it)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             reads = [pool.submit(s.read) if s else None for s in (self.stdout, self.stderr)]
-            out, err = (r.result(timeout) if r else None for r in reads)
-        self.wait(timeout)
+            try:
+                done = concurrent.futures.wait([r for r in reads if r], timeout)
+                if done.not_done or self.wait(_left(deadline)) is None:
+                    raise TimeoutError
+            except (TimeoutError, subprocess.TimeoutExpired):
+                self.kill()
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+        out, err = (r.result() if r else None for r in reads)
         return out, err
 
     def send_signal(self, signum: int) -> None:
@@ -281,10 +278,8 @@ class ServedProcess:
         self.send_signal(signal.SIGTERM)
 
 
-def _text(file) -> str:
-    """A captured stream as `subprocess` decodes it with text=True (universal newlines)."""
-    file.seek(0)
-    return io.TextIOWrapper(io.BytesIO(file.read())).read()
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 # Runs its arguments as a child and writes the child's own peak RSS (wait4) to the file

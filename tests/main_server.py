@@ -43,10 +43,10 @@ def serve(path: str, root: str, preload: str) -> None:
         with startup.without_ipython():
             from fmnist_flax import cli  # noqa: F401
     else:
-        sys.modules["IPython"] = None  # as `startup.without_ipython` imports them
-        for name in LIBRARIES:
+        sys.modules["IPython"] = None  # as `startup.without_ipython` has them imported (the
+        for name in LIBRARIES:  # project's own package stays unimported: the test edits it)
             importlib.import_module(name)
-        del sys.modules["IPython"]
+        sys.modules.pop("IPython")
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # handlers are reaped by the kernel
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

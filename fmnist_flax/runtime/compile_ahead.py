@@ -62,8 +62,7 @@ def in_background(job: Callable[[], Any], name: str) -> concurrent.futures.Futur
 def wait_for_compilations() -> None:
     """At the interpreter's exit, wait for the compilations still running on daemon threads: one
     in XLA while the interpreter tears itself down aborts the process ("terminate called...")."""
-    for future in list(_RUNNING):
-        concurrent.futures.wait([future])
+    concurrent.futures.wait(list(_RUNNING))
 
 
 def start(
