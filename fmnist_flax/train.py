@@ -54,7 +54,7 @@ from fmnist_flax.runtime import workdir as workdir_lib
 from fmnist_flax.runtime.ensemble import Ensemble
 from fmnist_flax.runtime.errors import UserError
 from fmnist_flax.runtime.registry import Registry
-from fmnist_flax.runtime.schedule import Schedule
+from fmnist_flax.runtime.schedule import Schedule, writes_row
 
 Metrics = dict[str, jax.Array]
 Config = ml_collections.FrozenConfigDict  # hashable: what the compiled steps are built for
@@ -247,16 +247,17 @@ def chunk_steps(
     mesh: jax.sharding.Mesh | None = None,
     schedule: Schedule | None = None,
 ) -> Callable[..., tuple[Any, Metrics, Metrics]]:
-    """`steps(state, sums, order, aug_key, *, images, labels, start, count, first_step)`:
-    `count` steps of the model whose state is `state` (`split_state`'s dicts) in a
+    """`steps(state, sums, order, aug_key, *, images, labels, start, count, first_step,
+    cadence)`: `count` steps of the model whose state is `state` (`split_state`'s dicts) in a
     `fori_loop` (with `config.fused_steps=False`, exactly one step). Batches are picked from
     the epoch's order (no order: steps start.. of a host-fed block), normalised (and augmented,
     when asked) on the device. Augmentation draws from `fold_in(aug_key, step)`, so a resumed
     run repeats it.
 
-    Each step where `schedule` writes a row ends one: its sums and gradient norm go to the
-    next slot of the returned rows (a last axis of `schedule.rows_per_call`) and the sums
-    start again from zero. With no schedule, a row ends at the call's last step."""
+    Each step where a row is written (`schedule.writes_row` of the `cadence`, the schedule's)
+    ends one: its sums and gradient norm go to the next slot of the returned rows (a last
+    axis of `schedule.rows_per_call`) and the sums start again from zero. With no schedule, a
+    row ends at the call's last step."""
     batch_size = config.batch_size
     accumulate = config.optimizer.accumulate
     max_shift = config.augment.max_shift
@@ -265,7 +266,7 @@ def chunk_steps(
     step_fn = ensemble.step_for(train_step, config)
     slots = schedule.rows_per_call if schedule is not None else 1
 
-    def steps(state, sums, order, aug_key, *, images, labels, start, count, first_step):
+    def steps(state, sums, order, aug_key, *, images, labels, start, count, first_step, cadence):
         def body(i, carry):
             state, sums, rows, slot = carry
             model, opt = nnx.merge(graphdef, state)
@@ -291,9 +292,8 @@ def chunk_steps(
                 return x, y
 
             x, y = ensemble.batch_for(batch, order, aug_key)
-            ends_row = (
-                i == count - 1 if schedule is None else schedule.writes_row(first_step + i + 1)
-            )
+            step = first_step + i + 1
+            ends_row = i == count - 1 if schedule is None else writes_row(step, cadence)
             # Only a row's last step computes the gradient norm (a further pass over every
             # gradient, which small batches feel).
             metrics = step_fn(model, opt, x, y, config, ends_row if fused else True)
@@ -334,16 +334,25 @@ def make_train_chunk(
     The state buffers are donated (updated in place). `sums` (every metric summed since the
     last logged row) goes in and comes out with this call's steps added; the rows its steps
     ended come out too. `count` is a traced loop bound, so chunks of any length share one
-    compilation. On a `mesh`, each batch is split along its `data` axis and XLA adds the
-    collectives.
+    compilation; with a `schedule`, `cadence` is its `cadence` (an argument, so schedules
+    that differ in steps or rows share it too). On a `mesh`, each batch is split along its
+    `data` axis and XLA adds the collectives.
     """
     steps = chunk_steps(graphdef, config, image_shape, mesh, schedule)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
     @functools.partial(jax.jit, donate_argnums=0)
-    def train_chunk(state, sums, images, labels, order, start, count, first_step=0, aug_key=None):
+    def train_chunk(
+        state, sums, images, labels, order, start, count, first_step=0, aug_key=None, cadence=None
+    ):
         run = functools.partial(
-            steps, images=images, labels=labels, start=start, count=count, first_step=first_step
+            steps,
+            images=images,
+            labels=labels,
+            start=start,
+            count=count,
+            first_step=first_step,
+            cadence=cadence,
         )
         return ensemble.in_passes(run, config, platform)(state, sums, order, aug_key)
 
@@ -700,6 +709,8 @@ def train_and_evaluate(
         train_chunk = make_train_chunk(graphdef, frozen, dataset.image_shape, mesh, schedule)
         zeros = zero_sums(model, frozen, dataset.image_shape, mesh)
         aug_key = input_pipeline.augment_key(config)
+        # Every call's last arguments: the augmentation's key, where rows end.
+        last = (aug_key, jax.device_put(schedule.cadence, parallel.replicated(mesh)))
         evaluations = Evaluations(run, model, optimizer, overlap=schedule.accelerated)
         # Its first programs compile on a thread while the set-up tables and extensions run.
         first_call = batches.first_call(start_step)
@@ -707,7 +718,7 @@ def train_and_evaluate(
             train_chunk,
             state,
             zeros,
-            aug_key,
+            last,
             first_call,
             model,
             optimizer,
@@ -752,7 +763,7 @@ def train_and_evaluate(
                 next_stop = schedule.next_stop(step, stop.steps_per_call, checkpoints)
                 # Each call: images, labels, order, first batch index, count, first step.
                 for call in batches.chunks(step, next_stop):
-                    state, writer.sums, rows = train_chunk(state, writer.sums, *call, aug_key)
+                    state, writer.sums, rows = train_chunk(state, writer.sums, *call, *last)
                     if (early := stop.early_step(batches.next, rows)) is not None:
                         next_stop = early  # a signal: saved at this step, a row's sums too
                         break

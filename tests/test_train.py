@@ -88,7 +88,8 @@ def test_fused_chunks_equal_one_step_per_call(real_dataset, quick_config, comput
     images, labels = device_data.train_images, device_data.train_labels
     rows = []
     for start, count in [(0, 5), (5, 1), (6, 6)]:  # chunks of 5, 1, 6 steps
-        state, sums, ended = chunk(state, sums, images, labels, order, start, count, start)
+        call = (images, labels, order, start, count, start, None, schedule.cadence)
+        state, sums, ended = chunk(state, sums, *call)
         ended = jax.device_get(ended)
         rows += [{k: v[..., j] for k, v in ended.items()} for j in range(count)]
     variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -126,6 +127,7 @@ def spans_logged(quick_config, real_dataset, tmp_path, platform: str) -> tuple[l
     zeros = train.zero_sums(model, task, (28, 28, 1), device_data.mesh)
     batches = device_batches.DeviceBatches(device_data, task)
     checkpoints = checkpoint.Checkpoints(tmp_path, max_to_keep=1)
+    cadence = jax.device_put(schedule.cadence, parallel.replicated(device_data.mesh))
     spans, step = 0, 0
     with metrics_writer.MetricsWriter(
         tmp_path, quick_config, 0, 128, checkpoints, 0.1, zeros=zeros, schedule=schedule
@@ -133,7 +135,7 @@ def spans_logged(quick_config, real_dataset, tmp_path, platform: str) -> tuple[l
         while step < quick_config.steps:
             stop = schedule.next_stop(step)
             for call in batches.chunks(step, stop):
-                state, writer.sums, rows = chunk(state, writer.sums, *call)
+                state, writer.sums, rows = chunk(state, writer.sums, *call, None, cadence)
             writer.write(stop, rows, 0.0)
             step, spans = stop, spans + 1
         writer.flush()

@@ -181,7 +181,7 @@ API: dict[str, tuple[str, ...]] = {
         "training_changes",
         "with_defaults",
     ),
-    "schedule": ("Schedule",),
+    "schedule": ("Schedule", "writes_row"),
     "startup": ("ACCELERATOR_FILES", "BEFORE_BACKEND_FLAGS", "begin", "without_ipython"),
     "stages": (
         "claim_workdir",

@@ -69,7 +69,7 @@ def start(
     train_chunk: Callable[..., Any],
     state: Any,
     sums: dict[str, jax.Array],
-    aug_key: jax.Array | None,
+    last: tuple[Any, ...],
     first_call: tuple[Any, ...] | None,
     model: nnx.Module,
     optimizer: nnx.Optimizer,
@@ -77,8 +77,8 @@ def start(
     also: Sequence[Callable[[], None]] = (),
 ) -> Compiling:
     """A thread compiling the chunk for `first_call`'s arguments (when they are known before
-    the loop), the finiteness check, the save's state copy and each of `also` (the
-    evaluation's). It compiles only, never runs: with several processes a run beside the main
+    the loop) and then `last`, the finiteness check, the save's state copy and each of `also`
+    (the evaluation's). It compiles only, never runs: with several processes a run beside the main
     thread's could interleave their collectives. `stop`: a `stopping.Stop` whose signal ends a
     wait for it."""
     params = nnx.state(model, nnx.Param)
@@ -89,7 +89,7 @@ def start(
         *also,
     ]
     if first_call is not None:
-        jobs.insert(0, lambda: train_chunk.lower(state, sums, *first_call, aug_key).compile())
+        jobs.insert(0, lambda: train_chunk.lower(state, sums, *first_call, *last).compile())
 
     def compile_first() -> None:  # each program on a thread of its own: XLA compiles apart
         for done in [in_background(job, "compile") for job in jobs]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import ml_collections
+import numpy as np
 
 from . import checkpoint as checkpoint_lib
 
@@ -20,7 +21,9 @@ class Schedule:
     On an accelerator (`platform` not "cpu") the device pipeline's calls run past logged steps,
     up to `ROWS_PER_CALL` of them, returning each one's row: its steps take microseconds, and
     a host stop at each logged step would leave the chip idle. Elsewhere the host stops at
-    each one. Equal schedules compile to one training chunk (they are hashable)."""
+    each one. Equal schedules compile to one training chunk (they are hashable); a chunk reads
+    the steps where rows end from `cadence`, an argument, so runs that differ only in
+    `steps`, `log_every` or `eval_every` share its compiled program too."""
 
     def __init__(
         self, config: ml_collections.ConfigDict, batches_per_epoch: int, platform: str = "cpu"
@@ -32,6 +35,8 @@ class Schedule:
         fused_device = config.fused_steps and config.input_pipeline == "device"
         self.accelerated = platform != "cpu" and fused_device
         self.rows_per_call = ROWS_PER_CALL if self.accelerated else 1
+        # What `writes_row` reads: a compiled chunk takes it as an argument.
+        self.cadence = np.array([config.log_every, self.eval_period, config.steps], np.int32)
 
     def _key(self) -> tuple[int, ...]:
         c = self.config
@@ -67,13 +72,6 @@ class Schedule:
             return save
         return nearest
 
-    def writes_row(self, step: Any) -> Any:
-        """Whether a row is logged at `step` (a logged or evaluated step): a Python int, or a
-        traced one inside a compiled chunk."""
-        c = self.config
-        every = (step % c.log_every == 0) | (step % self.eval_period == 0)
-        return every | (step == 1) | (step == c.steps)
-
     def row_steps(self, after: int, step: int) -> list[int]:
         """The steps after `after`, up to `step`, at which rows are logged."""
         c = self.config
@@ -102,3 +100,11 @@ class Schedule:
             "batch_size": self.config.batch_size,
             "seed": self.config.seed,
         }
+
+
+def writes_row(step: Any, cadence: Any) -> Any:
+    """Whether a row is logged at `step` under a schedule's `cadence` (log_every, the
+    evaluation period, steps): Python ints or NumPy values, or traced ones in a chunk."""
+    log_every, eval_period, steps = cadence[0], cadence[1], cadence[2]
+    every = (step % log_every == 0) | (step % eval_period == 0)
+    return every | (step == 1) | (step == steps)
