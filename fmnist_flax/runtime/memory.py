@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from . import ema, ensemble, grain_pipeline, parallel
+from . import ema, ensemble, grain_pipeline, parallel, registry
 from .errors import UserError
 
 if TYPE_CHECKING:  # data_files imports inference, which sizes predict's images here
@@ -176,6 +176,26 @@ def tree_bytes(tree: Any) -> int:
 
 PROBE_MEMBERS = 8  # members an evaluation call is compiled for to size one member's share
 
+# Sizes worked out by tracing, kept for later runs of this process with the same config, data
+# shapes, functions and registered entries (a sweep or a test suite runs many).
+_SIZES: dict[tuple, tuple[int, list]] = {}
+
+
+def _remembered(config: ml_collections.ConfigDict, key: tuple, size: Callable[[], int]) -> int:
+    """`size()`, or what it gave before for `key` with this config and the same registered
+    entries seen by its run (a config that cannot be hashed: worked out each time)."""
+    entries = registry.seen_by(config.imports)
+    key = (ml_collections.FrozenConfigDict(config), *key, *(id(e) for *_, e in entries))
+    try:
+        hash(key)
+    except TypeError:
+        return size()
+    if key not in _SIZES:
+        if len(_SIZES) >= 64:
+            _SIZES.clear()
+        _SIZES[key] = size(), entries  # the entries kept alive: their ids stay theirs
+    return _SIZES[key][0]
+
 
 def abstract_state(
     config: ml_collections.ConfigDict,
@@ -210,6 +230,31 @@ def member_bytes(
     copy of state and optimizer a checkpoint writes while training goes on (in the same memory
     on a CPU); for an ensemble also a member's share of an evaluation call
     (`evaluate_batches` over `examples_per_call`), which runs every member at once."""
+    key = ("members", image_shape, num_classes, saved_copy, abstract_state, evaluate_batches)
+    return _remembered(
+        config,
+        (*key, examples_per_call),
+        lambda: _member_bytes(
+            config,
+            image_shape,
+            num_classes,
+            saved_copy,
+            abstract_state,
+            evaluate_batches,
+            examples_per_call,
+        ),
+    )
+
+
+def _member_bytes(
+    config: ml_collections.ConfigDict,
+    image_shape: tuple[int, int, int],
+    num_classes: int,
+    saved_copy: bool,
+    abstract_state: Callable[..., tuple[nnx.Module, nnx.Optimizer]],
+    evaluate_batches: Callable[..., Any],
+    examples_per_call: int,
+) -> int:
     model, optimizer = abstract_state(config, image_shape, num_classes)
     state = tree_bytes(nnx.state(model)) + tree_bytes(nnx.state(optimizer, nnx.OptState))
     held = state * (1 + saved_copy) + tree_bytes(nnx.state(model, nnx.Param))
@@ -389,8 +434,8 @@ def step_bytes(
     temporaries. Every value the step's program computes, summed, when that is within `usable`
     (a generous bound: far fewer are alive at once); else XLA's memory analysis of the step
     compiled, not run, for abstract arrays (no analysis: the batch alone). `abstract_state`:
-    (config, image_shape, num_classes) -> the model and optimizer as shapes."""
-    graphdef, state = nnx.split(abstract_state(config, image_shape, num_classes))
+    (config, image_shape, num_classes) -> the model and optimizer as shapes. The bound is
+    traced once per config in a process."""
     frozen = ml_collections.FrozenConfigDict(config)
     accumulate = config.optimizer.accumulate
     lead = (accumulate, batch) if accumulate > 1 else (batch,)
@@ -398,16 +443,26 @@ def step_bytes(
         jax.ShapeDtypeStruct((*lead, *image_shape), jnp.float32),
         jax.ShapeDtypeStruct(lead, jnp.int32),
     )
-
-    def step(state, x, y):
-        model, optimizer = nnx.merge(graphdef, state)
-        metrics = train_step(model, optimizer, x, y, frozen)
-        return metrics, nnx.state((model, optimizer))
-
     held = tree_bytes(inputs)
-    bound = held + values_bytes(jax.make_jaxpr(step)(state, *inputs).jaxpr)
-    if bound <= usable:
-        return bound
+
+    def abstract_step() -> tuple[Callable[..., Any], Any]:
+        graphdef, state = nnx.split(abstract_state(config, image_shape, num_classes))
+
+        def step(state, x, y):
+            model, optimizer = nnx.merge(graphdef, state)
+            metrics = train_step(model, optimizer, x, y, frozen)
+            return metrics, nnx.state((model, optimizer))
+
+        return step, state
+
+    def bound() -> int:
+        step, state = abstract_step()
+        return held + values_bytes(jax.make_jaxpr(step)(state, *inputs).jaxpr)
+
+    key = ("step", image_shape, num_classes, batch, train_step, abstract_state)
+    if (generous := _remembered(config, key, bound)) <= usable:
+        return generous
+    step, state = abstract_step()
     analysis = jax.jit(step, donate_argnums=0).lower(state, *inputs).compile().memory_analysis()
     return held + (analysis.temp_size_in_bytes if analysis else 0)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,18 @@ from . import plugins
 from .errors import UserError
 
 BUILT_IN = None  # the owner of the entries a registry is made with
+_EVERY: list[weakref.ref[Registry]] = []  # every registry made
+
+
+def seen_by(imports: Sequence[str] = ()) -> list[tuple[str, str, Any]]:
+    """(registry, name, entry) for every entry of every registry that a run whose
+    config.imports is `imports` sees: what a value worked out from them depends on."""
+    return [
+        (table.what, name, entry)
+        for table in (ref() for ref in list(_EVERY))
+        if table is not None
+        for name, entry in table.active(imports).items()
+    ]
 
 
 class Registry(Mapping):
@@ -39,6 +52,7 @@ class Registry(Mapping):
         self, what: str, entries: dict[str, Any] | None = None, extras: tuple[str, ...] = ()
     ):
         self.what, self.extras = what, extras
+        _EVERY.append(weakref.ref(self))
         self.owned: dict[str, dict[str | None, Any]] = {
             name: {BUILT_IN: entry} for name, entry in (entries or {}).items()
         }

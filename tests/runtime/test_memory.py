@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, load_config
 from flax import nnx
 
-from fmnist_flax import experiment, train
+from fmnist_flax import experiment, task, train
 from fmnist_flax.model import create_model
 from fmnist_flax.runtime import grain_pipeline, parallel
 from fmnist_flax.runtime import memory as memory_lib
@@ -126,6 +126,31 @@ def test_a_training_step_whose_activations_cannot_fit_is_one_line_naming_the_bat
     assert "besides 300.0 MiB for the model, on the host, which has 4.00 GiB available (a " in line
     fit = int(re.search(r"use at most about --batch_size=([\d,]+)$", line)[1].replace(",", ""))
     assert 10_000 < fit < 20_000 and "\n" not in line
+
+
+@pytest.mark.usefixtures("registries")
+def test_a_step_is_traced_once_per_config_and_again_when_an_entry_it_sees_is_added(quick_config):
+    """The step's bound is traced once for a config in a process (the next run with it reads
+    the size kept), and again for another config or once a registry gains an entry the run
+    sees: a loss term then changes the step."""
+    traced = []
+
+    def counted(model, optimizer, x, y, config):
+        traced.append(config.batch_size)
+        return train.train_step(model, optimizer, x, y, config)
+
+    def size():
+        step = functools.partial(
+            memory_lib.step_bytes, train_step=counted, abstract_state=experiment.abstract_state
+        )
+        return step(quick_config, (28, 28, 1), 10, quick_config.batch_size, 2**40)
+
+    first = size()
+    assert size() == first and len(traced) == 1
+    quick_config.batch_size *= 2
+    assert size() > first and len(traced) == 2
+    task.LOSS_TERMS["doubled_loss"] = lambda logits, labels, config: 2 * logits.mean(-1)
+    assert size() > 0 and len(traced) == 3
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "configs").glob("*.py")))
