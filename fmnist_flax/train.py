@@ -54,7 +54,7 @@ from fmnist_flax.runtime import workdir as workdir_lib
 from fmnist_flax.runtime.ensemble import Ensemble
 from fmnist_flax.runtime.errors import UserError
 from fmnist_flax.runtime.registry import Registry
-from fmnist_flax.runtime.schedule import Schedule, writes_row
+from fmnist_flax.runtime.schedule import Schedule, next_row, row_phase
 
 Metrics = dict[str, jax.Array]
 Config = ml_collections.FrozenConfigDict  # hashable: what the compiled steps are built for
@@ -254,7 +254,7 @@ def chunk_steps(
     when asked) on the device. Augmentation draws from `fold_in(aug_key, step)`, so a resumed
     run repeats it.
 
-    Each step where a row is written (`schedule.writes_row` of the `cadence`, the schedule's)
+    Each step where a row is written (`next_row` of the `cadence`, the schedule's)
     ends one: its sums and gradient norm go to the next slot of the returned rows (a last
     axis of `schedule.rows_per_call`) and the sums start again from zero. With no schedule, a
     row ends at the call's last step."""
@@ -268,7 +268,7 @@ def chunk_steps(
 
     def steps(state, sums, order, aug_key, *, images, labels, start, count, first_step, cadence):
         def body(i, carry):
-            state, sums, rows, slot = carry
+            state, sums, rows, slot, phase = carry
             model, opt = nnx.merge(graphdef, state)
 
             def batch(order, aug_key):
@@ -292,8 +292,10 @@ def chunk_steps(
                 return x, y
 
             x, y = ensemble.batch_for(batch, order, aug_key)
-            step = first_step + i + 1
-            ends_row = i == count - 1 if schedule is None else writes_row(step, cadence)
+            if schedule is None:
+                ends_row = i == count - 1
+            else:
+                ends_row, phase = next_row(first_step + i + 1, phase, cadence)
             # Only a row's last step computes the gradient norm (a further pass over every
             # gradient, which small batches feel).
             metrics = step_fn(model, opt, x, y, config, ends_row if fused else True)
@@ -304,13 +306,14 @@ def chunk_steps(
             )
             sums = jax.tree.map(lambda total: jnp.where(ends_row, 0, total), sums)
             state = nnx.to_pure_dict(nnx.state((model, opt)))
-            return state, sums, rows, slot + ends_row
+            return state, sums, rows, slot + ends_row, phase
 
         shapes = sums | {"grad_norm": sums["loss"]}  # every row value has a metric's shape
         rows = jax.tree.map(lambda s: jnp.zeros((*s.shape, slots), jnp.float32), shapes)
-        carry = (state, sums, rows, jnp.int32(0))
+        phase = jnp.zeros(2, jnp.int32) if schedule is None else row_phase(first_step, cadence)
+        carry = (state, sums, rows, jnp.int32(0), phase)
         # Without config.fused_steps exactly one step, no loop around it.
-        state, sums, rows, _ = (
+        state, sums, rows, *_ = (
             body(0, carry) if not fused else jax.lax.fori_loop(0, count, body, carry)
         )
         return state, sums, rows

@@ -181,7 +181,7 @@ API: dict[str, tuple[str, ...]] = {
         "training_changes",
         "with_defaults",
     ),
-    "schedule": ("Schedule", "writes_row"),
+    "schedule": ("Schedule", "next_row", "row_phase"),
     "startup": ("ACCELERATOR_FILES", "BEFORE_BACKEND_FLAGS", "begin", "without_ipython"),
     "stages": (
         "claim_workdir",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -35,7 +36,7 @@ class Schedule:
         fused_device = config.fused_steps and config.input_pipeline == "device"
         self.accelerated = platform != "cpu" and fused_device
         self.rows_per_call = ROWS_PER_CALL if self.accelerated else 1
-        # What `writes_row` reads: a compiled chunk takes it as an argument.
+        # What `next_row` reads: a compiled chunk takes it as an argument.
         self.cadence = np.array([config.log_every, self.eval_period, config.steps], np.int32)
 
     def _key(self) -> tuple[int, ...]:
@@ -102,9 +103,16 @@ class Schedule:
         }
 
 
-def writes_row(step: Any, cadence: Any) -> Any:
-    """Whether a row is logged at `step` under a schedule's `cadence` (log_every, the
-    evaluation period, steps): Python ints or NumPy values, or traced ones in a chunk."""
-    log_every, eval_period, steps = cadence[0], cadence[1], cadence[2]
-    every = (step % log_every == 0) | (step % eval_period == 0)
-    return every | (step == 1) | (step == steps)
+def row_phase(step: Any, cadence: Any) -> Any:
+    """Where `step` stands in the log and evaluation periods of a schedule's `cadence`
+    (log_every, the evaluation period, steps): what `next_row` counts on from, step by step,
+    inside a compiled chunk (a division there at every step slowed a TPU's loop)."""
+    return jnp.stack([step % cadence[0], step % cadence[1]])
+
+
+def next_row(step: Any, phase: Any, cadence: Any) -> tuple[Any, Any]:
+    """Whether a row is logged at `step` (a logged or evaluated step, the first, the last),
+    where `phase` is the `row_phase` of the step before; and the phase of `step`."""
+    phase = phase + 1
+    ends = phase == cadence[:2]
+    return ends.any() | (step == 1) | (step == cadence[2]), jnp.where(ends, 0, phase)
