@@ -16,6 +16,7 @@ import pathlib
 import re
 import runpy
 import select
+import shutil
 import signal
 import struct
 import subprocess
@@ -148,7 +149,7 @@ class MainServer:
 
     def __init__(self, python: pathlib.Path, root: pathlib.Path, env: dict[str, str]):
         self.env = env
-        directory = pathlib.Path(tempfile.mkdtemp(prefix="main-server-"))
+        self.directory = directory = pathlib.Path(tempfile.mkdtemp(prefix="main-server-"))
         self.path = str(directory / "socket")
         preload = "template" if root == REPO else "libraries"
         with open(directory / "log", "w") as log:  # not this process's stderr, held open
@@ -163,7 +164,13 @@ class MainServer:
             )
         ready = self.process.stdout.readline()
         assert ready == "ready\n", (directory / "log").read_text()[-3000:]
-        atexit.register(self.process.kill)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop the server and remove its socket and log."""
+        self.process.kill()
+        self.process.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
     @staticmethod
     def stable(env: dict[str, str]) -> dict[str, str]:
@@ -185,9 +192,7 @@ class MainServer:
     def stop(cls, root: pathlib.Path) -> None:
         """Stop the servers of the project at `root`."""
         for key in [key for key in cls._running if key[0] == root]:
-            server = cls._running.pop(key)
-            server.process.kill()
-            server.process.wait()
+            cls._running.pop(key).close()
 
     def start(self, argv: list[str], cwd, stdout: int | None) -> ServedProcess:
         """One command, not waited for, as `subprocess.Popen(..., stdin=DEVNULL,
