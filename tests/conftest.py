@@ -40,28 +40,29 @@ HELP_FLAG = re.compile(r"^  --([\w.]+)", re.M)  # a flag `main.py --help` lists
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """JAX's persistent compilation cache, in pytest's cache directory: a second run of the
-    tests compiles little (much of the fast tier's time is compiling; from an empty cache it
-    takes as long as without one). `--cache-clear` empties it; tests' own `main.py` processes
-    keep their own --compilation_cache."""
-    if getattr(config, "cache", None) is None:  # -p no:cacheprovider
-        return
+    """JAX's persistent compilation cache, the one `main.py` keeps by default: the tests'
+    programs and those of the `main.py` runs they start are the same entries (JAX's key holds
+    the cache's directory), and a second run of the tests compiles little (much of the fast
+    tier's time is compiling). Delete that directory to time them from an empty cache."""
     if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
         return  # xdist's controller: its workers run the tests (and import JAX)
-    use_compilation_cache(config.cache.mkdir("jax"))
+    use_compilation_cache(compilation_cache_dir())
+
+
+def compilation_cache_dir() -> pathlib.Path:
+    """`main.py`'s default --compilation_cache."""
+    from fmnist_flax.runtime import data_files
+
+    return data_files.CACHE_ROOT / "jax"
 
 
 def use_compilation_cache(directory: pathlib.Path) -> None:
-    """Every compiled program kept in `directory`, shared by the test workers and the test
-    processes that call this (mesh_worker.py)."""
-    import jax
-
+    """Every compiled program kept in `directory`, shared by the test workers, the test
+    processes that call this (mesh_worker.py) and `main.py`'s runs; each entry is written whole
+    before another process can read it (`compilation_cache.write_whole`)."""
     from fmnist_flax.runtime import compilation_cache
 
     compilation_cache.use(directory)
-    # A size limit turns on JAX's file lock (the filelock package): no process reads an entry
-    # another is still writing. Least recently used entries go past it.
-    jax.config.update("jax_compilation_cache_max_size", 2**30)
 
 
 @pytest.fixture(scope="session", autouse=True)

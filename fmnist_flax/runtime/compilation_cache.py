@@ -4,7 +4,9 @@ programs that are cheap to run.
 JAX writes an entry in place. A disk that fills or a process killed while writing leaves it
 cut short, and JAX then warns and compiles that program again in every later run, never
 rewriting the entry. Here the entry is deleted when JAX reports it, so the compile that
-follows saves it whole; a run says one line about the first fault.
+follows saves it whole; a run says one line about the first fault. An entry is also written
+to a file of its own first and renamed into place (`write_whole`): another run reading the
+cache meanwhile finds it whole or not at all.
 
 JAX's file lock (`jax_compilation_cache_max_size`) is left off: with it, every write reads the
 size and access time of every entry (O(entries), under the lock), and fails outright on a
@@ -15,11 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import os
 import pathlib
 import re
+import threading
 import warnings
 
 import jax
+from jax._src import lru_cache
 
 from .errors import UserError, not_a_directory, warning_line
 
@@ -47,6 +52,7 @@ def use(directory: str | pathlib.Path) -> None:
         )
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    write_whole()
     shown = warnings.showwarning
     said = False
 
@@ -65,6 +71,36 @@ def use(directory: str | pathlib.Path) -> None:
             warning_line(fault_line(kind, directory, why[:200]))
 
     warnings.showwarning = showwarning
+
+
+def write_whole() -> None:
+    """Have JAX write each entry of a local cache without a size limit (which takes JAX's file
+    lock instead) to a file of its own, renamed into place when complete; one that fails is
+    removed. Written in place (jax 0.10.2), an entry another process was still writing read
+    as damaged: deleted and compiled again, with a warning."""
+    put = lru_cache.LRUCache.put
+    if getattr(put, "writes_whole", False):
+        return
+
+    def put_whole(cache: lru_cache.LRUCache, key: str, value: bytes) -> None:
+        if cache.eviction_enabled or not key or not lru_cache._is_local_filesystem(str(cache.path)):
+            return put(cache, key, value)
+        path = os.path.join(cache.path, f"{key}{lru_cache._CACHE_SUFFIX}")
+        if os.path.exists(path):
+            return None
+        part = os.path.join(cache.path, f".{key}.{os.getpid()}.{threading.get_ident()}.part")
+        try:
+            with open(part, "wb") as file:
+                file.write(value)
+            os.replace(part, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(part)
+            raise
+        return None
+
+    put_whole.writes_whole = True
+    lru_cache.LRUCache.put = put_whole
 
 
 def drop(directory: pathlib.Path, name: str) -> None:

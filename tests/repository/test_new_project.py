@@ -120,11 +120,10 @@ def test_a_new_project_installs_beside_the_runtime_and_trains_evaluates_predicts
         str(root / "myproj/__init__.py"),
         str(REPO / "fmnist_flax/runtime/__init__.py"),
     ]
-    # With the guide's recipes applied, its own fast tests pass in one process, sharing this
-    # run's compilation cache (that a plug-in touches only the runs that import it is one of
-    # them: test_experiment.py).
+    # With the guide's recipes applied, its own fast tests pass in one process (that a
+    # plug-in touches only the runs that import it is one of them: test_experiment.py).
     apply_the_guide(root, "myproj")
-    tier = run(*FAST_TIER, "-o", f"cache_dir={REPO / '.pytest_cache'}")
+    tier = run(*FAST_TIER)
     assert re.search(r"\d+ passed", tier.stdout) and " failed" not in tier.stdout
     work = root / "runs" / "w"
     trained = run("main.py", "--steps=50", "--log_every=25", "--report=none", f"--workdir={work}")

@@ -463,15 +463,14 @@ def test_deleting_the_demonstrations_leaves_a_working_trainer(tmp_path):
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().startswith("error: ") and len(refused.stderr.splitlines()) == 1
     assert "the benchmark was removed" in refused.stderr
-    # The copy's tests: all collect; the docs' and the command line's fast ones pass, sharing
-    # this run's compilation cache.
-    cache = ("-o", f"cache_dir={REPO / '.pytest_cache'}", "-p", "no:randomly")
-    collected = isolated(root, "-m", "pytest", "-q", "--collect-only", *cache)
+    # The copy's tests: all collect; the docs' and the command line's fast ones pass.
+    options = ("-p", "no:randomly")
+    collected = isolated(root, "-m", "pytest", "-q", "--collect-only", *options)
     assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-2000:]
     assert "tests/codelab" not in collected.stdout
     assert re.search(r"\d+ tests collected", collected.stdout)
     tests = ("tests/repository/test_docs.py", "tests/test_cli.py")
-    tier = isolated(root, "-m", "pytest", "-q", "-m", "not slow", "-n", "0", *cache, *tests)
+    tier = isolated(root, "-m", "pytest", "-q", "-m", "not slow", "-n", "0", *options, *tests)
     assert tier.returncode == 0, tier.stdout[-3000:] + tier.stderr[-2000:]
     assert re.search(r"\d+ passed", tier.stdout) and " failed" not in tier.stdout
 
@@ -583,7 +582,7 @@ def test_the_update_hook_and_ema_recipes(project, jax_only):
 
 @pytest.mark.slow
 def test_the_model_parallel_recipe_trains_like_one_device_and_moves_between_meshes(
-    project, monkeypatch, tmp_path, pytestconfig
+    project, monkeypatch, tmp_path
 ):
     """The guide's patch model on 8 CPU devices as it says, then mesh_worker.py's runs of it
     in the same copy: (data 2, model 4) within 1e-5 of one device over 50 steps (and 10 more
@@ -602,7 +601,6 @@ def test_the_model_parallel_recipe_trains_like_one_device_and_moves_between_mesh
     assert json.loads((root / "runs/patches-eval.json").read_text())["test_examples"] == 10_000
     result = model_parallel_worker(
         tmp_path / "worker",
-        pytestconfig,
         "patches",
         project=root,
         config_file=root / "configs" / "patches.py",

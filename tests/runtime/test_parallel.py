@@ -14,7 +14,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import EVERY_DUE_SAVE, REPO, MainServer, load_config
+from conftest import EVERY_DUE_SAVE, REPO, MainServer, compilation_cache_dir, load_config
 from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
@@ -54,8 +54,8 @@ def main_py(*flags: str, devices: int = 1, timeout: int = 120) -> subprocess.Com
 
 
 @pytest.mark.slow
-def test_eight_devices_train_like_one_and_arrays_are_really_sharded(tmp_path, pytestconfig):
-    cache = pytestconfig.cache.mkdir("jax")
+def test_eight_devices_train_like_one_and_arrays_are_really_sharded(tmp_path):
+    cache = compilation_cache_dir()
     worker = subprocess.run(
         [sys.executable, str(MESH_WORKER), str(tmp_path), str(cache)],
         env={**env_with_devices(8), "PYTHONPATH": str(REPO / "tests")},
@@ -109,10 +109,10 @@ MODEL_PARALLEL_LAYOUTS = {
 }
 
 
-def model_parallel_worker(tmp_path, pytestconfig, name, *, project=REPO, config_file=None):
+def model_parallel_worker(tmp_path, name, *, project=REPO, config_file=None):
     """mesh_worker.py's model-parallel runs of `name` (from `config_file`, in the project at
     `project`) on 8 devices: its JSON results."""
-    cache = pytestconfig.cache.mkdir("jax")
+    cache = compilation_cache_dir()
     worker = subprocess.run(
         [
             sys.executable,
@@ -157,13 +157,11 @@ def assert_model_parallel(r: dict, name: str, layouts: dict[str, str]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
-def test_model_parallel_trains_like_one_device_and_moves_between_meshes(
-    tmp_path, pytestconfig, name
-):
+def test_model_parallel_trains_like_one_device_and_moves_between_meshes(tmp_path, name):
     """The annotated MLP and CNN on 8 devices split (data, model): the losses of one device;
     the checkpoint restores, evaluates, predicts and exports on one device and resumes on
     another split; a one-device checkpoint restores onto the split mesh."""
-    result = model_parallel_worker(tmp_path, pytestconfig, name)
+    result = model_parallel_worker(tmp_path, name)
     assert_model_parallel(result, name, MODEL_PARALLEL_LAYOUTS[name])
 
 
