@@ -84,10 +84,11 @@ def write_whole() -> None:
 
     def put_whole(cache: lru_cache.LRUCache, key: str, value: bytes) -> None:
         if cache.eviction_enabled or not key or not lru_cache._is_local_filesystem(str(cache.path)):
-            return put(cache, key, value)
+            put(cache, key, value)
+            return
         path = os.path.join(cache.path, f"{key}{lru_cache._CACHE_SUFFIX}")
         if os.path.exists(path):
-            return None
+            return
         part = os.path.join(cache.path, f".{key}.{os.getpid()}.{threading.get_ident()}.part")
         try:
             with open(part, "wb") as file:
@@ -97,7 +98,6 @@ def write_whole() -> None:
             with contextlib.suppress(OSError):
                 os.unlink(part)
             raise
-        return None
 
     put_whole.writes_whole = True
     lru_cache.LRUCache.put = put_whole

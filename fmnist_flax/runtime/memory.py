@@ -230,20 +230,15 @@ def member_bytes(
     copy of state and optimizer a checkpoint writes while training goes on (in the same memory
     on a CPU); for an ensemble also a member's share of an evaluation call
     (`evaluate_batches` over `examples_per_call`), which runs every member at once."""
-    key = ("members", image_shape, num_classes, saved_copy, abstract_state, evaluate_batches)
-    return _remembered(
-        config,
-        (*key, examples_per_call),
-        lambda: _member_bytes(
-            config,
-            image_shape,
-            num_classes,
-            saved_copy,
-            abstract_state,
-            evaluate_batches,
-            examples_per_call,
-        ),
+    args = (
+        image_shape,
+        num_classes,
+        saved_copy,
+        abstract_state,
+        evaluate_batches,
+        examples_per_call,
     )
+    return _remembered(config, ("members", *args), lambda: _member_bytes(config, *args))
 
 
 def _member_bytes(
